@@ -1,0 +1,318 @@
+"""What the machine (or a --sysroot snapshot of it) offers: CPUs, cores, sockets, NUMA nodes, cpuset, quota, ISA.
+
+Facts only, no policy: the planner decides what to use. Reads the same files as `lscpu --sysroot` plus the
+process's own limits (/proc/self/status, cgroup v1/v2). `SOURCES` lists every path read, so `snapshot` can copy
+exactly those.
+"""
+
+from __future__ import annotations
+
+import re
+import tarfile
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from . import cpulist
+from .errors import TopologyError
+from .spec import ISA_FLAGS
+
+CPU_DIR = "sys/devices/system/cpu"
+NODE_DIR = "sys/devices/system/node"
+CGROUP = "sys/fs/cgroup"
+TOPOLOGY_FILES = ("core_id", "physical_package_id", "thread_siblings_list")
+ISA_OF_INTEREST = ISA_FLAGS
+
+
+@dataclass(frozen=True, slots=True)
+class Cpu:
+    id: int
+    socket: int
+    node: int
+    core: tuple[int, ...]  # all SMT siblings of this CPU's physical core (incl. itself): the core's identity
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    id: int
+    cpus: tuple[int, ...]  # online CPUs; () for a memory-only node (CXL, HBM-only)
+    memory_bytes: int
+    distances: tuple[int, ...] = ()  # SLIT row, indexed like `Topology.nodes` ids order
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    cpus: tuple[Cpu, ...]  # online CPUs, sorted by id
+    offline: tuple[int, ...]
+    nodes: tuple[Node, ...]
+    allowed_cpus: tuple[int, ...]  # this process may run on (affinity ∩ cgroup cpuset)
+    allowed_mems: tuple[int, ...]
+    quota_cpus: float | None  # CFS quota / period, None when unlimited
+    memory_limit_bytes: int | None  # cgroup memory limit, None when unlimited
+    isa: tuple[str, ...]  # flags of interest present on the CPUs
+    cpu_model: str
+    source: str  # "/" (live), a sysroot path, or "inline"
+
+    @property
+    def isa_tier(self) -> str:
+        f = set(self.isa)
+        if {"amx_tile", "amx_bf16"} <= f:
+            return "amx"
+        if "avx512_bf16" in f:
+            return "avx512_bf16"
+        if {"avx512f", "avx512bw", "avx512vl"} <= f:
+            return "avx512"
+        return "avx2" if "avx2" in f else "baseline"
+
+    @property
+    def has_bf16(self) -> bool:
+        return self.isa_tier in ("amx", "avx512_bf16")
+
+    def cpu(self, cpu_id: int) -> Cpu:
+        for c in self.cpus:
+            if c.id == cpu_id:
+                return c
+        raise KeyError(cpu_id)
+
+    def node(self, node_id: int) -> Node:
+        for n in self.nodes:
+            if n.id == node_id:
+                return n
+        raise KeyError(node_id)
+
+    @property
+    def sockets(self) -> tuple[int, ...]:
+        return tuple(sorted({c.socket for c in self.cpus}))
+
+    @property
+    def threads_per_core(self) -> int:
+        return max((len(c.core) for c in self.cpus), default=1)
+
+
+def read(sysroot: str | Path = "/") -> Topology:
+    """Read the live host (sysroot '/') or a snapshot directory with the same relative paths."""
+    return read_with_sources(sysroot)[0]
+
+
+def read_with_sources(sysroot: str | Path = "/") -> tuple[Topology, tuple[str, ...]]:
+    """Like read(), also returning every relative path that was read or probed (what a snapshot must copy).
+    `sysroot` may also be a snapshot archive (.tar, .tar.gz, .tgz) as written by `topology snapshot`."""
+    if Path(sysroot).is_file():
+        with tempfile.TemporaryDirectory(prefix="deploykit-sysroot-") as tmp:
+            _extract(Path(sysroot), Path(tmp))
+            topo, seen = read_with_sources(tmp)
+            return replace(topo, source=str(sysroot)), seen
+    root = Path(sysroot)
+    if not (root / CPU_DIR).is_dir() and not (root / "proc/cpuinfo").is_file():
+        raise TopologyError("not a sysroot: neither sys/devices/system/cpu nor proc/cpuinfo exists", path=str(root),
+                            hint="make one with `deploykit topology snapshot DIR` on the machine to describe")
+    r = _Reader(root)
+    online = r.cpus(f"{CPU_DIR}/online")
+    if online is None:
+        online = tuple(int(m) for m in re.findall(r"^processor\s*:\s*(\d+)", r.text("proc/cpuinfo") or "", re.M))
+    if not online:
+        raise TopologyError("no online CPUs found", path=f"{root / CPU_DIR}/online")
+    present = r.cpus(f"{CPU_DIR}/present") or online
+    offline = tuple(sorted((set(present) | set(r.cpus(f"{CPU_DIR}/offline") or ())) - set(online)))
+
+    nodes = _nodes(r, online)
+    node_of = {c: n.id for n in nodes for c in n.cpus}
+    on = set(online)
+    raw = []
+    for cid in online:
+        base = f"{CPU_DIR}/cpu{cid}/topology"
+        socket = max(r.int(f"{base}/physical_package_id", 0), 0)
+        siblings = r.cpus(f"{base}/thread_siblings_list")
+        raw.append((cid, socket, siblings, None if siblings else r.int(f"{base}/core_id", -1)))
+    by_core_id: dict[tuple[int, int], list[int]] = {}
+    for cid, socket, siblings, core_id in raw:
+        if not siblings and core_id is not None and core_id >= 0:
+            by_core_id.setdefault((socket, core_id), []).append(cid)
+    cpus = []
+    for cid, socket, siblings, core_id in raw:
+        if siblings:
+            core = tuple(s for s in siblings if s in on) or (cid,)
+        else:  # old kernels / partial snapshots: siblings are the CPUs sharing (socket, core_id)
+            core = tuple(by_core_id.get((socket, core_id if core_id is not None else -1), [cid]))
+        cpus.append(Cpu(cid, socket, node_of.get(cid, nodes[0].id), core))
+
+    allowed = set(online)
+    status = r.text("proc/self/status") or ""
+    m = re.search(r"^Cpus_allowed_list:\s*(\S+)", status, re.M)
+    if m:
+        allowed &= set(cpulist.parse(m.group(1)))
+    cg_cpus, cg_mems, quota, mem_limit = _cgroup(r)
+    if cg_cpus is not None:
+        allowed &= set(cg_cpus)
+    mems = {n.id for n in nodes if n.memory_bytes > 0}
+    m = re.search(r"^Mems_allowed_list:\s*(\S+)", status, re.M)
+    if m:
+        mems &= set(cpulist.parse(m.group(1)))
+    if cg_mems is not None:
+        mems &= set(cg_mems)
+    if not allowed:
+        raise TopologyError("this process may run on no online CPU (cpuset and affinity do not intersect the "
+                            "online CPUs)", path=str(root))
+
+    flags = set((re.search(r"^flags\s*:(.*)$", r.text("proc/cpuinfo") or "", re.M) or _EMPTY).group(1).split())
+    model = (re.search(r"^model name\s*:\s*(.*)$", r.text("proc/cpuinfo") or "", re.M) or _EMPTY).group(1)
+    topo = Topology(cpus=tuple(cpus), offline=offline, nodes=nodes, allowed_cpus=tuple(sorted(allowed)),
+                    allowed_mems=tuple(sorted(mems)), quota_cpus=quota, memory_limit_bytes=mem_limit,
+                    isa=tuple(f for f in ISA_OF_INTEREST if f in flags), cpu_model=model.strip(),
+                    source=str(root))
+    return topo, tuple(sorted(r.seen))
+
+
+def _extract(archive: Path, dest: Path) -> None:
+    try:
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers() if m.isfile() or m.isdir()]  # no links, devices
+            tar.extractall(dest, members=members, filter="data")
+    except (tarfile.TarError, OSError) as e:
+        raise TopologyError(f"cannot read snapshot archive: {e}", path=str(archive),
+                            hint="pass a directory or a .tar.gz written by `deploykit topology snapshot`") from None
+
+
+class _NoMatch:
+    def group(self, _: int) -> str:
+        return ""
+
+
+_EMPTY = _NoMatch()
+
+
+def _nodes(r: _Reader, online: tuple[int, ...]) -> tuple[Node, ...]:
+    total = _kib(r.text("proc/meminfo"), "MemTotal") or 0
+    ids = r.cpus(f"{NODE_DIR}/online")
+    if ids is None:  # no NUMA support compiled in, or a snapshot without it: one node with everything
+        return (Node(0, online, total),)
+    nodes = []
+    for nid in ids:
+        cpus = tuple(c for c in (r.cpus(f"{NODE_DIR}/node{nid}/cpulist") or ()) if c in set(online))
+        mem = _kib(r.text(f"{NODE_DIR}/node{nid}/meminfo"), f"Node {nid} MemTotal") or 0
+        dist = tuple(int(x) for x in (r.text(f"{NODE_DIR}/node{nid}/distance") or "").split())
+        nodes.append(Node(nid, cpus, mem, dist))
+    with_mem = [n for n in nodes if n.memory_bytes]
+    if len(with_mem) <= 1 and total:
+        # One memory node owns all memory; some VMs (hot-plugged memory) under-report it in nodeN/meminfo.
+        nodes = [Node(n.id, n.cpus, max(n.memory_bytes, total), n.distances)
+                 if (n in with_mem or not with_mem) else n for n in nodes]
+    orphans = set(online) - {c for n in nodes for c in n.cpus}
+    if orphans and nodes:  # CPUs no node claims (odd firmware): attach to the first node rather than lose them
+        first = nodes[0]
+        nodes[0] = Node(first.id, tuple(sorted(set(first.cpus) | orphans)), first.memory_bytes, first.distances)
+    return tuple(nodes)
+
+
+def _kib(text: str | None, key: str) -> int | None:
+    m = re.search(rf"^{re.escape(key)}:\s*(\d+)\s*kB", text or "", re.M)
+    return int(m.group(1)) * 1024 if m else None
+
+
+def _cgroup(r: _Reader) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None, float | None, int | None]:
+    """(cpuset cpus, cpuset mems, quota in CPUs, memory limit) from cgroup v2 or v1; None where unlimited."""
+    v1: dict[str, str] = {}
+    v2 = None
+    for line in (r.text("proc/self/cgroup") or "").splitlines():
+        hid, _, rest = line.partition(":")
+        ctrls, _, path = rest.partition(":")
+        if hid == "0" and ctrls == "":
+            v2 = path
+        for c in ctrls.split(","):
+            if c:
+                v1[c] = path
+    if (r.exists(f"{CGROUP}/cgroup.controllers")) and v2 is not None:
+        dirs = _ancestors(r, CGROUP, v2)
+        cpus = _first(r.cpus(f"{d}/cpuset.cpus.effective") for d in dirs)
+        mems = _first(r.cpus(f"{d}/cpuset.mems.effective") for d in dirs)
+        quota = _min(_v2_quota(r.text(f"{d}/cpu.max")) for d in dirs)
+        mem = _min(_limit(r.text(f"{d}/memory.max")) for d in dirs)
+        return cpus, mems, quota, mem
+    cs = _ancestors(r, f"{CGROUP}/cpuset", v1.get("cpuset", "/"))
+    cpus = _first(r.cpus(f"{d}/cpuset.effective_cpus") or r.cpus(f"{d}/cpuset.cpus") for d in cs)
+    mems = _first(r.cpus(f"{d}/cpuset.effective_mems") or r.cpus(f"{d}/cpuset.mems") for d in cs)
+    quota = None
+    for mount in ("cpu,cpuacct", "cpu", "cpuacct,cpu"):
+        for d in _ancestors(r, f"{CGROUP}/{mount}", v1.get("cpu", "/")):
+            q, p = r.int(f"{d}/cpu.cfs_quota_us", -1), r.int(f"{d}/cpu.cfs_period_us", 0)
+            if q > 0 and p > 0:
+                quota = q / p if quota is None else min(quota, q / p)
+    mem = _min(_limit(r.text(f"{d}/memory.limit_in_bytes"))
+               for d in _ancestors(r, f"{CGROUP}/memory", v1.get("memory", "/")))
+    return cpus, mems, quota, mem
+
+
+def _ancestors(r: _Reader, mount: str, path: str) -> list[str]:
+    """The cgroup dir and its parents up to the mount. Inside a container the host path is often absent (the
+    container sees its own cgroup as the root), so only the parts that exist are returned."""
+    parts = [p for p in path.split("/") if p]
+    out = []
+    for i in range(len(parts), -1, -1):
+        d = "/".join([mount, *parts[:i]])
+        if r.exists(d):
+            out.append(d)
+    return out
+
+
+def _v2_quota(text: str | None) -> float | None:
+    if not text:
+        return None
+    q, _, p = text.strip().partition(" ")
+    return int(q) / int(p or 100000) if q.isdigit() and (p or "1").isdigit() and int(p or 1) > 0 else None
+
+
+def _limit(text: str | None) -> int | None:
+    t = (text or "").strip()
+    # v1 reports "unlimited" as a page-rounded LONG_MAX.
+    return int(t) if t.isdigit() and int(t) < 2**60 else None
+
+
+def _first(values) -> tuple[int, ...] | None:
+    for v in values:
+        if v:
+            return v
+    return None
+
+
+def _min(values) -> float | int | None:
+    vals = [v for v in values if v is not None]
+    return min(vals) if vals else None
+
+
+class _Reader:
+    """File access relative to a sysroot, tolerant of missing files (a snapshot holds only what exists)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.seen: set[str] = set()
+
+    def exists(self, rel: str) -> bool:
+        if (self.root / rel).is_file():
+            self.seen.add(rel)
+        return (self.root / rel).exists()
+
+    def text(self, rel: str) -> str | None:
+        try:
+            t = (self.root / rel).read_text(errors="replace")
+            self.seen.add(rel)
+            return t
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError):
+            return None
+        except OSError as e:
+            raise TopologyError(f"cannot read {rel}: {e}", path=str(self.root / rel)) from None
+
+    def cpus(self, rel: str) -> tuple[int, ...] | None:
+        t = self.text(rel)
+        if t is None:
+            return None
+        try:
+            return cpulist.parse(t)
+        except ValueError as e:
+            raise TopologyError(f"malformed CPU list: {e}", path=str(self.root / rel)) from None
+
+    def int(self, rel: str, default: int) -> int:
+        t = (self.text(rel) or "").strip()
+        try:
+            return int(t)
+        except ValueError:
+            return default

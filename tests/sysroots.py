@@ -1,0 +1,153 @@
+"""Synthesize sysroot trees (the /sys and /proc files a real Linux exposes) for machines we do not have.
+
+`Machine` describes sockets, cores, SMT numbering, NUMA nodes, cpuset and quota; `write(machine, dir)` lays the
+files out exactly where deploykit.topology reads them. The MACHINES table holds the fixtures the issue names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deploykit import cpulist
+
+GiB = 1024**3
+FLAGS_AMD_ZEN5 = "fpu sse sse2 avx avx2 fma avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 avx512_vnni"
+FLAGS_SPR = FLAGS_AMD_ZEN5 + " avx512_fp16 amx_bf16 amx_tile amx_int8"
+FLAGS_DESKTOP = "fpu sse sse2 avx avx2 fma"
+
+
+@dataclass(frozen=True)
+class Machine:
+    sockets: int
+    cores_per_socket: int
+    threads_per_core: int = 2
+    numbering: str = "offset"  # offset: sibling at +total_cores; adjacent: 2k,2k+1; roundrobin: sockets alternate
+    nodes_per_socket: int = 1
+    node_memory: int = 64 * GiB
+    memory_only_nodes: tuple[int, ...] = ()  # sizes in bytes of extra CPU-less nodes (CXL)
+    offline: tuple[int, ...] = ()
+    cpuset: str | None = None  # cgroup cpuset (and affinity) of the process
+    mems: str | None = None
+    quota: tuple[int, int] | None = None  # (quota_us, period_us)
+    cgroup: str = "v2"
+    node_dir: bool = True
+    flags: str = FLAGS_AMD_ZEN5
+    model_name: str = "Synthetic CPU"
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ncpus(self) -> int:
+        return self.sockets * self.cores_per_socket * self.threads_per_core
+
+    def layout(self) -> list[tuple[int, int, int, int]]:
+        """[(cpu id, socket, global core index, node)] for every CPU."""
+        ncores = self.sockets * self.cores_per_socket
+        out = []
+        for cpu in range(self.ncpus):
+            if self.numbering == "adjacent":
+                core, _thread = divmod(cpu, self.threads_per_core)
+                socket = core // self.cores_per_socket
+            elif self.numbering == "roundrobin":
+                core = cpu % ncores
+                socket = core % self.sockets
+            else:
+                core = cpu % ncores
+                socket = core // self.cores_per_socket
+            local = (core // self.sockets if self.numbering == "roundrobin" else core % self.cores_per_socket)
+            node = socket * self.nodes_per_socket + local * self.nodes_per_socket // self.cores_per_socket
+            out.append((cpu, socket, core, node))
+        return out
+
+
+def write(m: Machine, root: str | Path) -> Path:
+    root = Path(root)
+
+    def put(rel: str, text: str) -> None:
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+
+    lay = m.layout()
+    online = [c for c, *_ in lay if c not in m.offline]
+    cpu = "sys/devices/system/cpu"
+    put(f"{cpu}/online", cpulist.format(online) + "\n")
+    put(f"{cpu}/present", cpulist.format(range(m.ncpus)) + "\n")
+    put(f"{cpu}/possible", cpulist.format(range(m.ncpus)) + "\n")
+    put(f"{cpu}/offline", cpulist.format(m.offline) + "\n")
+    siblings: dict[int, list[int]] = {}
+    for c, _s, core, _n in lay:
+        siblings.setdefault(core, []).append(c)
+    for c, socket, core, _n in lay:
+        if c in m.offline:
+            continue  # the kernel removes an offline CPU's topology directory
+        t = f"{cpu}/cpu{c}/topology"
+        put(f"{t}/physical_package_id", f"{socket}\n")
+        put(f"{t}/core_id", f"{core % m.cores_per_socket}\n")
+        put(f"{t}/thread_siblings_list", cpulist.format(s for s in siblings[core] if s not in m.offline) + "\n")
+    nnodes = m.sockets * m.nodes_per_socket
+    all_nodes = list(range(nnodes + len(m.memory_only_nodes)))
+    if m.node_dir:
+        node = "sys/devices/system/node"
+        put(f"{node}/online", cpulist.format(all_nodes) + "\n")
+        for n in all_nodes:
+            cpus = [c for c, _s, _core, nn in lay if nn == n and c not in m.offline]
+            mem = m.node_memory if n < nnodes else m.memory_only_nodes[n - nnodes]
+            put(f"{node}/node{n}/cpulist", cpulist.format(cpus) + "\n")
+            put(f"{node}/node{n}/meminfo", f"Node {n} MemTotal:       {mem // 1024} kB\n"
+                                           f"Node {n} MemFree:        {mem // 2048} kB\n")
+            dist = [10 if x == n else 12 if x < nnodes and n < nnodes and x // m.nodes_per_socket ==
+                    n // m.nodes_per_socket else 32 for x in all_nodes]
+            put(f"{node}/node{n}/distance", " ".join(map(str, dist)) + "\n")
+    total = m.node_memory * nnodes + sum(m.memory_only_nodes)
+    put("proc/meminfo", f"MemTotal:       {total // 1024} kB\nMemFree:        {total // 2048} kB\n")
+    put("proc/cpuinfo", f"processor\t: 0\nvendor_id\t: Synthetic\nmodel name\t: {m.model_name}\n"
+                        f"flags\t\t: {m.flags}\n\n")
+    allowed = m.cpuset or cpulist.format(online)
+    mems = m.mems or cpulist.format(all_nodes)
+    put("proc/self/status", f"Cpus_allowed_list:\t{allowed}\nMems_allowed_list:\t{mems}\n")
+    if m.cgroup == "v2":
+        put("proc/self/cgroup", "0::/\n")
+        put("sys/fs/cgroup/cgroup.controllers", "cpuset cpu io memory pids\n")
+        put("sys/fs/cgroup/cpuset.cpus.effective", allowed + "\n")
+        put("sys/fs/cgroup/cpuset.mems.effective", mems + "\n")
+        put("sys/fs/cgroup/cpu.max", (f"{m.quota[0]} {m.quota[1]}" if m.quota else "max 100000") + "\n")
+        put("sys/fs/cgroup/memory.max", "max\n")
+    else:
+        put("proc/self/cgroup", "4:memory:/docker/abc\n3:cpuset:/docker/abc\n2:cpu,cpuacct:/docker/abc\n")
+        put("sys/fs/cgroup/cpuset/cpuset.effective_cpus", allowed + "\n")
+        put("sys/fs/cgroup/cpuset/cpuset.effective_mems", mems + "\n")
+        put("sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us", f"{m.quota[0] if m.quota else -1}\n")
+        put("sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us", f"{m.quota[1] if m.quota else 100000}\n")
+        put("sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n")
+    return root
+
+
+EPYC_9655_2S = Machine(sockets=2, cores_per_socket=96, node_memory=768 * GiB, flags=FLAGS_AMD_ZEN5,
+                       model_name="AMD EPYC 9655 96-Core Processor")
+MACHINES: dict[str, Machine] = {
+    # 2x EPYC 9655, 384 CPUs, sibling of CPU i is i+192; NPS1 = one node per socket, NPS4 = four.
+    "epyc-2s-nps1": EPYC_9655_2S,
+    "epyc-2s-nps4": Machine(sockets=2, cores_per_socket=96, nodes_per_socket=4, node_memory=192 * GiB,
+                            model_name="AMD EPYC 9655 96-Core Processor"),
+    # 2x Xeon 8480+ (56 cores) with sub-NUMA clustering (SNC2): 4 nodes, AMX.
+    "xeon-2s-snc2": Machine(sockets=2, cores_per_socket=56, nodes_per_socket=2, node_memory=256 * GiB,
+                            flags=FLAGS_SPR, model_name="Intel(R) Xeon(R) Platinum 8480+"),
+    # BIOS numbering CPUs round-robin across sockets: even CPUs socket 0, odd socket 1.
+    "roundrobin-2s": Machine(sockets=2, cores_per_socket=8, numbering="roundrobin", node_memory=64 * GiB,
+                             flags=FLAGS_SPR),
+    # Container on the EPYC: cpuset = both siblings of cores 8-15, plus an 8-CPU CFS quota (cgroup v1).
+    "epyc-container-8c": Machine(sockets=2, cores_per_socket=96, node_memory=768 * GiB, cpuset="8-15,200-207",
+                                 mems="0", quota=(800000, 100000), cgroup="v1"),
+    # A 4-CPU quota inside a 16-core cpuset (one CPU per core, no SMT on this box).
+    "quota4-in-16": Machine(sockets=1, cores_per_socket=32, threads_per_core=1, node_memory=128 * GiB,
+                            cpuset="0-15", quota=(400000, 100000)),
+    # One socket, 16 cores x 2, a 256 GiB CXL memory-only node 1, CPUs 15 and 31 (one core) offline.
+    "cxl-offline": Machine(sockets=1, cores_per_socket=16, node_memory=128 * GiB, memory_only_nodes=(256 * GiB,),
+                           offline=(15, 31), flags=FLAGS_SPR),
+    # Desktop: 8 cores, siblings adjacent (0,1) (2,3)..., kernel without NUMA (no node directory).
+    "desktop-adjacent": Machine(sockets=1, cores_per_socket=8, numbering="adjacent", node_dir=False,
+                                node_memory=32 * GiB, flags=FLAGS_DESKTOP, model_name="Desktop CPU"),
+    # A small 2-CPU host like the CI machine.
+    "two-cpu": Machine(sockets=1, cores_per_socket=2, threads_per_core=1, node_memory=24 * GiB, flags=FLAGS_SPR),
+}
