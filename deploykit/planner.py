@@ -1,0 +1,244 @@
+"""(Spec, Topology, ModelShape) -> Plan: a pure function, no I/O. Decides replicas, CPUs, memory nodes and sizes.
+
+Memory rule per replica: weights + KV cache + headroom must fit in the replica's share of its NUMA nodes'
+memory; headroom = 1 GiB + 10 % (runtime, activations, page cache, other processes).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from . import cpulist, placement
+from .errors import PlanError
+from .memory import ModelShape
+from .plan import HardwareSummary, ImagePlan, ModelPlan, Plan, Replica, SecurityPlan, ServingPlan
+from .spec import InlineHardware, Spec, SysrootHardware
+from .topology import Topology
+from .units import human
+
+GiB = 1024**3
+KV_BLOCK_TOKENS = 16  # the engine's KV block; auto-sized caches are a whole number of blocks
+
+
+def headroom(memory_bytes: int) -> int:
+    return GiB + memory_bytes // 10
+
+
+def resolve_dtype(requested: str, topo: Topology) -> tuple[str, list[str]]:
+    if requested == "float16":
+        return "bfloat16", ["model.dtype float16 runs as bfloat16 (same size, wider range; CPU kernels are bf16)"]
+    if requested == "auto":
+        return ("bfloat16" if topo.has_bf16 else "float32"), []
+    return requested, []
+
+
+def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
+    warnings: list[str] = []
+    dtype, notes = resolve_dtype(spec.model.dtype, topo)
+    warnings += notes
+    if dtype == "bfloat16" and not topo.has_bf16:
+        warnings.append(f"bfloat16 on a CPU without AVX512-BF16/AMX (ISA tier {topo.isa_tier}) is emulated and slow")
+    max_len = _max_model_len(spec, shape)
+    groups, group_notes = _groups(spec, topo)
+    warnings += group_notes
+    quota = topo.quota_cpus / len(groups) if topo.quota_cpus is not None else None
+
+    choices = []
+    for i, (nodes, cands) in enumerate(groups):
+        label = f"replica {i}"
+        reserved = spec.placement.reserved_cpus if "reserved_cpus" in spec.placement.model_fields_set else None
+        ch = placement.choose(topo, cands, reserved=reserved, use_smt=spec.placement.use_smt,
+                              threads=None if spec.placement.threads == "auto" else spec.placement.threads,
+                              quota=quota, label=label)
+        warnings += ch.notes
+        choices.append((nodes, ch, _mems(spec, topo, nodes, label)))
+
+    sharers = Counter(m for _, _, mems in choices for m in mems)
+    weights = shape.weight_bytes(dtype)
+    per_token = shape.kv_bytes_per_token(dtype)
+    multi = len(choices) > 1
+    replicas = []
+    for i, (nodes, ch, mems) in enumerate(choices):
+        mem = sum(topo.node(m).memory_bytes // sharers[m] for m in mems)
+        if topo.memory_limit_bytes is not None:
+            mem = min(mem, topo.memory_limit_bytes // len(choices))
+        kv = _kv_bytes(spec, i, nodes, mem, weights, per_token, max_len, multi, dtype)
+        limit = weights + kv + headroom(mem)
+        env = {"OMP_NUM_THREADS": str(len(ch.cpus)), "DEPLOYKIT_CPUS": cpulist.format(ch.cpus),
+               "DEPLOYKIT_FRONTEND_CPUS": cpulist.format(ch.frontend_cpus), "DEPLOYKIT_MEMS": cpulist.format(mems)}
+        replicas.append(Replica(
+            index=i, name=f"{spec.name}-{i}", numa_nodes=nodes, cpus=ch.cpus, frontend_cpus=ch.frontend_cpus,
+            mems=mems, omp_threads=len(ch.cpus), port=spec.serving.port + (i + 1 if multi else 0),
+            memory_bytes=mem, weight_bytes=weights, kv_cache_bytes=kv, memory_limit_bytes=min(limit, mem),
+            env=tuple(sorted(env.items()))))
+        if len(nodes) > 1 and spec.placement.strategy == "explicit":
+            warnings.append(f"replica {i} spans NUMA nodes {cpulist.format(nodes)}: memory accesses cross nodes")
+
+    sv = spec.serving
+    key = sv.api_key
+    return Plan(
+        name=spec.name,
+        model=ModelPlan(shape.source, shape.path, shape.architecture, dtype, max_len, shape.num_parameters, weights,
+                        per_token, sv.served_model_name or served_name(spec.model.source), shape.counted_from),
+        replicas=tuple(replicas),
+        serving=ServingPlan(sv.port, sv.publish_address, sv.max_num_seqs, sv.max_num_batched_tokens,
+                            getattr(key, "env", None),
+                            (key.secret, key.key) if key is not None and hasattr(key, "secret") else None, multi),
+        image=ImagePlan(spec.image.name, spec.image.tag, spec.image.base, spec.image.wheelhouse),
+        security=SecurityPlan(spec.security.seccomp, spec.security.run_as_user, spec.security.read_only_root),
+        targets=spec.targets,
+        hardware=HardwareSummary(
+            "sysroot" if isinstance(spec.hardware, SysrootHardware) or topo.source not in ("/", "inline")
+            else "inline" if isinstance(spec.hardware, InlineHardware) else "auto",
+            topo.cpu_model, topo.isa_tier, topo.isa, len(topo.sockets), len(topo.nodes), topo.threads_per_core,
+            len(topo.cpus), topo.allowed_cpus, topo.quota_cpus),
+        warnings=tuple(warnings),
+    )
+
+
+def served_name(source: str) -> str:
+    """A hub id is served under its own name (as vLLM does); a local directory under its last path component."""
+    if source.startswith(("/", ".", "~")):
+        return source.rstrip("/").rsplit("/", 1)[-1] or source
+    return source
+
+
+def _max_model_len(spec: Spec, shape: ModelShape) -> int:
+    limit = shape.max_position_embeddings
+    want = spec.model.max_model_len
+    if want is None:
+        if limit is None:
+            raise PlanError("the model does not state its context length", path="model.max_model_len",
+                            hint="set model.max_model_len")
+        return limit
+    if limit is not None and want > limit:
+        raise PlanError(f"longer than the model's max_position_embeddings ({limit})", path="model.max_model_len",
+                        value=want, allowed=f"1-{limit}", hint=f"use at most {limit}")
+    return want
+
+
+def _groups(spec: Spec, topo: Topology) -> tuple[list[tuple[tuple[int, ...], tuple[int, ...]]], list[str]]:
+    """[(numa node ids, candidate CPUs)] one per replica, plus notes about nodes left out."""
+    pl = spec.placement
+    allowed = set(topo.allowed_cpus)
+    notes: list[str] = []
+    if pl.strategy == "explicit":
+        online = {c.id for c in topo.cpus}
+        groups = []
+        for i, cpus in enumerate(pl.cpus or ()):
+            bad_online = sorted(set(cpus) - online)
+            if bad_online:
+                raise PlanError(f"CPUs {cpulist.format(bad_online)} do not exist or are offline",
+                                path=f"placement.cpus[{i}]", value=cpulist.format(cpus),
+                                allowed=f"online CPUs {cpulist.format(online)}")
+            bad = sorted(set(cpus) - allowed)
+            if bad:
+                raise PlanError(f"CPUs {cpulist.format(bad)} are outside this process's cpuset",
+                                path=f"placement.cpus[{i}]", value=cpulist.format(cpus),
+                                allowed=cpulist.format(allowed), hint="pick CPUs from the allowed list")
+            groups.append((tuple(sorted({topo.cpu(c).node for c in cpus})), tuple(cpus)))
+        return groups, notes
+
+    cpu_nodes = [n for n in topo.nodes if n.cpus]
+    if pl.numa_nodes is not None:
+        known = {n.id: n for n in topo.nodes}
+        chosen = []
+        for nid in pl.numa_nodes:
+            n = known.get(nid)
+            if n is None:
+                raise PlanError(f"NUMA node {nid} does not exist", path="placement.numa_nodes", value=list(pl.numa_nodes),
+                                allowed=f"nodes with CPUs: {cpulist.format(x.id for x in cpu_nodes)}")
+            if not n.cpus:
+                raise PlanError(f"NUMA node {nid} has no CPUs (memory-only)", path="placement.numa_nodes",
+                                value=list(pl.numa_nodes), hint="list it in placement.memory_nodes to use its memory")
+            if not set(n.cpus) & allowed:
+                raise PlanError(f"none of NUMA node {nid}'s CPUs ({cpulist.format(n.cpus)}) are in this process's "
+                                f"cpuset ({cpulist.format(allowed)})", path="placement.numa_nodes", value=nid)
+            chosen.append(n)
+        cpu_nodes = sorted(set(chosen), key=lambda n: n.id)
+    else:
+        for n in cpu_nodes:
+            if not set(n.cpus) & allowed:
+                notes.append(f"NUMA node {n.id} skipped: none of its CPUs are in this process's cpuset "
+                             f"({cpulist.format(allowed)})")
+        cpu_nodes = [n for n in cpu_nodes if set(n.cpus) & allowed]
+    if not cpu_nodes:
+        raise PlanError("no NUMA node with usable CPUs", hint="check the cpuset and placement.numa_nodes")
+
+    def cands(nodes) -> tuple[int, ...]:
+        return tuple(sorted(c for n in nodes for c in n.cpus if c in allowed))
+
+    if pl.strategy == "single":
+        return [(tuple(n.id for n in cpu_nodes), cands(cpu_nodes))], notes
+    if pl.strategy == "per-socket":
+        by_socket: dict[int, list] = {}
+        for n in cpu_nodes:
+            by_socket.setdefault(topo.cpu(n.cpus[0]).socket, []).append(n)
+        return [(tuple(n.id for n in ns), cands(ns)) for _, ns in sorted(by_socket.items())], notes
+    return [((n.id,), cands([n])) for n in cpu_nodes], notes
+
+
+def _mems(spec: Spec, topo: Topology, nodes: tuple[int, ...], label: str) -> tuple[int, ...]:
+    allowed = set(topo.allowed_mems)
+    mems = {n for n in nodes if n in allowed and topo.node(n).memory_bytes > 0}
+    for n in nodes:
+        if n not in mems:  # CPU-only node (or its memory is outside the cpuset): use the nearest allowed memory
+            near = _nearest(topo, n, allowed)
+            if near is not None:
+                mems.add(near)
+    for m in spec.placement.memory_nodes:
+        if m not in {x.id for x in topo.nodes} or topo.node(m).memory_bytes == 0:
+            raise PlanError(f"NUMA node {m} has no memory", path="placement.memory_nodes", value=m,
+                            allowed=cpulist.format(x.id for x in topo.nodes if x.memory_bytes))
+        if m not in allowed:
+            raise PlanError(f"NUMA node {m} is outside this process's allowed memory nodes",
+                            path="placement.memory_nodes", value=m, allowed=cpulist.format(allowed))
+        mems.add(m)
+    if not mems:
+        raise PlanError(f"{label}: no allowed memory node near NUMA nodes {cpulist.format(nodes)}",
+                        hint="check cpuset.mems / Mems_allowed")
+    return tuple(sorted(mems))
+
+
+def _nearest(topo: Topology, node: int, allowed: set[int]) -> int | None:
+    ids = [n.id for n in topo.nodes]
+    row = topo.node(node).distances
+    best = None
+    for m in sorted(allowed):
+        if topo.node(m).memory_bytes == 0:
+            continue
+        d = row[ids.index(m)] if len(row) == len(ids) else abs(m - node) + 10
+        if best is None or d < best[0]:
+            best = (d, m)
+    return best[1] if best else None
+
+
+def _kv_bytes(spec: Spec, i: int, nodes: tuple[int, ...], mem: int, weights: int, per_token: int, max_len: int,
+              multi: bool, dtype: str) -> int:
+    one_seq = per_token * max_len
+    room = headroom(mem)
+    where = f"replica {i} (NUMA node{'s' if len(nodes) > 1 else ''} {cpulist.format(nodes)}, {human(mem)})"
+    ways = ["placement.strategy: per-socket or single (fewer replicas, each spanning more nodes)" if multi else
+            "a machine or NUMA node with more memory"]
+    if dtype == "float32":
+        ways.append("model.dtype: bfloat16 (half the bytes of float32)")
+    ways.append(f"a smaller model.max_model_len (now {max_len})")
+    if weights + one_seq + room > mem:
+        raise PlanError(
+            f"{where} cannot hold the model: weights {human(weights)} + KV cache for one {max_len}-token sequence "
+            f"{human(one_seq)} + headroom {human(room)} = {human(weights + one_seq + room)} > {human(mem)}",
+            hint="; or ".join(ways))
+    if spec.serving.kv_cache == "auto":
+        want = per_token * max_len * spec.serving.max_num_seqs
+        kv = min(want, mem - weights - room)
+        return max(one_seq, kv // (per_token * KV_BLOCK_TOKENS) * per_token * KV_BLOCK_TOKENS)
+    kv = int(spec.serving.kv_cache)
+    if kv < one_seq:
+        raise PlanError(f"holds {kv // per_token} tokens, less than one max_model_len sequence ({max_len})",
+                        path="serving.kv_cache", value=human(kv), allowed=f">= {human(one_seq)}",
+                        hint="raise serving.kv_cache or lower model.max_model_len")
+    if weights + kv + room > mem:
+        raise PlanError(f"{where}: weights {human(weights)} + KV cache {human(kv)} + headroom {human(room)} > "
+                        f"{human(mem)}", path="serving.kv_cache", value=human(kv),
+                        allowed=f"<= {human(mem - weights - room)}", hint="lower serving.kv_cache or use 'auto'")
+    return kv

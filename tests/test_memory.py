@@ -1,0 +1,89 @@
+"""Model sizing from local files only: safetensors headers, config.json, the HF cache, or spec numbers."""
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from deploykit import memory
+from deploykit.errors import ModelError
+from deploykit.spec import ModelSpec
+
+CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100,
+          "max_position_embeddings": 512, "tie_word_embeddings": True}
+
+
+def model_dir(tmp_path, sharded=False):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(CONFIG))
+    a = {"embed.weight": np.zeros((100, 64), np.float32), "l0.q.weight": np.zeros((64, 64), np.float32)}
+    b = {"l0.mlp.weight": np.zeros((128, 64), np.float32), "l0.q.bias": np.zeros((64,), np.float32)}
+    if sharded:
+        save_file(a, d / "model-00001-of-00002.safetensors")
+        save_file(b, d / "model-00002-of-00002.safetensors")
+        wm = {k: "model-00001-of-00002.safetensors" for k in a} | {k: "model-00002-of-00002.safetensors" for k in b}
+        (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    else:
+        save_file(a | b, d / "model.safetensors")
+    return d
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_counts_parameters_exactly_from_safetensors_headers(tmp_path, sharded):
+    s = memory.shape(ModelSpec(source=str(model_dir(tmp_path, sharded))))
+    assert s.num_parameters == 100 * 64 + 64 * 64 + 128 * 64 + 64 and s.counted_from == "safetensors"
+    assert (s.num_hidden_layers, s.num_key_value_heads, s.head_dim, s.max_position_embeddings) == (2, 2, 16, 512)
+    assert s.kv_bytes_per_token("bfloat16") == 2 * 2 * 2 * 16 * 2
+    assert s.weight_bytes("float32") == 4 * s.num_parameters
+
+
+def test_missing_shard_named_in_index_is_a_model_error(tmp_path):
+    d = model_dir(tmp_path, sharded=True)
+    (d / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelError, match="missing"):
+        memory.shape(ModelSpec(source=str(d)))
+
+
+def test_config_only_counts_with_the_formula(tmp_path):
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(CONFIG))
+    s = memory.shape(ModelSpec(source=str(d)))
+    per_layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64
+    assert s.num_parameters == 2 * per_layer + 100 * 64 + 64 and s.counted_from == "config.json"
+
+
+def test_hf_cache_snapshot_is_found_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    snap = repo / "snapshots" / ("a" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps(CONFIG))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    assert memory.locate("acme/tiny") == snap
+    assert memory.locate("acme/tiny", revision="a" * 40) == snap
+    assert memory.locate("acme/tiny", revision="v2") is None
+    assert memory.shape(ModelSpec(source="acme/tiny")).path == str(snap)
+
+
+def test_absent_model_without_numbers_says_how_to_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ModelError) as e:
+        memory.shape(ModelSpec(source="acme/absent"))
+    msg = str(e.value)
+    assert "never downloads" in msg and "model.architecture" in msg and "acme/absent" in msg
+
+
+def test_broken_config_json(tmp_path):
+    d = tmp_path / "b"
+    d.mkdir()
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ModelError, match="config.json"):
+        memory.shape(ModelSpec(source=str(d)))
+    (d / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ModelError, match="num_hidden_layers"):
+        memory.shape(ModelSpec(source=str(d)))
