@@ -1,0 +1,111 @@
+"""The `deploykit` command: argument parsing, one command table, and one exception -> exit-code table.
+
+User mistakes (DeploykitError) print a clear message and exit with errors.EXIT_CODES; only bugs show tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from . import __version__
+from .errors import DeploykitError, exit_code
+
+Command = Callable[[argparse.Namespace], int]
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str) -> Callable[[Command], Command]:
+    def register(fn: Command) -> Command:
+        COMMANDS[name] = fn
+        return fn
+    return register
+
+
+def load_plan(spec_path: str, sysroot: str | None):
+    """spec file -> (Spec, Topology, Plan): the one pipeline every command uses."""
+    from . import hardware, memory, planner, specfile
+    spec = specfile.load(spec_path)
+    topo = hardware.resolve(spec, sysroot)
+    return spec, topo, planner.make_plan(spec, topo, memory.shape(spec.model))
+
+
+@command("validate")
+def _validate(args: argparse.Namespace) -> int:
+    from . import specfile
+    spec = specfile.load(args.spec)
+    print(f"{args.spec}: valid deploykit/v1 Deployment '{spec.name}'")
+    return 0
+
+
+@command("plan")
+def _plan(args: argparse.Namespace) -> int:
+    from . import report
+    _, topo, plan = load_plan(args.spec, args.sysroot)
+    sys.stdout.write(plan.to_json() if args.format == "json" else report.plan_text(plan, topo))
+    return 0
+
+
+@command("topology show")
+def _topology_show(args: argparse.Namespace) -> int:
+    from . import report, topology
+    topo = topology.read(args.sysroot or "/")
+    if args.format == "json":
+        from dataclasses import asdict
+        print(json.dumps({**asdict(topo), "isa_tier": topo.isa_tier}, indent=2, sort_keys=True))
+    else:
+        sys.stdout.write(report.topology_text(topo))
+    return 0
+
+
+@command("topology snapshot")
+def _topology_snapshot(args: argparse.Namespace) -> int:
+    from . import snapshot
+    files = snapshot.take(args.dir, args.sysroot or "/", force=args.force)
+    print(f"wrote {len(files)} files to {args.dir}; plan against it with --sysroot {args.dir}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deploykit", description="NUMA-correct LLM inference deployments on CPUs.")
+    p.add_argument("--version", action="version", version=f"deploykit {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    v = sub.add_parser("validate", help="check a spec file")
+    v.add_argument("spec")
+
+    pl = sub.add_parser("plan", help="show where every replica, thread and byte goes")
+    pl.add_argument("spec")
+    pl.add_argument("--sysroot", metavar="DIR", help="plan for a snapshot instead of the spec's hardware")
+    pl.add_argument("--format", choices=("table", "json"), default="table")
+
+    t = sub.add_parser("topology", help="inspect this host or a snapshot")
+    tsub = t.add_subparsers(dest="topology_command", metavar="ACTION", required=True)
+    ts = tsub.add_parser("show", help="sockets, NUMA nodes, cores and SMT siblings, cpuset, ISA")
+    ts.add_argument("--sysroot", metavar="DIR")
+    ts.add_argument("--format", choices=("text", "json"), default="text")
+    tn = tsub.add_parser("snapshot", help="copy the files topology reads into DIR (for --sysroot elsewhere)")
+    tn.add_argument("dir")
+    tn.add_argument("--sysroot", metavar="DIR", help=argparse.SUPPRESS)
+    tn.add_argument("--force", action="store_true", help="write into a non-empty directory")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    name = args.command + (f" {args.topology_command}" if args.command == "topology" else "")
+    try:
+        return COMMANDS[name](args)
+    except DeploykitError as e:
+        print(f"deploykit: {e.kind}:\n" + "\n".join("  " + line for line in str(e).splitlines()), file=sys.stderr)
+        return exit_code(e)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Human-readable text for `deploykit topology show` and `deploykit plan --format table`."""
+
+from __future__ import annotations
+
+from . import cpulist
+from .placement import physical_cores
+from .plan import Plan
+from .topology import Topology
+from .units import human
+
+ROW = 64  # physical cores per line in core maps
+
+
+def topology_text(topo: Topology) -> str:
+    allowed = set(topo.allowed_cpus)
+    online = [c.id for c in topo.cpus]
+    out = [f"{topo.cpu_model or 'CPU model unknown'} | ISA tier {topo.isa_tier}"
+           f" ({' '.join(topo.isa) or 'no AVX2 or newer flags'})",
+           f"{len(topo.sockets)} socket(s), {len(topo.nodes)} NUMA node(s), {len(online)} online CPUs, "
+           f"{topo.threads_per_core} thread(s) per core",
+           f"this process may use CPUs {cpulist.format(topo.allowed_cpus)} and memory nodes "
+           f"{cpulist.format(topo.allowed_mems) or 'none'}; CFS quota "
+           + (f"{topo.quota_cpus:g} CPUs" if topo.quota_cpus is not None else "none")
+           + "; memory limit " + (human(topo.memory_limit_bytes) if topo.memory_limit_bytes else "none")]
+    if topo.offline:
+        out.append(f"offline CPUs: {cpulist.format(topo.offline)}")
+    for socket in topo.sockets:
+        out.append(f"socket {socket}")
+        for n in topo.nodes:
+            if not n.cpus or topo.cpu(n.cpus[0]).socket != socket:
+                continue
+            cores = physical_cores(topo, n.cpus)
+            out.append(f"  NUMA node {n.id}: {human(n.memory_bytes)}, CPUs {cpulist.format(n.cpus)} "
+                       f"({len(cores)} cores)" + ("" if n.id in topo.allowed_mems else ", memory not allowed"))
+            cells: list[str] = []
+            outside: list[tuple[int, ...]] = []
+            for core in cores + [()]:
+                if core and not set(core) & allowed:
+                    outside.append(core)
+                    continue
+                if outside:  # runs of cores outside the cpuset collapse into one cell
+                    cells.append(f"[{len(outside)} core(s) {cpulist.format(c for k in outside for c in k)}]")
+                    outside = []
+                if core:
+                    cells.append("+".join(str(c) if c in allowed else f"[{c}]" for c in core))
+            out += _wrap("    cores: ", cells)
+    for n in topo.nodes:
+        if not n.cpus:
+            out.append(f"NUMA node {n.id}: {human(n.memory_bytes)}, memory only (no CPUs)"
+                       + ("" if n.id in topo.allowed_mems else ", not allowed"))
+    if len(allowed) < len(online):
+        out.append("[..] = outside this process's cpuset")
+    return "\n".join(out) + "\n"
+
+
+def plan_text(plan: Plan, topo: Topology) -> str:
+    m, h = plan.model, plan.hardware
+    out = [f"plan {plan.name}: {len(plan.replicas)} replica(s) | {h.sockets} socket(s), {h.numa_nodes} NUMA node(s),"
+           f" SMT {h.threads_per_core}, ISA {h.isa_tier}",
+           f"model {m.source} ({m.architecture}) {m.dtype}: {m.num_parameters / 1e9:.2f}B params, weights "
+           f"{human(m.weight_bytes)}, KV {human(m.kv_bytes_per_token)}/token, max_model_len {m.max_model_len}",
+           ""]
+    head = ("replica", "nodes", "inference CPUs", "threads", "front end", "mems", "port", "KV cache", "mem limit")
+    rows = [head] + [(r.name, cpulist.format(r.numa_nodes), cpulist.format(r.cpus), str(r.omp_threads),
+                      cpulist.format(r.frontend_cpus) or "shared", cpulist.format(r.mems), str(r.port),
+                      human(r.kv_cache_bytes), human(r.memory_limit_bytes)) for r in plan.replicas]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    out += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
+    out += ["", "core map (one cell per physical core: I inference, S inference on every SMT sibling, F front end,"
+                " . not used, x outside the cpuset):"]
+    allowed = set(topo.allowed_cpus)
+    for r in plan.replicas:
+        cpus, front = set(r.cpus), set(r.frontend_cpus)
+        for nid in r.numa_nodes:
+            cores = physical_cores(topo, topo.node(nid).cpus)
+            cells = []
+            for core in cores:
+                s = set(core)
+                cells.append("x" if not s & allowed else "S" if len(s & cpus) > 1 else "I" if s & cpus
+                             else "F" if s & front else ".")
+            out.append(f"  {r.name} node {nid}:")
+            out += ["    " + "".join(cells[i:i + ROW]) for i in range(0, len(cells), ROW)]
+        out.append(f"    OpenMP thread i -> CPU i of [{cpulist.format(r.cpus)}]; memory bound to node(s) "
+                   f"{cpulist.format(r.mems)}")
+    if plan.serving.load_balancer:
+        out.append(f"\nclients connect to port {plan.serving.port} (load balancer over the replicas' ports)")
+    if plan.warnings:
+        out += ["", "warnings:"] + [f"  - {w}" for w in plan.warnings]
+    return "\n".join(out) + "\n"
+
+
+def _wrap(prefix: str, cells: list[str], width: int = 110) -> list[str]:
+    lines, cur = [], prefix
+    for c in cells:
+        if len(cur) + len(c) + 1 > width and cur.strip():
+            lines.append(cur.rstrip())
+            cur = " " * len(prefix)
+        cur += c + " "
+    lines.append(cur.rstrip())
+    return lines

@@ -1,0 +1,109 @@
+"""The deploykit command as users run it: exit codes, messages without tracebacks, --sysroot, JSON output."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import make_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "deploykit.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd or ROOT)
+
+
+def write_spec(tmp_path, **sections):
+    f = tmp_path / "spec.yaml"
+    f.write_text(yaml.safe_dump(make_spec(**sections)))
+    return f
+
+
+def test_validate_ok_and_invalid_exit_2_without_traceback(tmp_path):
+    assert run("validate", write_spec(tmp_path)).returncode == 0
+    bad = write_spec(tmp_path, placement={"use_smtt": True})
+    r = run("validate", bad)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "placement.use_smtt" in r.stderr and "did you mean `use_smt`" in r.stderr
+
+
+def test_plan_json_documented_fields_and_sysroot_override(tmp_path, sysroots):
+    spec = write_spec(tmp_path, hardware={"sysroot": str(sysroots["two-cpu"])})
+    r = run("plan", spec, "--sysroot", sysroots["epyc-2s-nps1"], "--format", "json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert isinstance(plan["warnings"], list) and len(plan["replicas"]) == 2
+    r0 = plan["replicas"][0]
+    for key in ("name", "numa_nodes", "cpus", "mems", "omp_threads", "frontend_cpus", "weight_bytes",
+                "kv_cache_bytes", "env"):
+        assert key in r0
+    assert r0["cpus"] == list(range(95)) and r0["frontend_cpus"] == [95, 287] and r0["env"]["OMP_NUM_THREADS"] == "95"
+
+
+def test_plan_table_shows_core_map_and_warnings(tmp_path, sysroots):
+    r = run("plan", write_spec(tmp_path), "--sysroot", sysroots["quota4-in-16"])
+    assert r.returncode == 0
+    assert "III" in r.stdout and "F" in r.stdout and "CFS quota of 4 CPUs" in r.stdout
+
+
+@pytest.mark.parametrize("sections,code,needle", [
+    ({"model": {"source": "/nonexistent/model"}}, 4, "model not found"),
+    ({"placement": {"numa_nodes": [7]}}, 5, "NUMA node 7 does not exist"),
+])
+def test_error_exit_codes(tmp_path, sysroots, sections, code, needle):
+    r = run("plan", write_spec(tmp_path, **sections), "--sysroot", sysroots["two-cpu"])
+    assert r.returncode == code, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_missing_spec_and_bad_sysroot(tmp_path):
+    r = run("plan", tmp_path / "nope.yaml")
+    assert r.returncode == 2 and "spec file not found" in r.stderr
+    r = run("plan", write_spec(tmp_path), "--sysroot", tmp_path)
+    assert r.returncode == 3 and "not a sysroot" in r.stderr
+
+
+def test_topology_show_and_snapshot(tmp_path, sysroots):
+    r = run("topology", "show", "--sysroot", sysroots["cxl-offline"])
+    assert r.returncode == 0
+    assert "offline CPUs: 15,31" in r.stdout and "memory only" in r.stdout and "ISA tier amx" in r.stdout
+    assert run("topology", "snapshot", tmp_path / "snap", "--sysroot", sysroots["cxl-offline"]).returncode == 0
+    assert run("topology", "show", "--sysroot", tmp_path / "snap").stdout == r.stdout
+    assert run("topology", "snapshot", tmp_path / "snap").returncode == 6  # non-empty: refuse without --force
+    assert run("topology", "show", "--format", "json").returncode == 0
+
+
+def test_examples_plan_cleanly():
+    for name in ("epyc-9655-2s.yaml", "xeon-amx-2s.yaml"):
+        r = run("plan", ROOT / "examples" / name, "--format", "json")
+        assert r.returncode == 0, r.stderr
+    assert run("validate", ROOT / "examples" / "single-socket.yaml").returncode == 0
+
+
+def test_example_snapshot_matches_its_generator(tmp_path):
+    """examples/epyc-9655-2s.sysroot.tar.gz is synthesized by tests/sysroots.py; UPDATE_GOLDEN=1 rewrites it."""
+    import os
+
+    from deploykit import snapshot
+    from tests.sysroots import MACHINES, write
+    src = write(MACHINES["epyc-2s-nps1"], tmp_path / "src")
+    snapshot.take(tmp_path / "new.tar.gz", src)
+    target = ROOT / "examples" / "epyc-9655-2s.sysroot.tar.gz"
+    if os.environ.get("UPDATE_GOLDEN"):
+        target.write_bytes((tmp_path / "new.tar.gz").read_bytes())
+    assert target.read_bytes() == (tmp_path / "new.tar.gz").read_bytes()
+
+
+def test_cli_never_imports_torch(tmp_path, sysroots):
+    code = ("import sys; from deploykit import cli; cli.main(['plan', sys.argv[1], '--sysroot', sys.argv[2]]); "
+            "import deploykit.render.seccomp; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'engine')]; "
+            "assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code, str(write_spec(tmp_path)), str(sysroots["epyc-2s-nps1"])],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
