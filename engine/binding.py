@@ -1,0 +1,230 @@
+"""Pin the engine process: one OpenMP thread per chosen CPU, memory bound to the plan's NUMA nodes, and a report
+that shows every thread of the process (the proof that placement is what the plan says).
+
+Two phases, because OpenMP reads its environment when the runtime loads:
+  prepare(binding)  before `import torch`: thread count + GOMP/KMP affinity env, set_mempolicy, migrate_pages;
+  finish(binding)   after: lock torch's thread count, start the pool, verify every worker is on its own CPU
+                    (pin by tid if the runtime ignored the env), check that only one OpenMP runtime is mapped.
+GOMP_CPU_AFFINITY also narrows the calling thread to the first CPU, and threads created later inherit that:
+helper threads must call `pin_helper_thread()` (or live in another process) so they never sit on a worker's CPU.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+
+from deploykit import cpulist, numa, placement, topology
+
+log = logging.getLogger("engine.binding")
+OMP_RUNTIMES = re.compile(r"/(libgomp[^/]*\.so[^/]*|libiomp5[^/]*\.so[^/]*|libomp[^/]*\.so[^/]*)$")
+_FIX = ("run the container with --cap-add SYS_NICE and deploykit's seccomp profile (what `deploykit render` "
+        "writes), or security.seccomp: unconfined")
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    cpus: tuple[int, ...]  # OpenMP thread i runs on cpus[i]; () = not pinned
+    frontend_cpus: tuple[int, ...]  # where the HTTP/tokenizer side and helper threads go; () = share cpus
+    mems: tuple[int, ...]  # NUMA nodes for memory; () = leave the policy alone
+    threads: int
+    source: str  # plan | auto | explicit | none
+    notes: tuple[str, ...] = ()
+    warnings: list[str] = field(default_factory=list, compare=False)  # filled by prepare()/finish()
+    omp_tids: list[int] = field(default_factory=list, compare=False)
+
+
+def resolve(mode: str = "auto", *, frontend_cpus: str | None = None, mems: str | None = None,
+            reserved: int | None = None, sysroot: str = "/") -> Binding:
+    """`mode`: "none", "auto" (this process's cpuset, one thread per physical core minus the front end's), or
+    an explicit CPU list ("0-3,8"). Explicit `frontend_cpus`/`mems` (CPU-list strings) override the choice."""
+    topo = topology.read(sysroot)
+    if mode == "none":
+        n = len(topo.allowed_cpus)
+        if topo.quota_cpus is not None:
+            n = max(1, min(n, int(topo.quota_cpus)))
+        return Binding((), (), (), n, "none")
+    if mode == "auto":
+        front = cpulist.parse(frontend_cpus) if frontend_cpus else None
+        cands = [c for c in topo.allowed_cpus if front is None or c not in front]
+        ch = placement.choose(topo, cands, reserved=0 if front is not None else reserved,
+                              quota=topo.quota_cpus, label="engine")
+        cpus, front_cpus, notes, source = ch.cpus, front if front is not None else ch.frontend_cpus, ch.notes, "auto"
+    else:
+        try:
+            cpus = cpulist.parse(mode)
+        except ValueError as e:
+            raise ValueError(f"--binding must be auto, none or a CPU list like 0-3,8: {e}") from None
+        outside = sorted(set(cpus) - set(topo.allowed_cpus))
+        if outside:
+            raise ValueError(f"binding CPUs {cpulist.format(outside)} are outside this process's cpuset "
+                             f"{cpulist.format(topo.allowed_cpus)}")
+        front_cpus = cpulist.parse(frontend_cpus) if frontend_cpus else ()
+        notes, source = (), "explicit"
+    if mems is not None:
+        mem_nodes = cpulist.parse(mems)
+    else:
+        mem_nodes = tuple(sorted({topo.cpu(c).node for c in cpus} & set(topo.allowed_mems)))
+    return Binding(tuple(cpus), tuple(front_cpus), mem_nodes, len(cpus), source, tuple(notes))
+
+
+def from_plan(plan: dict, replica: int) -> Binding:
+    """The binding a rendered container must apply: `deploykit plan --format json`, replicas[replica]."""
+    r = plan["replicas"][replica]
+    return Binding(tuple(r["cpus"]), tuple(r["frontend_cpus"]), tuple(r["mems"]), int(r["omp_threads"]), "plan")
+
+
+def prepare(b: Binding) -> Binding:
+    """Environment and memory policy; call before torch (or any OpenMP library) is imported."""
+    if b.source != "none" and _omp_loaded():
+        b.warnings.append("an OpenMP runtime was loaded before binding; workers are pinned by thread id instead of "
+                          "by GOMP_CPU_AFFINITY (start the engine in a fresh process to avoid this)")
+    os.environ["OMP_NUM_THREADS"] = str(b.threads)
+    if b.cpus:
+        for var in ("OMP_PROC_BIND", "OMP_PLACES"):  # these override GOMP_CPU_AFFINITY in libgomp
+            if os.environ.pop(var, None) is not None:
+                b.warnings.append(f"ignored {var} from the environment: the plan's CPU list decides placement")
+        os.environ["GOMP_CPU_AFFINITY"] = " ".join(map(str, b.cpus))
+        os.environ["KMP_AFFINITY"] = f"granularity=fine,explicit,proclist=[{','.join(map(str, b.cpus))}]"
+    if b.mems:
+        _bind_memory(b)
+    return b
+
+
+def _bind_memory(b: Binding) -> None:
+    mode = numa.MPOL_BIND if len(b.mems) == 1 else numa.MPOL_INTERLEAVE  # spread bandwidth over several nodes
+    try:
+        numa.set_mempolicy(mode, b.mems)
+    except OSError as e:
+        why = ("refused (EPERM): seccomp or a missing CAP_SYS_NICE blocks it" if e.errno == errno.EPERM
+               else f"failed: {e.strerror}")
+        b.warnings.append(f"NUMA memory binding to node(s) {cpulist.format(b.mems)} {why}; memory may land on a "
+                          f"remote node and decode slows down. Fix: {_FIX}")
+        return
+    try:
+        allowed = _mems_allowed()
+        others = [n for n in allowed if n not in b.mems]
+        if others:  # pages touched before binding (interpreter, imports) move to the plan's nodes
+            left = numa.migrate_pages(b.mems, others)
+            if left:
+                b.warnings.append(f"migrate_pages left {left} page(s) on other nodes")
+    except OSError as e:
+        b.warnings.append(f"migrate_pages {'refused (EPERM)' if e.errno == errno.EPERM else 'failed'}: pages touched "
+                          f"before binding stay where they are. Fix: {_FIX}")
+
+
+def finish(b: Binding) -> Binding:
+    """After torch is imported: lock the thread count, start the pool, make sure each worker has its own CPU."""
+    import torch
+
+    torch.set_num_threads(b.threads)
+    before = set(_tids())
+    x = torch.ones(256, 256)
+    for _ in range(3):  # a parallel region starts the OpenMP pool
+        x = x @ x * 0.0
+    b.omp_tids[:] = [os.getpid()] + sorted(set(_tids()) - before)
+    if b.cpus:
+        for i, tid in enumerate(b.omp_tids[: len(b.cpus)]):
+            want = {b.cpus[i]}
+            try:
+                if os.sched_getaffinity(tid) != want:
+                    os.sched_setaffinity(tid, want)
+            except OSError as e:
+                b.warnings.append(f"could not pin thread {tid} to CPU {b.cpus[i]}: {e.strerror}")
+        helpers = set(b.frontend_cpus or b.cpus)
+        for tid in set(_tids()) - set(b.omp_tids):  # threads born during import inherited the first CPU
+            try:
+                os.sched_setaffinity(tid, helpers)
+            except OSError:
+                pass
+    runtimes = omp_runtimes()
+    if len(runtimes) > 1:
+        b.warnings.append(f"{len(runtimes)} OpenMP runtimes are loaded ({', '.join(runtimes)}): their thread pools "
+                          "fight over the same cores (the classic 'one core busy'). Remove the extra one from "
+                          "LD_PRELOAD or the environment")
+    for w in b.warnings:
+        log.warning("binding: %s", w)
+    log.info("binding (%s): %d OpenMP threads on CPUs %s, front end %s, memory %s", b.source, b.threads,
+             cpulist.format(b.cpus) or "unpinned", cpulist.format(b.frontend_cpus) or "shared",
+             cpulist.format(b.mems) or "unbound")
+    return b
+
+
+def pin_helper_thread(b: Binding) -> None:
+    """Call first thing in any non-OpenMP thread of the engine process (IPC, timers)."""
+    target = b.frontend_cpus or b.cpus
+    if target:
+        try:
+            os.sched_setaffinity(0, set(target))
+        except OSError:
+            pass
+
+
+def omp_runtimes() -> list[str]:
+    found = set()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                m = OMP_RUNTIMES.search(line.strip())
+                if m:
+                    found.add(line.split()[-1])
+    except OSError:
+        pass
+    return sorted(found)
+
+
+def _omp_loaded() -> bool:
+    return "torch" in sys.modules or bool(omp_runtimes())
+
+
+def _mems_allowed() -> tuple[int, ...]:
+    with open("/proc/self/status") as f:
+        m = re.search(r"^Mems_allowed_list:\s*(\S+)", f.read(), re.M)
+    return cpulist.parse(m.group(1)) if m else ()
+
+
+def _tids() -> list[int]:
+    return sorted(int(t) for t in os.listdir("/proc/self/task"))
+
+
+def report(b: Binding | None = None) -> dict:
+    """Every thread of this process with its allowed CPUs, last CPU and CPU time; memory policy; quota."""
+    tick = os.sysconf("SC_CLK_TCK")
+    omp = {tid: i for i, tid in enumerate(b.omp_tids)} if b else {}
+    threads = []
+    for tid in _tids():
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+            allowed = cpulist.format(os.sched_getaffinity(tid))
+        except (OSError, ValueError):
+            continue  # the thread exited meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()  # fields after "pid (comm)": state=0, utime=11, stime=12
+        threads.append({"tid": tid, "name": comm, "omp_thread": omp.get(tid), "allowed_cpus": allowed,
+                        "last_cpu": int(fields[36]), "cpu_seconds": round((int(fields[11]) + int(fields[12])) / tick, 3)})
+    try:
+        mode, nodes = numa.get_mempolicy()
+        policy = {"mode": numa.MODE_NAMES.get(mode, str(mode)), "nodes": cpulist.format(nodes)}
+    except OSError as e:
+        policy = {"error": e.strerror}
+    topo = topology.read("/")
+    return {
+        "pid": os.getpid(), "source": b.source if b else "unknown",
+        "omp_threads": b.threads if b else None,
+        "planned_cpus": cpulist.format(b.cpus) if b else None,
+        "frontend_cpus": cpulist.format(b.frontend_cpus) if b else None,
+        "planned_mems": cpulist.format(b.mems) if b else None,
+        "memory_policy": policy, "mems_allowed": cpulist.format(_mems_allowed()),
+        # the main thread's own affinity is narrowed to one CPU; the union is what the process spans
+        "threads_allowed_union": cpulist.format({c for t in threads for c in cpulist.parse(t["allowed_cpus"])}),
+        "quota_cpus": topo.quota_cpus,
+        "openmp_runtimes": omp_runtimes(), "threads": threads,
+        "warnings": list(b.warnings) if b else [],
+        "notes": list(b.notes) if b else [],
+    }

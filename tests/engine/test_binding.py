@@ -1,0 +1,90 @@
+"""Binding as the engine process applies it: every OpenMP worker on its own CPU, memory bound, loud but
+non-fatal when the kernel refuses (seccomp / missing CAP_SYS_NICE)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import binding
+
+ROOT = Path(__file__).resolve().parents[2]
+CHILD = """
+import json, sys
+from engine import binding
+{pre}
+b = binding.prepare(binding.resolve({mode!r}, mems={mems!r}))
+import torch
+binding.finish(b)
+x = torch.randn(512, 512)
+for _ in range(200):
+    x = torch.tanh(x @ x)  # enough parallel work for every worker to run on its CPU
+print(json.dumps(binding.report(b)))
+"""
+# A real seccomp filter (libseccomp via ctypes) that refuses set_mempolicy with EPERM, as Docker's default
+# profile does without CAP_SYS_NICE.
+REFUSE = """
+import ctypes
+lib = ctypes.CDLL("libseccomp.so.2")
+lib.seccomp_init.restype = ctypes.c_void_p
+ctx = ctypes.c_void_p(lib.seccomp_init(0x7fff0000))
+for name in (b"set_mempolicy", b"migrate_pages"):
+    assert lib.seccomp_rule_add(ctx, 0x00050000 | 1, lib.seccomp_syscall_resolve_name(name), 0) == 0
+assert lib.seccomp_load(ctx) == 0
+"""
+
+
+def child(mode="0-1", mems="0", pre=""):
+    code = CHILD.format(pre=pre, mode=mode, mems=mems)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+needs_two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+
+
+@needs_two_cpus
+def test_each_openmp_worker_runs_on_its_own_cpu():
+    rep, _ = child("0-1")
+    omp = sorted((t for t in rep["threads"] if t["omp_thread"] is not None), key=lambda t: t["omp_thread"])
+    assert [t["allowed_cpus"] for t in omp] == ["0", "1"]
+    assert [t["last_cpu"] for t in omp] == [0, 1]
+    assert all(t["cpu_seconds"] > 0 for t in omp)
+    assert rep["memory_policy"] == {"mode": "bind", "nodes": "0"}
+    assert len(rep["openmp_runtimes"]) == 1 and rep["warnings"] == []
+    others = [t for t in rep["threads"] if t["omp_thread"] is None]
+    assert all(t["allowed_cpus"] == "0-1" for t in others)  # helper threads re-pinned off worker 0's CPU
+
+
+@needs_two_cpus
+def test_refused_set_mempolicy_keeps_running_and_names_the_fix():
+    rep, err = child("0-1", pre=REFUSE)
+    assert rep["memory_policy"]["mode"] == "default"
+    (w,) = [w for w in rep["warnings"] if "NUMA memory binding" in w]
+    assert "refused (EPERM)" in w and "SYS_NICE" in w and "seccomp" in w
+    assert "NUMA memory binding" in err  # logged loudly, not only in the report
+    assert [t["allowed_cpus"] for t in rep["threads"] if t["omp_thread"] is not None] == ["0", "1"]
+
+
+def test_auto_uses_this_process_cpuset():
+    b = binding.resolve("auto")
+    assert set(b.cpus) <= os.sched_getaffinity(0) and b.threads == len(b.cpus) >= 1
+    assert b.mems
+
+
+def test_explicit_cpus_outside_the_cpuset_are_rejected():
+    with pytest.raises(ValueError, match="outside this process's cpuset"):
+        binding.resolve("4000")
+    with pytest.raises(ValueError, match="CPU list"):
+        binding.resolve("zero")
+
+
+def test_plan_replica_becomes_the_binding():
+    plan = {"replicas": [{"cpus": [0], "frontend_cpus": [1], "mems": [0], "omp_threads": 1}]}
+    b = binding.from_plan(plan, 0)
+    assert (b.cpus, b.frontend_cpus, b.mems, b.threads, b.source) == ((0,), (1,), (0,), 1, "plan")
