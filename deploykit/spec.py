@@ -12,12 +12,11 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, S
                       field_validator, model_validator)
 
 from . import cpulist
+from .topology import ISA_OF_INTEREST as ISA_FLAGS
 from .units import parse_size
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-ISA_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
-             "amx_bf16", "amx_int8")
 PosInt = Annotated[StrictInt, Field(gt=0)]
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
 

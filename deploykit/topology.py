@@ -15,13 +15,13 @@ from pathlib import Path
 
 from . import cpulist
 from .errors import TopologyError
-from .spec import ISA_FLAGS
 
 CPU_DIR = "sys/devices/system/cpu"
 NODE_DIR = "sys/devices/system/node"
 CGROUP = "sys/fs/cgroup"
 TOPOLOGY_FILES = ("core_id", "physical_package_id", "thread_siblings_list")
-ISA_OF_INTEREST = ISA_FLAGS
+ISA_OF_INTEREST = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+                   "amx_tile", "amx_bf16", "amx_int8")
 
 
 @dataclass(frozen=True, slots=True)
