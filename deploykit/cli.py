@@ -68,6 +68,33 @@ def _topology_snapshot(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("render")
+def _render(args: argparse.Namespace) -> int:
+    from . import render
+    from .render import output
+    from .errors import OutputError, did_you_mean
+    for t in args.target or ():
+        if t not in (*render.TARGETS, "all"):
+            raise OutputError("unknown render target", path="--target", value=t,
+                              allowed=", ".join((*render.TARGETS, "all")), hint=did_you_mean(t, render.TARGETS))
+    _, _, plan = load_plan(args.spec, args.sysroot)
+    targets = list(args.target or plan.targets)
+    if "all" in targets:
+        targets = list(render.TARGETS)
+    for t in [t for t in targets if t not in render.TARGETS]:  # only spec targets can get here
+        print(f"deploykit: target {t!r} from the spec's targets is not implemented yet; skipped", file=sys.stderr)
+    targets = [t for t in targets if t in render.TARGETS]
+    if not targets:
+        raise OutputError("nothing to render", value=list(plan.targets), allowed=", ".join(render.TARGETS),
+                          hint="pass --target")
+    done = output.write(args.out, render.render(plan, targets), force=args.force)
+    print(f"rendered {', '.join(targets)} into {done.directory}: {len(done.written)} written, "
+          f"{len(done.unchanged)} unchanged, {len(done.removed)} removed")
+    for w in plan.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deploykit", description="NUMA-correct LLM inference deployments on CPUs.")
     p.add_argument("--version", action="version", version=f"deploykit {__version__}")
@@ -80,6 +107,15 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("spec")
     pl.add_argument("--sysroot", metavar="DIR", help="plan for a snapshot instead of the spec's hardware")
     pl.add_argument("--format", choices=("table", "json"), default="table")
+
+    r = sub.add_parser("render", help="write the Dockerfile, run.sh, compose.yaml... for a spec")
+    r.add_argument("spec")
+    r.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory (new, empty, or ours)")
+    r.add_argument("--target", action="append", metavar="TARGET",
+                   help="docker, compose or all (repeatable; default: the spec's targets)")
+    r.add_argument("--sysroot", metavar="DIR", help="plan for a snapshot instead of the spec's hardware")
+    r.add_argument("--force", action="store_true", help="write into a directory deploykit did not write, "
+                                                        "overwriting files it did not write or that were edited")
 
     t = sub.add_parser("topology", help="inspect this host or a snapshot")
     tsub = t.add_subparsers(dest="topology_command", metavar="ACTION", required=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 import uuid
 from collections.abc import Sequence
@@ -108,3 +109,12 @@ def base_image(docker: Docker) -> str:
     except BaseImageUnavailable as e:
         unavailable(str(e))
         raise  # unreachable: unavailable() always raises
+
+
+@pytest.fixture(scope="session")
+def compose_cli(docker: Docker) -> str:
+    """docker-compose (v1.29, Debian's package): the compose tool this machine has; v2's `docker compose` is absent."""
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        unavailable("docker-compose is not installed (Debian: apt-get install docker-compose)")
+    return exe

@@ -1,0 +1,58 @@
+"""The compose target: compose.yaml with one service per replica (plus nginx), the same settings as run.sh."""
+
+from __future__ import annotations
+
+import yaml
+
+from ..plan import Plan
+from . import docker, template
+from .docker import Container
+from .output import File
+
+
+def files(plan: Plan) -> list[File]:
+    return [*docker.image_files(plan), File("compose.yaml", compose_yaml(plan).encode())]
+
+
+def compose_yaml(plan: Plan) -> str:
+    model = plan.model.path
+    model_src = ("${MODEL_DIR:-" + model.replace("$", "$$") + "}" if model else
+                 "${MODEL_DIR:?set MODEL_DIR to the model directory on this host (nothing is downloaded at run time)}")
+    services = {c.name: _service(plan, c, model_src) for c in docker.containers(plan)}
+    body = yaml.safe_dump({"services": services}, sort_keys=True, default_flow_style=False, width=120)
+    return template("compose-header.j2", plan=plan, lb=plan.serving.load_balancer) + body
+
+
+def _service(plan: Plan, c: Container, model_src: str) -> dict:
+    s: dict = {
+        "image": plan.image.ref,
+        "labels": dict(c.labels),
+        "restart": "unless-stopped",
+        "mem_limit": c.memory,
+        "memswap_limit": c.memory,
+        "user": c.user,
+        "read_only": c.read_only,
+        "tmpfs": [c.tmpfs],
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges:true"],
+        "ports": [c.publish],
+        "volumes": [f"{model_src if m.source == 'model' else './' + m.source}:{m.target}:ro" for m in c.mounts],
+        "healthcheck": {"test": ["CMD", *docker.healthcheck(plan.serving.port)], "interval": "10s",
+                        "timeout": "5s", "retries": 3, "start_period": "600s"},
+    }
+    if c.cpuset:
+        s["cpuset"] = c.cpuset
+    if c.caps_add:
+        s["cap_add"] = list(c.caps_add)
+    if c.seccomp:
+        s["security_opt"].append(f"seccomp={'unconfined' if c.seccomp == 'unconfined' else './' + c.seccomp}")
+    if c.shm_size:
+        s["shm_size"] = c.shm_size
+    if c.env:
+        # None: compose passes the variable through from the caller's environment (the API key, by name only).
+        s["environment"] = dict(c.env)
+    if c.entrypoint:
+        s["entrypoint"] = list(c.entrypoint)
+    if c.depends_on:
+        s["depends_on"] = {name: {"condition": "service_started"} for name in c.depends_on}
+    return s

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Build the engine image registry.example.com/llm/engine:2025.1 for deployment "qwen" (rendered by deploykit 0.1.0).
+#
+#   ./build.sh                 stage ./wheels, then docker build this directory
+# Env: IMAGE (default registry.example.com/llm/engine:2025.1), DOCKER (default docker), PYTHON (default python3),
+#      DEPLOYKIT_WHEEL  a built deploykit wheel to use as is, or
+#      DEPLOYKIT_SRC    a deploykit source checkout to build one from (default: the checkout PYTHON imports
+#                       deploykit from),
+#      WHEELHOUSE       the offline wheelhouse (default: the spec's image.wheelhouse).
+# Extra arguments go to `docker build` (e.g. --build-arg KERNELS=off).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+IMAGE="${IMAGE:-registry.example.com/llm/engine:2025.1}"
+DOCKER="${DOCKER:-docker}"
+PYTHON="${PYTHON:-python3}"
+WHEELHOUSE="${WHEELHOUSE:-/spec/wheelhouse}"
+
+mkdir -p wheels
+rm -f wheels/deploykit-*.whl
+if [ -n "${DEPLOYKIT_WHEEL:-}" ]; then
+    cp "$DEPLOYKIT_WHEEL" wheels/
+else
+    src="${DEPLOYKIT_SRC:-$("$PYTHON" -c 'import deploykit, pathlib; print(pathlib.Path(deploykit.__file__).resolve().parents[1])')}"
+    if [ ! -f "$src/pyproject.toml" ]; then
+        echo "build.sh: $src is not a deploykit source checkout; set DEPLOYKIT_SRC or DEPLOYKIT_WHEEL" >&2
+        exit 2
+    fi
+    isolation=()
+    "$PYTHON" -c 'import setuptools' 2>/dev/null && isolation=(--no-build-isolation)
+    "$PYTHON" -m pip wheel --quiet --no-deps "${isolation[@]}" --wheel-dir wheels "$src"
+fi
+# Hard links where possible: a wheelhouse with torch is hundreds of MB.
+for whl in "$WHEELHOUSE"/*.whl; do
+    [ -e "$whl" ] || { echo "build.sh: no wheels in $WHEELHOUSE" >&2; exit 2; }
+    case "$(basename "$whl")" in deploykit-*) continue ;; esac
+    ln -f "$whl" wheels/ 2>/dev/null || cp -f "$whl" wheels/
+done
+exec "$DOCKER" build --build-arg BASE="${BASE:-deploykit-base:bookworm}" -t "$IMAGE" "$@" .

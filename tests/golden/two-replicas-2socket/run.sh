@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Run deployment "qwen" with plain `docker run`: 2 engine replicas behind nginx.
+# Rendered by deploykit 0.1.0 from plan.json; edit the spec and re-render rather than this file.
+#
+#   ./build.sh                           build the image first
+#   MODEL_DIR=/path/to/model ./run.sh    start; re-running replaces this deployment's containers
+#   ./run.sh down                        stop and remove them
+# Env: MODEL_DIR (the model directory on this host, mounted read-only at /model), IMAGE (default
+# deploykit-engine:0.1.0), DOCKER (default docker), DEPLOYKIT_API_KEY (the API key: passed by name, its
+# value never appears in a command line or a file).
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+IMAGE="${IMAGE:-deploykit-engine:0.1.0}"
+DOCKER="${DOCKER:-docker}"
+DEPLOYMENT=qwen
+
+# Remove a container of this deployment; refuse to touch a same-named container that is not ours.
+replace() {
+    local owner
+    if owner="$("$DOCKER" inspect --format '{{index .Config.Labels "deploykit.deployment"}}' "$1" 2>/dev/null)"; then
+        if [ "$owner" != "$DEPLOYMENT" ]; then
+            echo "run.sh: a container named $1 exists and does not belong to deployment $DEPLOYMENT" >&2
+            exit 1
+        fi
+        "$DOCKER" rm -f "$1" >/dev/null
+    fi
+}
+
+if [ "${1:-up}" = down ]; then
+    ids="$("$DOCKER" ps -aq --filter "label=deploykit.deployment=$DEPLOYMENT")"
+    [ -z "$ids" ] || "$DOCKER" rm -f $ids >/dev/null
+    "$DOCKER" network rm qwen >/dev/null 2>&1 || true
+    exit 0
+fi
+MODEL_DIR="${MODEL_DIR:?set MODEL_DIR to the model directory on this host (nothing is downloaded at run time)}"
+
+# Replicas and the load balancer find each other by container name on this network.
+"$DOCKER" network inspect qwen >/dev/null 2>&1 \
+    || "$DOCKER" network create --label "deploykit.deployment=$DEPLOYMENT" qwen >/dev/null
+
+# replica 0 on NUMA node 0: inference CPUs 0-94 (95 OpenMP threads), front end on CPUs 95,287; memory on node 0, limit 165.1 GiB
+replace qwen-0
+"$DOCKER" run --detach \
+    --name qwen-0 \
+    --label deploykit.deployment=qwen \
+    --label deploykit.replica=0 \
+    --restart unless-stopped \
+    --network qwen \
+    --cpuset-cpus 0-95,287 \
+    --cpuset-mems 0 \
+    --memory 177227995955 \
+    --memory-swap 177227995955 \
+    --shm-size 1g \
+    --user 10001:10001 \
+    --read-only \
+    --tmpfs /tmp:rw,nosuid,nodev,size=1g \
+    --cap-drop ALL \
+    --cap-add SYS_NICE \
+    --security-opt no-new-privileges \
+    --security-opt "seccomp=$HERE/seccomp.json" \
+    --env DEPLOYKIT_API_KEY \
+    --env DEPLOYKIT_CPUS=0-94 \
+    --env DEPLOYKIT_FRONTEND_CPUS=95,287 \
+    --env DEPLOYKIT_MEMS=0 \
+    --env DEPLOYKIT_REPLICA=0 \
+    --env OMP_NUM_THREADS=95 \
+    --volume "$MODEL_DIR:/model:ro" \
+    --volume "$HERE/plan.json:/etc/deploykit/plan.json:ro" \
+    --publish 127.0.0.1:8001:8000 \
+    "$IMAGE"
+
+# replica 1 on NUMA node 1: inference CPUs 96-190 (95 OpenMP threads), front end on CPUs 191,383; memory on node 1, limit 165.1 GiB
+replace qwen-1
+"$DOCKER" run --detach \
+    --name qwen-1 \
+    --label deploykit.deployment=qwen \
+    --label deploykit.replica=1 \
+    --restart unless-stopped \
+    --network qwen \
+    --cpuset-cpus 96-191,383 \
+    --cpuset-mems 1 \
+    --memory 177227995955 \
+    --memory-swap 177227995955 \
+    --shm-size 1g \
+    --user 10001:10001 \
+    --read-only \
+    --tmpfs /tmp:rw,nosuid,nodev,size=1g \
+    --cap-drop ALL \
+    --cap-add SYS_NICE \
+    --security-opt no-new-privileges \
+    --security-opt "seccomp=$HERE/seccomp.json" \
+    --env DEPLOYKIT_API_KEY \
+    --env DEPLOYKIT_CPUS=96-190 \
+    --env DEPLOYKIT_FRONTEND_CPUS=191,383 \
+    --env DEPLOYKIT_MEMS=1 \
+    --env DEPLOYKIT_REPLICA=1 \
+    --env OMP_NUM_THREADS=95 \
+    --volume "$MODEL_DIR:/model:ro" \
+    --volume "$HERE/plan.json:/etc/deploykit/plan.json:ro" \
+    --publish 127.0.0.1:8002:8000 \
+    "$IMAGE"
+
+# nginx load balancer (least connections, streaming) in front of the replicas; runs from the engine image, so nothing is pulled from a registry
+replace qwen-lb
+"$DOCKER" run --detach \
+    --name qwen-lb \
+    --label deploykit.deployment=qwen \
+    --label deploykit.replica=lb \
+    --restart unless-stopped \
+    --network qwen \
+    --cpuset-cpus 95,191,287,383 \
+    --memory 268435456 \
+    --memory-swap 268435456 \
+    --user 10001:10001 \
+    --read-only \
+    --tmpfs /tmp:rw,nosuid,nodev,noexec,size=64m \
+    --cap-drop ALL \
+    --security-opt no-new-privileges \
+    --security-opt "seccomp=$HERE/seccomp.json" \
+    --volume "$HERE/nginx.conf:/etc/deploykit/nginx.conf:ro" \
+    --publish 127.0.0.1:8000:8000 \
+    --entrypoint /usr/sbin/nginx \
+    "$IMAGE" -e stderr -c /etc/deploykit/nginx.conf
+echo "deployment $DEPLOYMENT: 2 replicas behind port 8000 on 127.0.0.1 (GET /health)"

@@ -1,0 +1,44 @@
+"""The rendered-output cases shared by the golden tests and the Docker tests: (sysroot fixture, spec sections)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import make_spec
+
+# Small Qwen-shaped model for cases that read a local config.json instead of spec numbers.
+TINY_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
+               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "vocab_size": 1000, "max_position_embeddings": 2048, "tie_word_embeddings": False}
+
+QWEN25_05B = {"source": "Qwen/Qwen2.5-0.5B-Instruct", "max_model_len": 4096,
+              "architecture": {"num_parameters": 494_032_768, "num_hidden_layers": 24, "num_key_value_heads": 2,
+                               "head_dim": 64, "max_position_embeddings": 32768}}
+
+CASES: dict[str, tuple[str, dict]] = {
+    "one-replica-two-cpu": ("two-cpu", {}),
+    "two-replicas-2socket": ("epyc-2s-nps1", {"serving": {"api_key": {"env": "DEPLOYKIT_API_KEY"},
+                                                          "publish_address": "127.0.0.1"}}),
+    "use-smt": ("xeon-2s-snc2", {"placement": {"use_smt": True}}),
+    "reserved-cpus-0": ("two-cpu", {"model": QWEN25_05B,
+                                    "placement": {"strategy": "explicit", "cpus": ["0", "1"], "reserved_cpus": 0}}),
+    "custom-base": ("two-cpu", {"image": {"name": "registry.example.com/llm/engine", "tag": "2025.1",
+                                          "base": "deploykit-base:bookworm", "wheelhouse": "./wheelhouse"},
+                                "security": {"seccomp": "runtime-default", "run_as_user": 20000,
+                                             "read_only_root": False}}),
+    "local-model-unconfined": ("two-cpu", {"model": {"source": "./tiny-model", "max_model_len": 1024},
+                                           "security": {"seccomp": "unconfined"}}),
+}
+
+
+def write_spec(directory: Path, sections: dict, name: str = "spec.yaml") -> Path:
+    """The spec file plus what its relative paths point at (a model's config.json, a wheelhouse directory)."""
+    (directory / "tiny-model").mkdir(parents=True, exist_ok=True)
+    (directory / "tiny-model" / "config.json").write_text(json.dumps(TINY_CONFIG))
+    (directory / "wheelhouse").mkdir(exist_ok=True)
+    spec = directory / name
+    spec.write_text(yaml.safe_dump(make_spec(**sections)))
+    return spec

@@ -1,0 +1,117 @@
+"""run.sh and compose.yaml describe the same containers: what one says about CPUs, memory, privileges, mounts and
+environment, the other says too (run.sh executed against a recording `docker`, compose.yaml parsed as YAML)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploykit import render
+from deploykit.cli import load_plan
+from deploykit.render import output
+from tests.render.cases import CASES, write_spec
+
+RECORDER = """#!/usr/bin/env python3
+import json, os, sys
+with open(os.environ["DOCKER_LOG"], "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+sys.exit(1 if "inspect" in sys.argv[1:3] else 0)
+"""
+
+
+def rendered(case: str, tmp_path: Path, sysroots) -> tuple[Path, dict]:
+    machine, sections = CASES[case]
+    spec = write_spec(tmp_path, sections)
+    _, _, plan = load_plan(str(spec), str(sysroots[machine]))
+    out = tmp_path / "out"
+    output.write(out, render.render(plan, render.TARGETS))
+    return out, plan.to_dict()
+
+
+def docker_runs(out: Path, tmp_path: Path) -> dict[str, list[str]]:
+    rec = tmp_path / "docker"
+    rec.write_text(RECORDER)
+    rec.chmod(0o755)
+    log = tmp_path / "log"
+    env = {**os.environ, "DOCKER": str(rec), "DOCKER_LOG": str(log), "MODEL_DIR": "/models/m", "IMAGE": "img:1"}
+    env.pop("DEPLOYKIT_API_KEY", None)
+    done = subprocess.run(["bash", str(out / "run.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    runs = [json.loads(x) for x in log.read_text().splitlines()]
+    return {a[a.index("--name") + 1]: a for a in runs if a[0] == "run"}
+
+
+def values(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_run_sh_and_compose_agree(case, tmp_path, sysroots):
+    out, plan = rendered(case, tmp_path, sysroots)
+    runs = docker_runs(out, tmp_path)
+    services = yaml.safe_load((out / "compose.yaml").read_text())["services"]
+    assert set(runs) == set(services)
+    for name, argv in runs.items():
+        svc = services[name]
+        assert values(argv, "--cpuset-cpus") == ([svc["cpuset"]] if "cpuset" in svc else [])
+        assert values(argv, "--memory") == [str(svc["mem_limit"])]
+        assert values(argv, "--cap-add") == svc.get("cap_add", [])
+        assert values(argv, "--cap-drop") == svc["cap_drop"] == ["ALL"]
+        assert values(argv, "--tmpfs") == svc["tmpfs"]
+        assert values(argv, "--user") == [svc["user"]]
+        assert ("--read-only" in argv) == svc["read_only"]
+        assert values(argv, "--publish") == svc["ports"]
+        env = dict(e.split("=", 1) if "=" in e else (e, None) for e in values(argv, "--env"))
+        assert env == svc.get("environment", {})
+        mounts = [v.replace(str(out), ".").replace("/models/m", "MODEL") for v in values(argv, "--volume")]
+        assert [m.split(":", 1)[1] for m in mounts] == [v.rsplit(":", 2)[-2] + ":ro" for v in svc["volumes"]]
+        sec_run = [s.replace(str(out), ".") for s in values(argv, "--security-opt")]
+        assert sorted(s.replace("no-new-privileges", "no-new-privileges:true") for s in sec_run) == \
+            sorted(svc["security_opt"])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_replicas_get_plan_cpus_mems_and_their_index(case, tmp_path, sysroots):
+    out, plan = rendered(case, tmp_path, sysroots)
+    runs = docker_runs(out, tmp_path)
+    for r in plan["replicas"]:
+        argv = runs[r["name"]]
+        assert values(argv, "--cpuset-cpus") == [r["cpuset"]]
+        assert values(argv, "--cpuset-mems") == [r["mems_list"]]
+        env = dict(e.split("=", 1) for e in values(argv, "--env") if "=" in e)
+        assert env["DEPLOYKIT_REPLICA"] == str(r["index"])
+        assert {k: env[k] for k in r["env"]} == r["env"]
+        assert values(argv, "--publish") == [f"{plan['serving']['publish_address']}:{r['port']}:"
+                                             f"{plan['serving']['port']}"]
+
+
+def test_seccomp_modes(tmp_path, sysroots):
+    seen = {}
+    for case in ("one-replica-two-cpu", "custom-base", "local-model-unconfined"):
+        out, plan = rendered(case, tmp_path / case, sysroots)
+        argv = docker_runs(out, tmp_path / case)[plan["replicas"][0]["name"]]
+        seen[plan["security"]["seccomp"]] = [s for s in values(argv, "--security-opt") if s.startswith("seccomp")]
+        if plan["security"]["seccomp"] == "unconfined":
+            assert "WARNING" in (out / "run.sh").read_text() and "WARNING" in (out / "compose.yaml").read_text()
+    assert seen["least-privilege"] == [f"seccomp={tmp_path / 'one-replica-two-cpu' / 'out' / 'seccomp.json'}"]
+    assert seen["runtime-default"] == []
+    assert seen["unconfined"] == ["seccomp=unconfined"]
+
+
+def test_api_key_is_passed_by_name_only(tmp_path, sysroots):
+    out, plan = rendered("two-replicas-2socket", tmp_path, sysroots)
+    os.environ["DEPLOYKIT_API_KEY"] = "sk-secret-value"
+    try:
+        runs = docker_runs(out, tmp_path)
+    finally:
+        del os.environ["DEPLOYKIT_API_KEY"]
+    for r in plan["replicas"]:
+        assert "DEPLOYKIT_API_KEY" in values(runs[r["name"]], "--env")
+    assert not any("sk-secret-value" in " ".join(a) for a in runs.values())
+    services = yaml.safe_load((out / "compose.yaml").read_text())["services"]
+    assert all(services[r["name"]]["environment"]["DEPLOYKIT_API_KEY"] is None for r in plan["replicas"])
