@@ -1,0 +1,106 @@
+"""Public matmul entry point for the engine: native AVX512-BF16 / AMX kernels when built, pure PyTorch otherwise."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import loader
+
+__all__ = ["linear", "prepare_weight", "status"]
+
+_NATIVE = loader.load()
+_ops = torch.ops.deploykit if _NATIVE.loaded else None
+_BF16 = torch.bfloat16
+
+# Measured with benchmarks/kernels.py on Sapphire Rapids (2 cores): vdpbf16ps GEMV streams at
+# the memory roofline up to M≈4, past that it turns compute-bound and AMX tiles win at every M.
+AMX_MIN_M = 5
+_amx_min_m = AMX_MIN_M if _NATIVE.amx else 1 << 62
+# Plain [N, K] weights (cannot be packed, e.g. an lm_head tied to the embedding): the row-dot kernel
+# at M=1, AMX with W as the A operand for small batches, oneDNN beyond.
+ROWS_MAX_M = 1
+PLAIN_AMX_MAX_M = 64
+
+
+if _ops is not None:  # resolved once: the OpOverloadPacket lookup costs microseconds per call
+    _rows = _ops.linear_rows.default
+    _avx512_packed = _ops.linear_packed_avx512.default
+    _amx_packed = _ops.linear_packed_amx.default
+    _amx_plain = _ops.linear_plain_amx.default
+
+
+def is_packed(w: torch.Tensor) -> bool:
+    """Packed weights are [N/16, K/2, 16, 2]; a linear weight is otherwise always 2-D."""
+    return w.dim() == 4 and w.shape[2] == 16 and w.shape[3] == 2
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    # [N, K] -> [N/16, K/2, 16, 2]: each 64-byte line is k-pair j of 16 output columns (AMX B tile row).
+    n, k = w.shape
+    return w.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack(wp: torch.Tensor) -> torch.Tensor:
+    nb, kh = wp.shape[0], wp.shape[1]
+    return wp.permute(0, 2, 1, 3).reshape(nb * 16, kh * 2)
+
+
+def prepare_weight(w: torch.Tensor) -> torch.Tensor:
+    """Called once per weight at load time; returns what `linear` should be given. Never keeps a second copy:
+    callers must drop their reference to `w` and keep only the result."""
+    with torch.no_grad():
+        w = w.detach()
+        n, k = w.shape
+        if _NATIVE.loaded and w.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0:
+            return pack(w)
+        return w.contiguous()
+
+
+def fallback_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure PyTorch (oneDNN) path; also the reference the native kernels are tested against."""
+    return F.linear(x, unpack(w) if is_packed(w) else w, bias)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear semantics: x [..., K], w [N, K] or prepare_weight(w), bias [N] -> [..., N]."""
+    # Hot path of every decode step (~100 calls per token): keep the Python work minimal.
+    if _ops is None or x.dtype != _BF16 or w.dtype != _BF16:
+        return fallback_linear(x, w, bias)
+    lead = x.shape[:-1]
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, K]; a view whenever possible
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if m == 0:
+        return fallback_linear(x, w, bias)
+    if w.dim() == 4:  # packed, see is_packed
+        y = _amx_packed(x2, w, bias) if m >= _amx_min_m else _avx512_packed(x2, w, bias)
+    elif w.dim() != 2 or not w.is_contiguous():
+        return F.linear(x, w, bias)
+    elif m <= ROWS_MAX_M:
+        y = _rows(x2, w, bias)
+    elif m <= PLAIN_AMX_MAX_M and _NATIVE.amx and w.shape[0] % 16 == 0 and x2.shape[1] % 32 == 0:
+        y = _amx_plain(x2, w, bias)
+    elif m <= 4:
+        y = _rows(x2, w, bias)
+    else:
+        return F.linear(x, w, bias)
+    return y if x.dim() == 2 else y.view(*lead, y.shape[-1])
+
+
+def status() -> dict:
+    """Which matmul path is active and why, for the engine's start-up log."""
+    path = ("native-amx" if _NATIVE.amx else "native-avx512bf16") if _NATIVE.loaded else "fallback"
+    return {
+        "path": path,
+        "isa": _NATIVE.isa,
+        "amx": _NATIVE.amx,
+        "library": _NATIVE.library,
+        "reason": _NATIVE.reason or "native kernels loaded",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "amx_min_m": AMX_MIN_M,
+        "rows_max_m": ROWS_MAX_M,
+        "plain_amx_max_m": PLAIN_AMX_MAX_M,
+    }

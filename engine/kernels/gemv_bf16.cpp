@@ -1,0 +1,214 @@
+// AVX512-BF16 (vdpbf16ps) matrix-vector kernels for batch-1 / small-batch decode.
+//
+// Two weight layouts are served:
+//   plain  [N, K]            row dot products, any K (masked tail); used for weights the model
+//                            cannot repack (e.g. an lm_head tied to the embedding table).
+//   packed [N/16, K/2, 16, 2] "VNNI" blocks: one 64-byte line holds the k-pair (2j, 2j+1) of
+//                            16 output columns, so x pairs are broadcast and no horizontal
+//                            reduction is needed. It is also the AMX B-tile layout (amx_bf16.cpp).
+// Every output element is produced by exactly one thread with a fixed operation order, so
+// results are bitwise identical for any thread count.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cstring>
+
+namespace deploykit {
+namespace {
+
+using bf16 = at::BFloat16;
+
+inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+inline int32_t load_pair(const bf16* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));  // x rows are only 2-byte aligned for odd row strides
+  return v;
+}
+
+// Permute indices for one halving step of a 16-way transposed reduction: with h lanes per row
+// in a and b, out lane j sums lanes (base + j%h) and (base + h + j%h) of concat(a, b).
+struct HalvingIdx {
+  __m512i lo, hi;
+  explicit HalvingIdx(int h) {
+    alignas(64) int32_t l[16], u[16];
+    for (int j = 0; j < 16; ++j) {
+      const int base = (j / h) * 2 * h;
+      l[j] = base + j % h;
+      u[j] = base + h + j % h;
+    }
+    lo = _mm512_load_si512(l);
+    hi = _mm512_load_si512(u);
+  }
+};
+
+// acc[r] holds 16 partial sums of row r; returns lane r = sum(acc[r]) for r < 16.
+inline __m512 reduce16(__m512 acc[16]) {
+  static const HalvingIdx idx[4] = {HalvingIdx(8), HalvingIdx(4), HalvingIdx(2), HalvingIdx(1)};
+  for (int level = 0, n = 16; n > 1; ++level, n /= 2)
+    for (int i = 0; i < n / 2; ++i) {
+      const __m512 a = acc[2 * i], b = acc[2 * i + 1];
+      acc[i] = _mm512_add_ps(_mm512_permutex2var_ps(a, idx[level].lo, b),
+                             _mm512_permutex2var_ps(a, idx[level].hi, b));
+    }
+  return acc[0];
+}
+
+// `prefetch`: the next block of R contiguous rows (or nullptr); one of its lines is requested into
+// L2 per line loaded here (a block of long rows exceeds L1). R rows of a few KiB are R short
+// streams the hardware prefetcher ramps up on too late, costing ~30 % of bandwidth.
+template <int R>
+inline void rows_accumulate(const bf16* x, const bf16* wr, int64_t K, __m512 acc[R], const char* prefetch) {
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    if (prefetch)
+      for (int r = 0; r < R; ++r) _mm_prefetch(prefetch + (k / 32 * R + r) * 64, _MM_HINT_T1);
+    const __m512i xv = _mm512_loadu_si512(x + k);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], as_bh(_mm512_loadu_si512(wr + r * K + k)), as_bh(xv));
+  }
+  if (k < K) {
+    // Zero-filled lanes contribute 0 * 0; never reads past the row end.
+    const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
+    const __m512i xv = _mm512_maskz_loadu_epi16(mask, x + k);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], as_bh(_mm512_maskz_loadu_epi16(mask, wr + r * K + k)), as_bh(xv));
+  }
+}
+
+// out[m, n0:n0+16] for all M x rows; the 16 weight rows stay in L1/L2 across x rows.
+inline void rows_block16(const bf16* x, int64_t ldx, int64_t M, const bf16* w, int64_t N, int64_t K, int64_t n0,
+                         const float* bias, bf16* out, int64_t ldo) {
+  const __m512 bv = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+  // Later x rows find the block in L1/L2; only the first pass fetches the next block.
+  const char* next = n0 + 32 <= N ? reinterpret_cast<const char*>(w + (n0 + 16) * K) : nullptr;
+  for (int64_t m = 0; m < M; ++m) {
+    __m512 acc[16];
+    rows_accumulate<16>(x + m * ldx, w + n0 * K, K, acc, m == 0 ? next : nullptr);
+    __m256bh h = _mm512_cvtneps_pbh(_mm512_add_ps(reduce16(acc), bv));
+    std::memcpy(out + m * ldo + n0, &h, sizeof(h));
+  }
+}
+
+// Single-row tail of rows_block16 for N % 16 leftovers.
+inline void rows_single(const bf16* x, int64_t ldx, int64_t M, const bf16* w, int64_t K, int64_t n,
+                        const float* bias, bf16* out, int64_t ldo) {
+  for (int64_t m = 0; m < M; ++m) {
+    __m512 acc[1];
+    rows_accumulate<1>(x + m * ldx, w + n * K, K, acc, nullptr);
+    out[m * ldo + n] = bf16(_mm512_reduce_add_ps(acc[0]) + (bias ? bias[n] : 0.0f));
+  }
+}
+
+// out[m, 16*(nb0+g) + j] for G column blocks of 16 and MT x rows, packed weights.
+template <int G, int MT>
+inline void packed_block(const bf16* x, int64_t ldx, const bf16* wp, int64_t Kh, int64_t nb0,
+                         const float* bias, bf16* out, int64_t ldo) {
+  __m512 acc[MT][G];
+  for (int m = 0; m < MT; ++m)
+    for (int g = 0; g < G; ++g) acc[m][g] = _mm512_setzero_ps();
+  const bf16* wb = wp + nb0 * Kh * 32;
+  for (int64_t kp = 0; kp < Kh; ++kp) {
+    __m512i wv[G];
+    for (int g = 0; g < G; ++g) wv[g] = _mm512_loadu_si512(wb + (g * Kh + kp) * 32);
+    for (int m = 0; m < MT; ++m) {
+      __m512i xb = _mm512_set1_epi32(load_pair(x + m * ldx + 2 * kp));
+      for (int g = 0; g < G; ++g) acc[m][g] = _mm512_dpbf16_ps(acc[m][g], as_bh(wv[g]), as_bh(xb));
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int g = 0; g < G; ++g) {
+      __m512 v = acc[m][g];
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + (nb0 + g) * 16));
+      __m256bh h = _mm512_cvtneps_pbh(v);
+      std::memcpy(out + m * ldo + (nb0 + g) * 16, &h, sizeof(h));
+    }
+}
+
+template <int G>
+inline void packed_all_m(const bf16* x, int64_t ldx, int64_t M, const bf16* wp, int64_t Kh,
+                         int64_t nb0, const float* bias, bf16* out, int64_t ldo) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) packed_block<G, 4>(x + m * ldx, ldx, wp, Kh, nb0, bias, out + m * ldo, ldo);
+  switch (M - m) {
+    case 3: packed_block<G, 3>(x + m * ldx, ldx, wp, Kh, nb0, bias, out + m * ldo, ldo); break;
+    case 2: packed_block<G, 2>(x + m * ldx, ldx, wp, Kh, nb0, bias, out + m * ldo, ldo); break;
+    case 1: packed_block<G, 1>(x + m * ldx, ldx, wp, Kh, nb0, bias, out + m * ldo, ldo); break;
+    default: break;
+  }
+}
+
+at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be [N]");
+  return bias->to(at::kFloat).contiguous();
+}
+
+void check_x(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be a 2-D bf16 tensor");
+  TORCH_CHECK(x.size(1) == K, "x has K=", x.size(1), ", weight has K=", K);
+  TORCH_CHECK(x.stride(1) == 1 || x.size(1) == 1, "x rows must be contiguous");
+}
+
+}  // namespace
+
+// x [M, K] (row stride free), w [N, K] contiguous -> [M, N] bf16.
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
+              "weight must be a contiguous 2-D bf16 tensor");
+  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
+  check_x(x, K);
+  at::Tensor b = float_bias(bias, N);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = w.data_ptr<bf16>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t ldx = x.stride(0);
+  const int64_t nblocks = N / 16;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) rows_block16(xp, ldx, M, wp, N, K, blk * 16, bp, op, N);
+  });
+  for (int64_t n = nblocks * 16; n < N; ++n) rows_single(xp, ldx, M, wp, K, n, bp, op, N);
+  return out;
+}
+
+// x [M, K], wp [N/16, K/2, 16, 2] -> [M, N] bf16 via vdpbf16ps broadcasts.
+at::Tensor linear_packed_avx512(const at::Tensor& x, const at::Tensor& wp,
+                                const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 2 && wp.is_contiguous() &&
+                  wp.scalar_type() == at::kBFloat16,
+              "packed weight must be a contiguous bf16 [N/16, K/2, 16, 2] tensor");
+  const int64_t NB = wp.size(0), Kh = wp.size(1), N = NB * 16, K = Kh * 2, M = x.size(0);
+  check_x(x, K);
+  at::Tensor b = float_bias(bias, N);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* w = wp.data_ptr<bf16>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t ldx = x.stride(0);
+  constexpr int64_t G = 4;  // 4 column blocks x 4 rows = 16 accumulators
+  const int64_t groups = NB / G;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) packed_all_m<G>(xp, ldx, M, w, Kh, g * G, bp, op, N);
+  });
+  for (int64_t nb = groups * G; nb < NB; ++nb) packed_all_m<1>(xp, ldx, M, w, Kh, nb, bp, op, N);
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(deploykit, m) {
+  m.def("linear_rows(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("linear_packed_avx512(Tensor x, Tensor wp, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(deploykit, CPU, m) {
+  m.impl("linear_rows", &linear_rows);
+  m.impl("linear_packed_avx512", &linear_packed_avx512);
+}
+
+}  // namespace deploykit

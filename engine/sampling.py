@@ -1,0 +1,350 @@
+"""Sampling parameters, per-request sampling state, and the batched token sampler."""
+from __future__ import annotations
+
+import math
+from array import array
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+MAX_LOGPROBS = 20
+# Temperatures below this are treated as greedy (as vLLM does): dividing logits by ~0 overflows.
+GREEDY_TEMPERATURE = 1e-5
+# Two-level argmax/top-k: one vectorised amax over [R, V/BLOCK, BLOCK] picks candidate blocks, so the slow
+# index-tracking kernels (argmax, topk) only run on a few thousand elements. Large k uses narrower blocks.
+BLOCK, NARROW_BLOCK = 128, 32
+# A top-p row without top-k looks for its nucleus among the 256 best tokens, then 32x more, and sorts the
+# whole vocabulary only if even those hold less than top_p of the probability mass.
+TOP_P_CANDIDATES, TOP_P_GROWTH = 256, 32
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int | None = 16  # None = up to the end of the context window
+    temperature: float = 1.0  # below 1e-5 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # prompt + output tokens (HF/vLLM)
+    presence_penalty: float = 0.0  # output tokens only (OpenAI/vLLM)
+    frequency_penalty: float = 0.0  # output tokens only (OpenAI/vLLM)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # EOS is masked out for the whole generation
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top alternatives; 0 = only the chosen token
+
+    def __post_init__(self) -> None:
+        # Accept a bare string or a list at the edge; store tuples so params stay hashable.
+        if isinstance(self.stop, (str, list)):
+            object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        mt, n, lp, real = self.max_tokens, self.min_tokens, self.logprobs, _is_real
+        checks = (
+            ("max_tokens", mt is None or (_is_int(mt) and mt >= 1), "an integer >= 1 or None"),
+            ("temperature", real(self.temperature) and self.temperature >= 0, ">= 0"),
+            ("top_p", real(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", _is_int(self.top_k) and self.top_k >= -1, "-1 or 0 (disabled) or an integer >= 1"),
+            ("min_p", real(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("repetition_penalty", real(self.repetition_penalty) and self.repetition_penalty > 0, "> 0"),
+            ("presence_penalty", real(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("seed", self.seed is None or _is_int(self.seed), "an integer or None"),
+            ("stop", isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
+             "a list of non-empty strings"),
+            ("stop_token_ids", isinstance(self.stop_token_ids, tuple)
+             and all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "a list of integers >= 0"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "a bool"),
+            ("min_tokens", _is_int(n) and n >= 0 and (mt is None or n <= mt), "an integer >= 0 and <= max_tokens"),
+            ("logprobs", lp is None or (_is_int(lp) and 0 <= lp <= MAX_LOGPROBS),
+             f"an integer in [0, {MAX_LOGPROBS}] or None"),
+        )
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def is_truncated(self) -> bool:
+        """Whether top-k or top-p restricts sampling to a (usually small) set of best tokens."""
+        return self.top_k > 0 or self.top_p < 1
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Log-probabilities under the model's raw distribution: log_softmax of the logits before penalties,
+    masks, temperature and filtering (vLLM's default), so they do not depend on the sampling settings."""
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class SamplingState:
+    """Per-request mutable sampling state; the engine calls `append` for every accepted token."""
+
+    __slots__ = ("params", "vocab_size", "eos_token_ids", "num_output_tokens", "generator", "has_penalties",
+                 "_min_tokens_ban", "_always_ban", "_slot", "_ids", "_counts")
+
+    def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int], eos_token_ids: Sequence[int],
+                 vocab_size: int):
+        if any(t >= vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be < vocab size {vocab_size}, got {list(params.stop_token_ids)}")
+        self.params = params
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
+        self.num_output_tokens = 0
+        self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed % 2**64)
+        self._min_tokens_ban = tuple(dict.fromkeys(self.eos_token_ids + params.stop_token_ids))
+        self._always_ban = self.eos_token_ids if params.ignore_eos else ()
+        self.has_penalties = (params.repetition_penalty != 1 or params.presence_penalty != 0
+                              or params.frequency_penalty != 0)
+        # Sparse penalty bookkeeping, one slot per distinct token seen: a step costs O(distinct tokens),
+        # not O(V). _counts counts output occurrences only (prompt tokens sit at 0 for the repetition penalty).
+        self._slot: dict[int, int] = {}
+        self._ids = array("q")
+        self._counts = array("f")
+        if params.repetition_penalty != 1:
+            for tid in dict.fromkeys(prompt_token_ids):
+                self._slot[tid] = len(self._ids)
+                self._ids.append(tid)
+                self._counts.append(0.0)
+
+    def append(self, token_id: int) -> None:
+        self.num_output_tokens += 1
+        if not self.has_penalties:
+            return
+        slot = self._slot.get(token_id)
+        if slot is None:
+            self._slot[token_id] = len(self._ids)
+            self._ids.append(token_id)
+            self._counts.append(1.0)
+        else:
+            self._counts[slot] += 1.0
+
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """Token ids whose logits are forced to -inf at this step."""
+        return self._min_tokens_ban if self.num_output_tokens < self.params.min_tokens else self._always_ban
+
+    def penalty_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids [N] int64, output counts [N] float32) for every token seen so far."""
+        if not self._ids:
+            return torch.empty(0, dtype=torch.int64), torch.empty(0)
+        # clone: the arrays must stay resizable after this call
+        return (torch.frombuffer(self._ids, dtype=torch.int64).clone(),
+                torch.frombuffer(self._counts, dtype=torch.float32).clone())
+
+
+def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
+    """In place on [B, V]: repetition penalty (l/r if l > 0 else l*r) over prompt + output tokens, then
+    l -= frequency * count + presence * (count > 0) over output tokens. Touches only seen tokens."""
+    rows = [i for i, s in enumerate(states) if s.has_penalties]
+    slots = [states[i].penalty_slots() for i in rows]
+    lengths = torch.tensor([len(ids) for ids, _ in slots], dtype=torch.int64)
+    if not rows or int(lengths.sum()) == 0:
+        return
+    ids = torch.cat([ids for ids, _ in slots])  # [N] over all penalised rows
+    counts = torch.cat([c for _, c in slots])  # [N]
+
+    def per_entry(values: list) -> torch.Tensor:
+        return torch.tensor(values).repeat_interleave(lengths)  # [N]
+
+    r = per_entry(rows)
+    rep = per_entry([states[i].params.repetition_penalty for i in rows])
+    v = logits[r, ids]
+    v = torch.where(v > 0, v / rep, v * rep)
+    v -= per_entry([states[i].params.frequency_penalty for i in rows]) * counts
+    v -= per_entry([states[i].params.presence_penalty for i in rows]) * (counts > 0)
+    logits[r, ids] = v
+
+
+def apply_bans(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
+    """In place on [B, V]: -inf for EOS and stop tokens before min_tokens, and for EOS under ignore_eos."""
+    bans = [(i, ids) for i, s in enumerate(states) if (ids := s.banned_token_ids())]
+    if bans:
+        r = torch.tensor([i for i, ids in bans for _ in ids], dtype=torch.int64)
+        c = torch.tensor([t for _, ids in bans for t in ids], dtype=torch.int64)
+        logits[r, c] = -math.inf
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax of [R, V] (first index on ties), several times faster than Tensor.argmax on CPU."""
+    rows, v = x.shape
+    nb = v // BLOCK
+    if nb < 8:
+        return x.argmax(-1)
+    bmax = x[:, : nb * BLOCK].reshape(rows, nb, BLOCK).amax(-1)  # [R, nb]
+    if nb * BLOCK < v:
+        bmax = torch.cat([bmax, x[:, nb * BLOCK:].amax(-1, keepdim=True)], 1)
+    best = bmax.argmax(-1, keepdim=True)  # [R, 1]
+    # The tail block may be short: clamping repeats column V-1, which never precedes the true first max.
+    cols = (best * BLOCK + torch.arange(BLOCK)).clamp_max_(v - 1)  # [R, BLOCK]
+    return cols.gather(1, x.gather(1, cols).argmax(-1, keepdim=True)).squeeze(1)
+
+
+def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted top-k of [R, V]. Every top-k element lies in one of the k blocks with the largest maxima, so
+    torch.topk only runs on those blocks (plus the ragged tail)."""
+    rows, v = x.shape
+    block = BLOCK if k <= 64 else NARROW_BLOCK
+    nb = v // block
+    if k * 4 > nb:
+        return x.topk(min(k, v), -1)
+    bmax = x[:, : nb * block].reshape(rows, nb, block).amax(-1)  # [R, nb]
+    blocks = bmax.topk(k, -1, sorted=False).indices  # [R, k]
+    cols = (blocks.unsqueeze(-1) * block + torch.arange(block)).reshape(rows, k * block)
+    if nb * block < v:
+        cols = torch.cat([cols, torch.arange(nb * block, v).expand(rows, -1)], 1)
+    vals, pos = x.gather(1, cols).topk(k, -1)
+    return vals, cols.gather(1, pos)
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Inverse-CDF draw from unnormalised non-negative weights [R, N] (overwritten) -> indices [R]. Uses one
+    uniform per row whatever N is, and no O(N) random numbers (generating those costs more than the rest)."""
+    cdf = weights.cumsum_(-1)
+    total = cdf[:, -1:]
+    u = torch.rand(cdf.shape[0], 1, generator=generator) * total
+    # u == total after rounding would select past the last token with non-zero weight.
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(1)
+
+
+def _column(params: Sequence[SamplingParams], value: Callable[[SamplingParams], float]) -> torch.Tensor:
+    return torch.tensor([value(p) for p in params]).unsqueeze(1)  # [R, 1]
+
+
+def _log_min_p(params: Sequence[SamplingParams]) -> torch.Tensor:
+    return _column(params, lambda p: math.log(p.min_p) if p.min_p > 0 else -math.inf)  # [R, 1]
+
+
+def _truncate(vals: torch.Tensor, params: Sequence[SamplingParams], lse_full: torch.Tensor | None,
+              complete: bool) -> torch.Tensor | None:
+    """Apply top-k, top-p, min-p in place to scaled logits sorted descending [R, K]. Unless the K candidates
+    are the whole vocabulary, returns a [R] mask of rows whose nucleus extends past them (to be redone)."""
+    width = vals.shape[1]
+    if any(p.top_k > 0 for p in params):
+        vals.masked_fill_(torch.arange(width) >= _column(params, lambda p: p.top_k if p.top_k > 0 else width),
+                          -math.inf)
+    short = None
+    if any(p.top_p < 1 for p in params):
+        has_k = torch.tensor([p.top_k > 0 for p in params])
+        # Top-k rows renormalise over their k survivors (HF order); the others need the full softmax.
+        lse = torch.logsumexp(vals, -1)  # [R]
+        if lse_full is not None:
+            lse = torch.where(has_k, lse, lse_full)
+        probs = (vals - lse.unsqueeze(1)).exp_()  # [R, K]
+        cum = probs.cumsum(-1)
+        top_p = _column(params, lambda p: p.top_p if p.top_p < 1 else math.inf)
+        # keep a token while the mass of strictly better tokens is below top_p (always keeps the best)
+        vals.masked_fill_((cum - probs) >= top_p, -math.inf)
+        if not complete:
+            short = ~has_k & (cum[:, -1] < top_p.squeeze(1))
+    if any(p.min_p > 0 for p in params):
+        vals.masked_fill_(vals < vals[:, :1] + _log_min_p(params), -math.inf)
+    return short
+
+
+def _sample_truncated(x: torch.Tensor, params: Sequence[SamplingParams], generator: torch.Generator | None,
+                      lse_full: torch.Tensor | None, width: int) -> list[int]:
+    """Sample among the `width` best tokens of each row of scaled logits [R, V]; rows whose top-p nucleus
+    turns out wider are redone with TOP_P_GROWTH times more candidates."""
+    v = x.shape[1]
+    vals, idx = x.sort(-1, descending=True) if width >= v else _topk(x, width)  # [R, K]
+    short = _truncate(vals, params, lse_full, complete=width >= v)
+    tokens = idx.gather(1, _draw((vals - vals[:, :1]).exp_(), generator).unsqueeze(1)).squeeze(1).tolist()
+    if short is not None and bool(short.any()):
+        redo = short.nonzero().squeeze(1).tolist()
+        wider = _sample_truncated(x[redo], [params[i] for i in redo], generator, lse_full[redo],
+                                  min(width * TOP_P_GROWTH, v))
+        for i, t in zip(redo, wider):
+            tokens[i] = t
+    return tokens
+
+
+def _sample_rows(x: torch.Tensor, params: Sequence[SamplingParams], generator: torch.Generator | None) -> list[int]:
+    """One token per row of logits [R, V] (overwritten). Rows must be all truncated (top-k/top-p) or none."""
+    if any(p.temperature != 1 for p in params):
+        x.div_(_column(params, lambda p: p.temperature))
+    if not params[0].is_truncated:
+        m = x.amax(-1, keepdim=True)  # [R, 1]
+        if any(p.min_p > 0 for p in params):
+            x.masked_fill_(x < m + _log_min_p(params), -math.inf)
+        return _draw(x.sub_(m).exp_(), generator).tolist()
+    width = min(max(p.top_k if p.top_k > 0 else TOP_P_CANDIDATES for p in params), x.shape[1])
+    lse_full = torch.logsumexp(x, -1) if any(p.top_k <= 0 for p in params) else None  # [R]
+    return _sample_truncated(x, params, generator, lse_full, width)
+
+
+def _logprobs(raw: torch.Tensor, chosen: list[int], ns: list[int]) -> list[TokenLogprobs]:
+    lse = torch.logsumexp(raw, -1, keepdim=True)  # [L, 1]
+    chosen_lp = (raw.gather(1, torch.tensor(chosen).unsqueeze(1)) - lse).squeeze(1).tolist()
+    n = min(max(ns), raw.shape[1])
+    top_v, top_i = _topk(raw, n) if n else (raw[:, :0], raw[:, :0].long())
+    top_v, top_i = (top_v - lse).tolist(), top_i.tolist()
+    return [TokenLogprobs(t, lp, tuple(zip(top_i[j][:k], top_v[j][:k])))
+            for j, (t, lp, k) in enumerate(zip(chosen, chosen_lp, ns))]
+
+
+class Sampler:
+    """Turns last-position logits into next tokens. Processing order follows HF/vLLM: penalties ->
+    min_tokens/ignore_eos masks -> temperature -> top-k -> top-p -> min-p -> draw.
+    The logits tensor is overwritten; callers must not reuse it."""
+
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+        rows = logits.shape[0]
+        if rows != len(states):
+            raise ValueError(f"got {rows} logit rows for {len(states)} sampling states")
+        x = logits.float()  # [B, V], no copy when already float32
+        params = [s.params for s in states]
+        want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        untouched = not any(s.has_penalties or s.banned_token_ids() for s in states)
+        if untouched and not want_lp and all(p.is_greedy for p in params):
+            return SamplerOutput(_argmax(x).tolist(), [None] * rows)
+
+        raw = x[want_lp] if want_lp else None  # [L, V] copy kept for logprobs
+        apply_penalties(x, states)
+        apply_bans(x, states)
+        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        # Seeded rows are sampled one by one with their own generator, so their stream never depends on
+        # what else is in the batch; unseeded rows in one batch with and one without top-k/top-p.
+        groups = [([i], s.generator) for i, s in enumerate(states)
+                  if s.generator is not None and not params[i].is_greedy]
+        for truncated in (False, True):
+            groups.append(([i for i, p in enumerate(params) if states[i].generator is None and not p.is_greedy
+                            and p.is_truncated == truncated], None))
+        tokens = [0] * rows
+        if greedy:
+            for i, t in zip(greedy, _argmax(x if len(greedy) == rows else x[greedy]).tolist()):
+                tokens[i] = t
+        for g, gen in groups:
+            if g:
+                sub = x if len(g) == rows else (x[g[0]: g[0] + 1] if len(g) == 1 else x[g])
+                for i, t in zip(g, _sample_rows(sub, [params[i] for i in g], gen)):
+                    tokens[i] = t
+
+        logprobs: list[TokenLogprobs | None] = [None] * rows
+        if raw is not None:
+            chosen = _logprobs(raw, [tokens[i] for i in want_lp], [params[i].logprobs for i in want_lp])
+            for i, lp in zip(want_lp, chosen):
+                logprobs[i] = lp
+        return SamplerOutput(tokens, logprobs)

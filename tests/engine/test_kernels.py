@@ -1,0 +1,224 @@
+"""Native matmul kernels agree with the pure-PyTorch path, are thread-count independent, and degrade loudly."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import build, loader
+
+ROOT = Path(__file__).resolve().parents[2]
+HAS_BF16 = "avx512_bf16" in loader.cpu_flags()
+HAS_AMX = {"amx_tile", "amx_bf16"} <= loader.cpu_flags()
+needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="CPU lacks avx512_bf16: native kernels never load here")
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """engine.kernels with the native library loaded, building it first on a clean checkout."""
+    if not HAS_BF16:
+        pytest.skip("CPU lacks avx512_bf16")
+    build.build()
+    import engine.kernels as k
+
+    if not k.status()["path"].startswith("native"):
+        k = importlib.reload(k)  # imported before the build finished: load it now
+    assert k.status()["path"].startswith("native"), k.status()
+    return k
+
+
+def bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 reference on the same bf16 inputs and the per-element error the kernels may show against it.
+
+    bf16 x bf16 products are exact in fp32, so the only differences are (a) fp32 summation in another
+    order: <= K * 2^-24 * sum|x*w| (a factor 2 above the classic recursive-summation bound), and (b) one
+    final round-to-nearest to bf16: <= 2^-8 relative (8 significant bits).
+    """
+    xf, wf = x.float(), w.float()
+    ref = F.linear(xf, wf, None if bias is None else bias.float())
+    magnitude = F.linear(xf.abs(), wf.abs(), None if bias is None else bias.float().abs())
+    summation = 2 * (w.shape[1] + 1) * 2.0**-24 * magnitude
+    return ref, summation + 2.0**-8 * (ref.abs() + summation)
+
+
+def assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    ref, tol = bound(x, w, bias)
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    err = (y.float() - ref).abs()
+    worst = (err - tol).argmax()
+    assert bool((err <= tol).all()), f"error {err.flatten()[worst]:.3g} > tol {tol.flatten()[worst]:.3g}"
+
+
+def make(m: int, k: int, n: int, with_bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed * 7919 + m * 131 + k * 17 + n)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    return x, w, b
+
+
+# (K, N): packable model shapes, odd K/N, K not a multiple of 32, N not a multiple of 16.
+SHAPES = [(896, 1152), (4864, 896), (64, 48), (96, 80), (33, 7), (130, 17), (1000, 33), (7, 64), (896, 151)]
+PLAIN = [(896, 2048), (96, 80), (130, 17)]  # as a tied lm_head: never packed
+
+
+@needs_bf16
+@pytest.mark.parametrize("k,n", PLAIN)
+def test_unprepared_weights_match_fp32_reference(kernels, k, n):
+    """Weights the model keeps plain (tied embeddings) take the row / plain-AMX kernels by batch size."""
+    for m in [*range(1, 18), 33, 64, 65]:
+        x, w, b = make(m, k, n, with_bias=m % 3 == 0)
+        assert_close(kernels.linear(x, w, b), x, w, b)
+
+
+@needs_bf16
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_fp32_reference_for_all_small_batches(kernels, k, n, with_bias):
+    for m in range(1, 18):
+        x, w, b = make(m, k, n, with_bias)
+        wp = kernels.prepare_weight(w)
+        assert_close(kernels.linear(x, wp, b), x, w, b)
+
+
+@needs_bf16
+def test_packable_weights_are_packed_and_others_kept_plain(kernels):
+    assert kernels.is_packed(kernels.prepare_weight(torch.zeros(64, 96, dtype=torch.bfloat16)))
+    odd = torch.zeros(48, 33, dtype=torch.bfloat16)
+    assert kernels.prepare_weight(odd).shape == odd.shape
+    fp32 = torch.zeros(64, 96)
+    assert kernels.prepare_weight(fp32).shape == fp32.shape
+
+
+@needs_bf16
+@pytest.mark.parametrize("op", ["linear_packed_avx512", "linear_packed_amx", "linear_rows", "linear_plain_amx"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 15, 16, 17, 31, 32, 33, 48, 100])
+def test_each_native_kernel_at_every_batch_shape(kernels, op, m):
+    """Every kernel, not only the one the dispatcher picks for m, including M tails of the AMX 32-row blocks."""
+    if "amx" in op and not kernels.status()["amx"]:
+        pytest.skip("no AMX on this CPU")
+    for k, n in [(64, 32), (896, 1152), (160, 48), (96, 80)]:
+        x, w, b = make(m, k, n, with_bias=m % 2 == 1)
+        wt = kernels.pack(w) if "packed" in op else w
+        assert_close(getattr(torch.ops.deploykit, op)(x, wt, b), x, w, b)
+
+
+@needs_bf16
+def test_leading_dims_and_non_contiguous_x(kernels):
+    _, w, b = make(1, 896, 1152, True)
+    wp = kernels.prepare_weight(w)
+    wide = torch.randn(2, 5, 1000).bfloat16()
+    x = wide[..., 50:946]  # [2, 5, 896], row stride 1000: passed to the kernel without a copy
+    y = kernels.linear(x, wp, b)
+    assert y.shape == (2, 5, 1152)
+    assert_close(y.reshape(10, 1152), x.reshape(10, 896), w, b)
+    xt = torch.randn(896, 3).bfloat16().t()  # [3, 896] with column stride 3: copied
+    assert_close(kernels.linear(xt, wp, b), xt, w, b)
+    xs = torch.randn(4, 2 * 896).bfloat16()[:, ::2]  # element stride 2
+    assert_close(kernels.linear(xs, wp, None), xs, w, None)
+
+
+@needs_bf16
+def test_empty_batch_and_fp32_inputs_follow_f_linear(kernels):
+    _, w, b = make(1, 96, 64, True)
+    wp = kernels.prepare_weight(w)
+    assert kernels.linear(torch.zeros(0, 96, dtype=torch.bfloat16), wp, b).shape == (0, 64)
+    x = torch.randn(3, 96)
+    y = kernels.linear(x, kernels.prepare_weight(w.float()), b.float())
+    torch.testing.assert_close(y, F.linear(x, w.float(), b.float()))
+
+
+@needs_bf16
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 77])
+def test_results_do_not_depend_on_thread_count(kernels, m):
+    """Each output is computed by one thread in a fixed order, so results are bitwise identical."""
+    x, w, b = make(m, 896, 1152, True)
+    wp = kernels.prepare_weight(w)
+    x2, w2, b2 = make(m, 130, 17, True)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append((kernels.linear(x, wp, b), kernels.linear(x2, w2, b2)))
+    finally:
+        torch.set_num_threads(before)
+    for y, y2 in outs[1:]:
+        assert torch.equal(y, outs[0][0]) and torch.equal(y2, outs[0][1])
+
+
+@needs_bf16
+def test_only_torchs_openmp_runtime_is_mapped(kernels):
+    kernels.linear(*make(4, 96, 64, False)[:2])
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    runtimes = {line.split()[-1] for line in maps if any(r in line for r in ("libgomp", "libiomp", "libomp"))}
+    assert len(runtimes) == 1 and Path(next(iter(runtimes))).parent == Path(torch.__file__).parent / "lib", runtimes
+
+
+@needs_bf16
+def test_stream_read_probe_reads_every_line(kernels):
+    """The benchmark's roofline probe must really load all memory: a lone set bit anywhere is found."""
+    t = torch.zeros(1 << 20, dtype=torch.int64)  # 8 MiB, spread over both threads' streams and the tail
+    for index in (0, 12345, (1 << 20) - 1, 777_777):
+        t.zero_()
+        t[index] = 1 << (index % 63)
+        assert torch.ops.deploykit.stream_read(t) == 1 << (index % 63)
+
+
+def run_status(env_overrides: dict[str, str]) -> dict:
+    env = {**os.environ, **env_overrides}
+    out = subprocess.run([sys.executable, "-m", "engine.kernels", "status"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+def test_missing_library_falls_back_and_says_how_to_fix(tmp_path):
+    status = run_status({"DEPLOYKIT_KERNEL_DIR": str(tmp_path), "DEPLOYKIT_KERNELS": ""})
+    if HAS_BF16:
+        assert status["path"] == "fallback"
+        assert "python -m engine.kernels build" in status["reason"] and str(tmp_path) in status["reason"]
+    else:
+        assert status["path"] == "fallback" and "avx512_bf16" in status["reason"]
+
+
+def test_fallback_module_computes_f_linear(tmp_path):
+    code = ("import torch, torch.nn.functional as F, engine.kernels as k\n"
+            "x = torch.randn(3, 4, 96).bfloat16(); w = torch.randn(64, 96).bfloat16(); b = torch.randn(64).bfloat16()\n"
+            "wp = k.prepare_weight(w)\n"
+            "assert wp.shape == w.shape\n"
+            "assert torch.equal(k.linear(x, wp, b), F.linear(x, w, b))\n"
+            "print(k.status()['path'])\n")
+    env = {**os.environ, "DEPLOYKIT_KERNEL_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "fallback"
+
+
+@needs_bf16
+def test_stale_library_is_not_loaded(kernels, tmp_path):
+    shutil.copy(build.default_dir() / build.LIBRARY_NAME, tmp_path / build.LIBRARY_NAME)
+    manifest = json.loads((build.default_dir() / build.MANIFEST_NAME).read_text())
+    manifest["source_hash"] = "0" * 16
+    (tmp_path / build.MANIFEST_NAME).write_text(json.dumps(manifest))
+    status = run_status({"DEPLOYKIT_KERNEL_DIR": str(tmp_path), "DEPLOYKIT_KERNELS": ""})
+    assert status["path"] == "fallback" and "stale" in status["reason"]
+
+
+def test_cpu_without_avx512_bf16_is_reported():
+    native = loader.load(flags=frozenset({"avx2", "avx512f", "fma"}))
+    assert not native.loaded and "avx512_bf16" in native.reason
+
+
+def test_cpuinfo_flags_are_read(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_tile\n\nprocessor\t: 1\n")
+    assert loader.cpu_flags(info) == frozenset({"fpu", "avx512f", "avx512_bf16", "amx_tile"})
