@@ -321,3 +321,17 @@ def test_params_normalise_sequences_and_stay_hashable():
 def test_stop_token_outside_vocabulary_is_rejected():
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingState(SamplingParams(stop_token_ids=(10,)), [1], [EOS], 10)
+
+
+def test_extreme_but_valid_params_never_produce_nan_or_out_of_range_tokens():
+    """Found by schemathesis through the server: a top_p below float32's range and a tiny
+    repetition_penalty used to crash the step (index out of bounds / NaN)."""
+    import torch
+
+    V = 1000
+    logits = torch.randn(2, V) * 5
+    for params in (SamplingParams(top_p=1e-216), SamplingParams(repetition_penalty=1e-40),
+                   SamplingParams(repetition_penalty=1e-40, top_p=0.5, temperature=0.3)):
+        states = [SamplingState(params, [1, 2, 3], [0], V) for _ in range(2)]
+        out = Sampler()(logits.clone(), states)
+        assert all(0 <= t < V for t in out.token_ids)
