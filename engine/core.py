@@ -1,0 +1,168 @@
+"""EngineCore: token-level request lifecycle; each step() = schedule -> run the model -> sample -> finish."""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig, resolve_dtype
+from engine.errors import ModelLoadError, RequestError
+from engine.kv_cache import BlockAllocator, KVCache, default_kv_cache_bytes
+from engine.loader import load_spec
+from engine.model_runner import ModelRunner
+from engine.models import build_model, is_native
+from engine.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+log = logging.getLogger("engine")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOutput:
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None     # one entry per new token when the request asked for logprobs
+    finished: bool
+    finish_reason: str | None                # "stop" | "length" | "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float                    # fraction of KV blocks in use, 0..1
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.dtype = resolve_dtype(config.dtype)
+        self.spec = spec = load_spec(config.model)
+        self.max_model_len = self._context_len(config)
+        bytes_per_token = spec.kv_bytes_per_token * self.dtype.itemsize
+        budget = config.kv_cache_bytes or default_kv_cache_bytes(
+            bytes_per_token, config.max_num_seqs, self.max_model_len)
+        num_blocks = budget // (bytes_per_token * config.block_size)
+        if num_blocks < 1:
+            raise ModelLoadError(f"kv_cache_bytes={budget} is too small: one block of {config.block_size} tokens "
+                                 f"needs {bytes_per_token * config.block_size} bytes for this model")
+        if num_blocks * config.block_size < self.max_model_len:
+            log.warning("KV cache holds %d tokens, less than max_model_len %d; lowering max_model_len",
+                        num_blocks * config.block_size, self.max_model_len)
+            self.max_model_len = num_blocks * config.block_size
+        self.model = build_model(spec, self.dtype, self.max_model_len)
+        kv = KVCache(spec.num_layers, num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
+                     self.dtype) if is_native(spec) else None
+        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, kv, config.block_size)
+        self.sampler = Sampler()
+        self.eos_token_ids = spec.eos_token_ids
+        self._requests: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        log.info("engine core: %s (%s, %s), max_model_len=%d, KV cache %d blocks x %d tokens (%.1f MiB)",
+                 spec.architecture, "native" if is_native(spec) else "transformers", str(self.dtype)[6:],
+                 self.max_model_len, num_blocks, config.block_size, num_blocks * config.block_size
+                 * bytes_per_token / 2**20)
+
+    def _context_len(self, config: EngineConfig) -> int:
+        limit = self.spec.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ModelLoadError(f"max_model_len={config.max_model_len} exceeds the model's "
+                                 f"max_position_embeddings={limit} (config.json); lower max_model_len")
+        n = config.max_model_len or limit
+        if self.spec.sliding_window is not None and self.spec.sliding_window < n:
+            # Within the window, sliding-window attention equals full attention, which is what we compute.
+            log.warning("model uses sliding-window attention (window %d); capping max_model_len to it",
+                        self.spec.sliding_window)
+            n = self.spec.sliding_window
+        return n
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("prompt is empty; it must contain at least one token")
+        vocab = self.spec.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.max_tokens is None:
+            max_tokens = self.max_model_len - n
+            if max_tokens < 1:
+                raise RequestError(f"prompt has {n} tokens, leaving no room to generate within "
+                                   f"max_model_len {self.max_model_len}")
+        else:
+            max_tokens = params.max_tokens
+            if max_tokens < 1:
+                raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
+            if n + max_tokens > self.max_model_len:
+                raise RequestError(f"prompt has {n} tokens and max_tokens is {max_tokens}: together "
+                                   f"{n + max_tokens} exceed max_model_len {self.max_model_len}")
+        state = SamplingState(params, prompt_token_ids, self.eos_token_ids, vocab)
+        seq = Sequence(request_id, list(prompt_token_ids), n, max_tokens, state, next(self._arrivals))
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        self._prompt_tokens += n
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request and free its KV blocks; returns False if it was unknown or already finished."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        self.runner.release(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @torch.inference_mode()
+    def step(self) -> list[TokenOutput]:
+        batch = self.scheduler.schedule()
+        for seq in batch.preempted:
+            self.runner.release(seq)
+        if not batch:
+            return []
+        sampled, logits = self.runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        if not sampled:
+            return []
+        result = self.sampler(logits, [seq.sampling for seq in sampled])
+        outputs = []
+        for seq, token, lp in zip(sampled, result.token_ids, result.logprobs):
+            seq.token_ids.append(token)
+            seq.sampling.append(token)
+            self._generation_tokens += 1
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                del self._requests[seq.request_id]
+                self.scheduler.finish(seq, reason)
+                self.runner.release(seq)
+            outputs.append(TokenOutput(seq.request_id, [token], None if lp is None else [lp],
+                                       reason is not None, reason))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.sampling.params
+        if seq.num_output_tokens > p.min_tokens:  # a stop token counts only once min_tokens were produced
+            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+                return "stop"
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.allocator.usage(),
+                           self._prompt_tokens, self._generation_tokens, self.scheduler.num_preemptions)

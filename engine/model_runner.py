@@ -1,0 +1,89 @@
+"""Turns a scheduled batch into flat model inputs + attention metadata, runs the model, returns logits."""
+from __future__ import annotations
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.models.layers import AttentionMetadata, Blocks, PrefillChunk
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model, kv: KVCache | None, block_size: int):
+        self.model = model
+        self.kv = kv
+        self.block_size = block_size
+
+    def release(self, seq: Sequence) -> None:
+        if not self.model.native:
+            self.model.release(seq)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
+        """Feed every scheduled token; return the sequences that reached their last token and logits [B, V]."""
+        if not self.model.native:
+            return self.model.run(batch.seqs, batch.num_new_tokens)
+        # Single-token rows first: the attention kernel batches them in one call.
+        order = sorted(zip(batch.seqs, batch.num_new_tokens), key=lambda sn: sn[1] != 1)
+        input_ids, positions, meta, sampled, rows = self._prepare(order)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv)     # [N, H]
+        if not rows:
+            return sampled, hidden[:0]
+        if len(rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows)]
+        return sampled, self.model.compute_logits(hidden)
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """Bool mask -> 0 / -inf in the model dtype, once per step (SDPA would convert a bool mask per layer)."""
+        return torch.zeros(allowed.shape, dtype=self.model.dtype).masked_fill_(~allowed, float("-inf"))
+
+    def _prepare(self, order: list[tuple[Sequence, int]]):
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_ctx: list[int] = []
+        prefills: list[PrefillChunk] = []
+        sampled: list[Sequence] = []
+        rows: list[int] = []
+        for seq, n in order:
+            c, bt, end = seq.num_computed_tokens, seq.block_table, seq.num_computed_tokens + n
+            row = len(ids)
+            ids += seq.token_ids[c:end]
+            pos += range(c, end)
+            slots += [bt[p // bs] * bs + p % bs for p in range(c, end)]
+            nblocks = -(-end // bs)
+            if n == 1:
+                dec_tables.append(bt[:nblocks])
+                dec_ctx.append(end)
+            elif c == 0:
+                prefills.append(PrefillChunk(row, n, None, end, None))
+            else:
+                # Later chunk of a long prompt: attend to the cached prefix plus itself, causally.
+                mask = self._additive(torch.arange(end)[None, :] <= torch.arange(c, end)[:, None])  # [n, end]
+                prefills.append(PrefillChunk(row, n, _blocks(bt[:nblocks]), end, mask))
+            if end == seq.num_tokens:
+                sampled.append(seq)
+                rows.append(row + n - 1)
+        tables = mask = None
+        if len(dec_tables) == 1:
+            tables = _blocks(dec_tables[0])
+        elif dec_tables:
+            width = max(len(t) for t in dec_tables)
+            tables = torch.tensor([b for t in dec_tables for b in t + [0] * (width - len(t))])  # [B * max_blocks]
+            ctx = torch.tensor(dec_ctx)
+            mask = self._additive(torch.arange(width * bs)[None, :] < ctx[:, None])[:, None, None]  # [B, 1, 1, T]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), num_decode=len(dec_tables), decode_blocks=tables,
+            decode_mask=mask, decode_context_len=dec_ctx[0] if dec_ctx else 0, prefills=prefills)
+        return torch.tensor(ids), torch.tensor(pos), meta, sampled, rows
+
+
+def _blocks(table: list[int]) -> Blocks:
+    """A contiguous run of blocks is passed as a slice, so attention reads it in place instead of gathering."""
+    first = table[0]
+    if table[-1] - first == len(table) - 1 and all(b == first + i for i, b in enumerate(table)):
+        return slice(first, first + len(table))
+    return torch.tensor(table)

@@ -1,0 +1,164 @@
+"""Building blocks shared by the native decoder models: linear, RMSNorm, rotary embedding, paged attention."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import ModelLoadError
+
+try:  # the native GEMV kernels; plain F.linear until that package exists
+    from engine.kernels import linear, prepare_weight
+except ImportError:
+    linear = F.linear
+
+    def prepare_weight(w: torch.Tensor) -> torch.Tensor:
+        return w
+
+
+def embed_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Embedding lookup [N] -> [N, H] from a plain [V, H] matrix or a kernel-packed one [V/16, H/2, 16, 2]
+    (tied embeddings keep only the packed lm_head copy)."""
+    if weight.dim() == 2:
+        return F.embedding(ids, weight)
+    return weight[ids // 16, :, ids % 16, :].flatten(1)
+
+
+def rms_norm(x: torch.Tensor, weight2: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) [* weight]. F.rms_norm is a chain of ~8 small kernels on CPU; layer_norm is
+    one fused kernel, and on [x, -x] (mean 0, variance mean(x^2)) it computes the RMS norm (fp32 inside).
+    weight2 is the weight repeated twice, [2H]."""
+    h = x.shape[-1]
+    return F.layer_norm(torch.cat((x, x.neg()), -1), (2 * h,), weight2, None, eps)[..., :h]
+
+
+class RMSNorm:
+    __slots__ = ("weight2", "eps")
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight2 = torch.cat([weight, weight])      # [2H]
+        self.eps = eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight2, self.eps)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in fp32, including the 'linear' and 'llama3' context extensions."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ModelLoadError(f"config.json: rope type {kind!r} is not supported by the native engine "
+                         "(supported: default, linear, llama3)")
+
+
+class Rotary:
+    """Full-width tables [max_len, head_dim] precomputed once, for HF's rotate-half layout:
+    out = x * [cos, cos] + roll(x, D/2) * [-sin, sin]."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_len: int, dtype: torch.dtype):
+        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * rope_inv_freq(head_dim, theta, scaling)
+        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        self.cos = torch.cat([cos, cos], -1)
+        self.sin = torch.cat([-sin, sin], -1)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-step lookup shared by all layers: cos, signed sin [N, 1, head_dim]."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotary embedding in place on x [N, H, D] (3 kernels instead of rotate_half's 7)."""
+    torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin, out=x)
+
+
+Blocks = torch.Tensor | slice   # block ids to gather, or a contiguous run of blocks (a view, no copy)
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    start: int                          # first row of this chunk in the flattened batch
+    length: int                         # query tokens in the chunk
+    blocks: Blocks | None               # the sequence's blocks when earlier tokens are cached; None if fresh
+    context_len: int                    # cached + new tokens the queries attend to
+    mask: torch.Tensor | None           # [length, context_len] bool, causal aligned to the end
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step attention layout, built once by the model runner and shared by every layer."""
+    slot_mapping: torch.Tensor          # [N] flat cache slot of each token's K/V
+    num_decode: int                     # rows [0, num_decode) are single-token decodes, one per sequence
+    decode_blocks: Blocks | None        # [num_decode * max_blocks] row-major tables padded with block 0
+    decode_mask: torch.Tensor | None    # [num_decode, 1, 1, max_blocks * block_size]; None for one sequence
+    decode_context_len: int             # exact context length when num_decode == 1
+    prefills: list[PrefillChunk]
+
+
+def _context(kv_layer: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """kv_layer [NB, bs, 2, Hkv, D] -> the listed blocks' tokens [T, 2, Hkv, D] (one memcpy per block)."""
+    if isinstance(blocks, slice):
+        return kv_layer[blocks].flatten(0, 1)
+    nb, bs, two, n_kv, d = kv_layer.shape
+    return torch.index_select(kv_layer.view(nb, -1), 0, blocks).view(-1, 2, n_kv, d)
+
+
+def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q [N, Hq, D], kv_new [N, 2, Hkv, D] (this step's K and V), kv_layer [NB, bs, 2, Hkv, D] -> [N, Hq, D]."""
+    n_tok, n_heads, head_dim = q.shape
+    n_kv = kv_new.shape[2]
+    kv_layer.view(-1, 2, n_kv, head_dim).index_copy_(0, meta.slot_mapping, kv_new)
+    nd = meta.num_decode
+    out = None
+    if nd:
+        # One query per sequence: fold the query heads sharing a KV head into the query-length axis (GQA).
+        qd = q[:nd].view(nd, n_kv, n_heads // n_kv, head_dim)                   # [B, Hkv, G, D]
+        ctx = _context(kv_layer, meta.decode_blocks)                             # [B * T, 2, Hkv, D]
+        if meta.decode_mask is None:
+            ctx = ctx[:meta.decode_context_len]
+        ctx = ctx.view(nd, -1, 2, n_kv, head_dim).permute(2, 0, 3, 1, 4)        # [2, B, Hkv, T, D]
+        o = F.scaled_dot_product_attention(qd, ctx[0], ctx[1], attn_mask=meta.decode_mask, scale=scale)
+        if not meta.prefills:
+            return o.view(nd, n_heads, head_dim)
+        out = q.new_empty(q.shape)
+        out[:nd] = o.view(nd, n_heads, head_dim)
+    if out is None and len(meta.prefills) > 1:
+        out = q.new_empty(q.shape)
+    for c in meta.prefills:
+        qp = q[c.start:c.start + c.length].transpose(0, 1).unsqueeze(0)          # [1, Hq, L, D]
+        if c.blocks is None:
+            ctx = kv_new[c.start:c.start + c.length]                             # [L, 2, Hkv, D]
+            ctx = ctx.permute(1, 2, 0, 3).unsqueeze(1)                           # [2, 1, Hkv, L, D]
+            o = F.scaled_dot_product_attention(qp, ctx[0], ctx[1], is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            ctx = _context(kv_layer, c.blocks)[:c.context_len].permute(1, 2, 0, 3).unsqueeze(1)  # [2,1,Hkv,C,D]
+            o = F.scaled_dot_product_attention(qp, ctx[0], ctx[1], attn_mask=c.mask, scale=scale, enable_gqa=True)
+        o = o[0].transpose(0, 1)                                                 # [L, Hq, D]
+        if out is None:
+            return o
+        out[c.start:c.start + c.length] = o
+    return out

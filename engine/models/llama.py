@@ -1,0 +1,141 @@
+"""Native forward pass for Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 (one decoder family, config-driven)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.errors import ModelLoadError
+from engine.kv_cache import KVCache
+from engine.loader import CheckpointReader, ModelSpec
+from engine.models.layers import (
+    ACTIVATIONS,
+    AttentionMetadata,
+    RMSNorm,
+    Rotary,
+    embed_rows,
+    linear,
+    paged_attention,
+    prepare_weight,
+    rms_norm,
+    rotate_,
+)
+
+log = logging.getLogger("engine")
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+class _Layer:
+    """One decoder layer's weights, already fused: qkv [(Hq + 2 Hkv) * D, H], gate_up [2 I, H]."""
+    __slots__ = ("ln1", "qkv", "qkv_bias", "qk_norm", "o", "o_bias", "ln2", "gate_up", "gate_up_bias", "down",
+                 "down_bias")
+
+
+class LlamaModel:
+    """Plain tensors + functional ops; no nn.Module, so each layer is a short, fixed list of kernel calls."""
+    native = True
+
+    def __init__(self, spec: ModelSpec, reader: CheckpointReader, dtype: torch.dtype, max_len: int):
+        if spec.hidden_act not in ACTIVATIONS:
+            raise ModelLoadError(f"{spec.path}/config.json: hidden_act {spec.hidden_act!r} is not supported "
+                                 f"(supported: {', '.join(ACTIVATIONS)})")
+        if spec.head_dim % 2:
+            raise ModelLoadError(f"{spec.path}/config.json: head_dim {spec.head_dim} must be even for rotary")
+        self.spec = spec
+        self.dtype = dtype
+        self.act = ACTIVATIONS[spec.hidden_act]
+        self.scale = spec.head_dim ** -0.5
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_len, dtype)
+        self._load(reader)
+
+    def _load(self, r: CheckpointReader) -> None:
+        s, dt = self.spec, self.dtype
+        used: set[str] = set()
+
+        def get(name: str) -> torch.Tensor:
+            used.add(name)
+            return r.get(name).to(dt)
+
+        def opt(name: str) -> torch.Tensor | None:
+            return get(name) if name in r else None
+
+        def fused(names: list[str], rows: int, cols: int) -> torch.Tensor:
+            # One GEMM per projection group; the parts are freed as soon as the fused copy exists.
+            w = torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
+            if tuple(w.shape) != (rows, cols):
+                raise ModelLoadError(f"{s.path}: {' + '.join(names)} has shape {tuple(w.shape)}, config.json "
+                                     f"implies {(rows, cols)}; the config does not match the weights")
+            return prepare_weight(w)
+
+        def fused_bias(names: list[str]) -> torch.Tensor | None:
+            return torch.cat([get(n) for n in names]) if names[0] in r else None
+
+        hidden, inter = s.hidden_size, s.intermediate_size
+        self.embed = get("model.embed_tokens.weight")
+        if tuple(self.embed.shape) != (s.vocab_size, hidden):
+            raise ModelLoadError(f"{s.path}: model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
+                                 f"config.json implies {(s.vocab_size, hidden)}; the config does not match the weights")
+        self.layers: list[_Layer] = []
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
+            gate_up = [p + "mlp.gate_proj", p + "mlp.up_proj"]
+            L = _Layer()
+            L.ln1 = RMSNorm(get(p + "input_layernorm.weight"), s.rms_norm_eps)
+            L.ln2 = RMSNorm(get(p + "post_attention_layernorm.weight"), s.rms_norm_eps)
+            L.qkv = fused([n + ".weight" for n in qkv], self.q_size + 2 * self.kv_size, hidden)
+            L.qkv_bias = fused_bias([n + ".bias" for n in qkv])
+            L.o = fused([p + "self_attn.o_proj.weight"], hidden, self.q_size)
+            L.o_bias = opt(p + "self_attn.o_proj.bias")
+            # Qwen3 normalises each q and k head before rotary; one [Hq + Hkv, D] weight does both at once.
+            qn, kn = opt(p + "self_attn.q_norm.weight"), opt(p + "self_attn.k_norm.weight")
+            L.qk_norm = None if qn is None else torch.cat([qn.expand(s.num_heads, -1),
+                                                           kn.expand(s.num_kv_heads, -1)])
+            L.gate_up = fused([n + ".weight" for n in gate_up], 2 * inter, hidden)
+            L.gate_up_bias = fused_bias([n + ".bias" for n in gate_up])
+            L.down = fused([p + "mlp.down_proj.weight"], hidden, inter)
+            L.down_bias = opt(p + "mlp.down_proj.bias")
+            self.layers.append(L)
+        self.norm = RMSNorm(get("model.norm.weight"), s.rms_norm_eps)
+        if "lm_head.weight" in r and not s.tie_word_embeddings:
+            self.lm_head = fused(["lm_head.weight"], s.vocab_size, hidden)
+        else:
+            used.add("lm_head.weight")
+            self.lm_head = prepare_weight(self.embed)
+            if self.lm_head is not self.embed:  # the kernel relaid the tied matrix out; look rows up in that copy
+                self.embed = None
+        unknown = sorted(n for n in r.names() if n not in used and not n.endswith("rotary_emb.inv_freq"))
+        if unknown:
+            raise ModelLoadError(f"{s.path}: the checkpoint has tensors this {s.architecture} implementation does "
+                                 f"not use (e.g. {', '.join(unknown[:3])}); it is an unsupported variant")
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv: KVCache) -> torch.Tensor:
+        """input_ids, positions [N] (all sequences flattened) -> final hidden states [N, H] (pre-norm)."""
+        s = self.spec
+        n = input_ids.shape[0]
+        nh, nkv, hd = s.num_heads, s.num_kv_heads, s.head_dim
+        cos, sin = self.rotary.tables(positions)                       # [N, 1, D]
+        h = embed_rows(self.embed if self.embed is not None else self.lm_head, input_ids)  # [N, H]
+        for i, L in enumerate(self.layers):
+            x = L.ln1(h)
+            qkv = linear(x, L.qkv, L.qkv_bias).view(n, nh + 2 * nkv, hd)  # [N, Hq + 2 Hkv, D]
+            qk = qkv[:, :nh + nkv]                                     # q and k heads, normed/rotated in place
+            if L.qk_norm is not None:
+                torch.mul(rms_norm(qk, None, s.rms_norm_eps), L.qk_norm, out=qk)
+            rotate_(qk, cos, sin)
+            o = paged_attention(qkv[:, :nh], qkv[:, nh:].view(n, 2, nkv, hd), kv.layers[i], meta, self.scale)
+            h += linear(o.reshape(n, nh * hd), L.o, L.o_bias)
+            x = L.ln2(h)
+            gate, up = linear(x, L.gate_up, L.gate_up_bias).chunk(2, dim=-1)      # [N, I] each
+            h += linear(self.act(gate) * up, L.down, L.down_bias)
+        return h
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, H] at the positions being sampled -> logits [B, V] in fp32."""
+        return linear(self.norm(hidden), self.lm_head, None).float()

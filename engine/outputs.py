@@ -1,0 +1,79 @@
+"""Per-request text layer over EngineCore's token outputs: detokenization, stop strings, output records."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.params import SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:  # the HTTP front end uses this module and must not import torch (engine.core does)
+    from engine.core import TokenOutput
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One streamed increment of a request."""
+    request_id: str
+    text: str                                # new text since the previous output
+    token_ids: list[int]                     # new token ids since the previous output
+    logprobs: list[TokenLogprobs] | None
+    finished: bool
+    finish_reason: str | None                # "stop" | "length" | "abort" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int                   # cumulative
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A finished request, as Engine.generate returns it."""
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None
+
+
+class RequestState:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tokenizer):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=True)
+        self.stop = StopStringMatcher(tuple(params.stop)) if params.stop else None
+        self.text_parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.finished = False
+        self.finish_reason: str | None = None
+
+    def process(self, out: TokenOutput) -> RequestOutput:
+        """Fold one core output in; a stop-string hit finishes the request here (the caller aborts it in the core)."""
+        text = self.detok.add(out.new_token_ids)
+        finished, reason = out.finished, out.finish_reason
+        if finished:
+            text += self.detok.flush()  # a trailing partial character is emitted (as U+FFFD) rather than lost
+        if self.stop is not None and len(self.token_ids) + len(out.new_token_ids) > self.params.min_tokens:
+            text, hit = self.stop.feed(text)
+            if hit:
+                finished, reason = True, "stop"
+            elif finished:
+                text += self.stop.flush()
+        return self._emit(text, out.new_token_ids, out.logprobs, finished, reason)
+
+    def abort(self) -> RequestOutput:
+        return self._emit("", [], None, True, "abort")
+
+    def _emit(self, text: str, token_ids: list[int], logprobs, finished: bool, reason: str | None) -> RequestOutput:
+        self.text_parts.append(text)
+        self.token_ids += token_ids
+        if self.logprobs is not None and logprobs:
+            self.logprobs += logprobs
+        self.finished, self.finish_reason = finished, reason
+        return RequestOutput(self.request_id, text, token_ids, logprobs, finished, reason,
+                             len(self.prompt_token_ids), len(self.token_ids))
+
+    def completion(self) -> Completion:
+        return Completion(self.request_id, self.prompt_token_ids, "".join(self.text_parts), self.token_ids,
+                          self.finish_reason, self.logprobs)

@@ -1,0 +1,91 @@
+"""Continuous batching: which sequences run this step and how many tokens each feeds (chunked prefill)."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.kv_cache import BlockAllocator
+from engine.sequence import SeqStatus, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence]          # decoding sequences first, then prefill chunks
+    num_new_tokens: list[int]     # tokens each sequence feeds this step
+    preempted: list[Sequence]     # lost their KV this step; they recompute when readmitted
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int):
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        preempted: list[Sequence] = []
+        # Decoders go first so a long prompt's chunks only take the budget they leave over.
+        for seq in sorted(self.running, key=lambda s: (not s.is_decoding, s.arrival)):
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed, budget)
+            while not self.allocator.can_grow(seq.block_table, seq.num_computed_tokens + n):
+                victim = max((s for s in self.running if s not in seqs), key=lambda s: s.arrival)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            self.allocator.grow(seq.block_table, seq.num_computed_tokens + n)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        # Admitting new work in the same step that had to evict would just evict it again next step.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed, budget)
+            if not self.allocator.can_grow(seq.block_table, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            self.allocator.grow(seq.block_table, seq.num_computed_tokens + n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, counts, preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.release(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove a running or waiting sequence and give its blocks back."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self.allocator.release(seq.block_table)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,64 @@
+"""Tiny random-weight HF models, generated once per test session (no downloads)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.tinymodel import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """tiny_model(arch, **make_tiny_model kwargs) -> model directory, cached per distinct arguments."""
+    cache: dict[tuple, str] = {}
+
+    def make(arch: str = "llama", **kwargs) -> str:
+        key = (arch, repr(sorted(kwargs.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            cache[key] = make_tiny_model(str(out), arch, **kwargs)
+        return cache[key]
+
+    return make
+
+
+def _hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
+              dtype: torch.dtype = torch.float32) -> list[list[int]]:
+    """transformers' own greedy continuation of each prompt (one at a time: no padding effects)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, attention_mask=torch.ones(1, len(p),
+                                                                                          dtype=torch.long))
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def _run_core(core, requests: list[tuple[str, list[int], object]], join_after: int = 0) -> dict[str, list[int]]:
+    """Drive an EngineCore to completion; requests past the first half join after `join_after` steps."""
+    half = len(requests) // 2 if join_after else len(requests)
+    for rid, prompt, params in requests[:half]:
+        core.add_request(rid, prompt, params)
+    tokens: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
+    steps = 0
+    while core.has_unfinished_requests() or steps <= join_after:
+        if steps == join_after:
+            for rid, prompt, params in requests[half:]:
+                core.add_request(rid, prompt, params)
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+        steps += 1
+    return tokens
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    return _hf_greedy
+
+
+@pytest.fixture(scope="session")
+def run_core():
+    return _run_core

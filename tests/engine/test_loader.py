@@ -1,0 +1,95 @@
+"""Model directory problems surface as ModelLoadError naming the file/field and the fix; dtype resolution."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+from engine.config import EngineConfig, cpu_has_bf16, resolve_dtype
+from engine.core import EngineCore
+from engine.errors import ModelLoadError
+
+
+def _copy(src, dst):
+    return str(shutil.copytree(src, dst))
+
+
+def _edit_config(model_dir, **changes):
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+
+
+def test_missing_directory_and_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        EngineCore(EngineConfig(str(tmp_path / "nope")))
+    with pytest.raises(ModelLoadError, match="config.json"):
+        EngineCore(EngineConfig(str(tmp_path)))
+
+
+def test_missing_weights(tiny_model, tmp_path):
+    d = _copy(tiny_model("llama"), tmp_path / "m")
+    os.remove(os.path.join(d, "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        EngineCore(EngineConfig(d))
+
+
+def test_missing_shard(tiny_model, tmp_path):
+    d = _copy(tiny_model("qwen2", tie_word_embeddings=True, max_shard_size="100KB"), tmp_path / "m")
+    shard = sorted(f for f in os.listdir(d) if f.startswith("model-"))[-1]
+    os.remove(os.path.join(d, shard))
+    with pytest.raises(ModelLoadError, match=shard):
+        EngineCore(EngineConfig(d))
+
+
+def test_config_that_does_not_match_the_weights(tiny_model, tmp_path):
+    d = _copy(tiny_model("llama"), tmp_path / "m")
+    _edit_config(d, intermediate_size=96)
+    with pytest.raises(ModelLoadError, match="gate_proj.*config"):
+        EngineCore(EngineConfig(d))
+
+
+def test_unsupported_rope_and_missing_fields(tiny_model, tmp_path):
+    d = _copy(tiny_model("llama"), tmp_path / "m")
+    _edit_config(d, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0})
+    with pytest.raises(ModelLoadError, match="longrope"):
+        EngineCore(EngineConfig(d))
+    _edit_config(d, hidden_size=None)
+    with pytest.raises(ModelLoadError, match="hidden_size"):
+        EngineCore(EngineConfig(d))
+
+
+def test_context_and_kv_limits(tiny_model):
+    d = tiny_model("llama")
+    with pytest.raises(ModelLoadError, match="max_position_embeddings=2048"):
+        EngineCore(EngineConfig(d, max_model_len=4096))
+    with pytest.raises(ModelLoadError, match="too small"):
+        EngineCore(EngineConfig(d, dtype="float32", kv_cache_bytes=100))
+
+
+def test_dtype_resolution(caplog):
+    assert resolve_dtype("auto") == (torch.bfloat16 if cpu_has_bf16() else torch.float32)
+    assert resolve_dtype("float32") == torch.float32
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        assert resolve_dtype("float16") == torch.bfloat16
+    assert "bfloat16" in caplog.text
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig("m", dtype="int8")
+
+
+def test_checkpoint_with_tensors_the_model_would_ignore_is_refused(tiny_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+    d = _copy(tiny_model("llama"), tmp_path / "m")
+    path = os.path.join(d, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.extra_gate.weight"] = torch.zeros(4)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="extra_gate"):
+        EngineCore(EngineConfig(d))
