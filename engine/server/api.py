@@ -1,0 +1,97 @@
+"""The FastAPI app: routes of the OpenAI-compatible API plus health, metrics, tokenizer and debug endpoints."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from deploykit import __version__
+from engine.server import errors, serving
+from engine.server import protocol as p
+from engine.server.frontend import Frontend, State
+from engine.server.middleware import Gate
+
+ERRORS = {code: {"model": p.ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
+
+
+def build_app(fe: Frontend, *, model_path: str, api_key: str | None, max_body_bytes: int,
+              on_shutdown: Callable[[], None] = lambda: None):
+    """Returns the ASGI app (the FastAPI app wrapped in the auth/body-size gate)."""
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        fe.attach()
+        yield
+        on_shutdown()
+
+    app = FastAPI(title="deploykit engine", version=__version__, lifespan=lifespan, docs_url=None,
+                  redoc_url=None)
+    errors.install(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = fe.state is State.READY
+        return JSONResponse({"status": "ok" if ok else fe.state.value}, 200 if ok else 503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = fe.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models", response_model=p.ModelList, responses=ERRORS)
+    async def models() -> p.ModelList:
+        return p.ModelList(data=[p.ModelCard(id=fe.model_name, created=started, root=model_path,
+                                             max_model_len=fe.max_model_len)])
+
+    @app.post("/v1/completions", response_model=p.CompletionResponse, responses=ERRORS)
+    async def completions(req: p.CompletionRequest, request: Request) -> Response:
+        return await _counted(fe, serving.create_completion(fe, req, request))
+
+    @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=ERRORS)
+    async def chat_completions(req: p.ChatCompletionRequest, request: Request) -> Response:
+        return await _counted(fe, serving.create_chat_completion(fe, req, request))
+
+    @app.post("/tokenize", response_model=p.TokenizeResponse, responses=ERRORS)
+    async def tokenize(req: p.TokenizeRequest) -> p.TokenizeResponse:
+        ids = await fe.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return p.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=fe.max_model_len)
+
+    @app.post("/detokenize", response_model=p.DetokenizeResponse, responses=ERRORS)
+    async def detokenize(req: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        vocab = len(fe.tokenizer)
+        bad = next((t for t in req.tokens if t >= vocab), None)
+        if bad is not None:
+            raise errors.bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        return p.DetokenizeResponse(prompt=fe.decode(req.tokens))
+
+    @app.get("/debug/binding", responses=ERRORS)
+    async def debug_binding() -> dict:
+        """The engine process's CPU/memory binding report, every thread with its allowed and last CPU."""
+        if fe.state in (State.LOADING, State.DEAD):
+            fe.check_available()
+        return {"engine": await fe.call("binding"), "frontend": _frontend_binding()}
+
+    return Gate(app, api_key=api_key, max_body_bytes=max_body_bytes)
+
+
+async def _counted(fe: Frontend, handler) -> Response:
+    try:
+        return await handler
+    except errors.APIError as e:
+        fe.metrics.rejected(e.status)
+        raise
+
+
+def _frontend_binding() -> dict:
+    import os
+
+    from deploykit import cpulist
+    return {"pid": os.getpid(), "allowed_cpus": cpulist.format(os.sched_getaffinity(0))}

@@ -1,0 +1,286 @@
+"""The front-end process's side of serving: tokenizer, engine state, admission, and per-request text streams
+(detokenization, stop strings) fed by the engine process's token outputs."""
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import NamedTuple
+
+from engine.outputs import RequestOutput, RequestState
+from engine.params import SamplingParams
+from engine.server.errors import APIError, bad_request, unavailable
+from engine.server.metrics import CoreStats, Metrics
+from engine.server.worker import EngineProcess
+
+log = logging.getLogger("engine.server")
+LONG_TEXT = 16_384  # characters; longer texts are tokenized off the event loop
+RPC_TIMEOUT = 10.0
+
+
+class State(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    DEAD = "dead"
+
+
+class _Out(NamedTuple):  # what RequestState.process reads of engine.core.TokenOutput
+    new_token_ids: list[int]
+    logprobs: list | None
+    finished: bool
+    finish_reason: str | None
+
+
+class Logprob(NamedTuple):  # engine.sampling.TokenLogprobs as it crosses the process boundary
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def load_tokenizer(model_dir: str):
+    """PreTrainedTokenizerFast does not import torch (AutoTokenizer does); fall back only without tokenizer.json."""
+    import os
+
+    from transformers import PreTrainedTokenizerFast
+    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class Choice:
+    __slots__ = ("engine_id", "gen", "index", "last_at", "state")
+
+    def __init__(self, engine_id: str, index: int, gen: Generation, state: RequestState):
+        self.engine_id, self.index, self.gen, self.state = engine_id, index, gen, state
+        self.last_at: float | None = None
+
+
+class Generation:
+    """One API request: its engine requests (prompts x n) merged into one stream of (choice index, output)."""
+
+    def __init__(self, fe: Frontend, request_id: str, prompt_lens: list[int]):
+        self.fe, self.request_id, self.prompt_lens = fe, request_id, prompt_lens
+        self.arrival = time.monotonic()
+        self.created = int(time.time())
+        self.choices: list[Choice] = []
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yields every output until all choices finished; raises APIError if the engine refused or died.
+        Callers must call cancel() when they stop early (client gone)."""
+        remaining = len(self.choices)
+        while remaining:
+            item = await self.queue.get()
+            if isinstance(item, APIError):
+                raise item
+            remaining -= item[1].finished
+            yield item
+
+    def cancel(self) -> None:
+        """Abort every unfinished choice in the engine (frees its KV cache)."""
+        self.fe.drop(self, None)
+
+
+class Frontend:
+    def __init__(self, tokenizer, engine: EngineProcess, model_name: str, *, max_num_seqs: int, max_waiting: int):
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.model_name = model_name
+        self.capacity = max_num_seqs + max_waiting
+        self.state = State.LOADING
+        self.info: dict = {}
+        self.stats = CoreStats()
+        self.metrics = Metrics(model_name, lambda: self.stats, lambda: self.state is State.READY)
+        self.on_engine_exit: Callable[[int | None], None] = lambda code: None
+        self._choices: dict[str, Choice] = {}
+        self._ops: list[tuple] = []
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.info.get("max_model_len")
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._choices)
+
+    def attach(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.engine.attach(self._loop, self._on_message, self._on_exit)
+
+    # ---- admission ----
+    def check_available(self) -> None:
+        if self.state is State.LOADING:
+            raise unavailable("the model is still loading", retry_after=5)
+        if self.state is State.DRAINING:
+            raise unavailable("the server is shutting down")
+        if self.state is State.DEAD:
+            raise unavailable("the engine process has stopped; the server is restarting")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def admit(self, count: int) -> None:
+        if self.num_inflight + count > self.capacity:
+            raise APIError(429, f"too many requests waiting ({self.num_inflight} in flight, capacity "
+                           f"{self.capacity}); retry later", code="queue_full", headers={"Retry-After": "1"})
+
+    def check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> None:
+        if not ids:
+            raise bad_request("the prompt is empty; it must contain at least one token", param)
+        vocab = self.info["vocab_size"]
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
+        limit, n = self.max_model_len, len(ids)
+        if max_tokens is None and n >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                              f"{n} tokens, leaving no room for the completion. Please reduce the prompt.",
+                              param, code="context_length_exceeded")
+        if max_tokens is not None and n + max_tokens > limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
+                              "Please reduce the prompt or max_tokens.", "max_tokens", code="context_length_exceeded")
+
+    # ---- tokenizer ----
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > LONG_TEXT:  # a long encode would stall every stream served by this loop
+            return await asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens))
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - a template raises whatever it likes ("roles must alternate")
+            raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one Frontend per process, bounded by the vocabulary
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ---- requests ----
+    def submit(self, request_id: str, prompts: list[list[int]], params: list[list[SamplingParams]]) -> Generation:
+        """Send prompts[i] once per entry of params[i]; choice index = position in that flattened order."""
+        gen = Generation(self, request_id, [len(p) for p in prompts])
+        for ids, plist in zip(prompts, params):
+            for p in plist:
+                index = len(gen.choices)
+                eid = f"{request_id}-{index}"
+                ch = Choice(eid, index, gen, RequestState(eid, ids, p, self.tokenizer))
+                gen.choices.append(ch)
+                self._choices[eid] = ch
+                self._send(("add", eid, ids, p))
+        return gen
+
+    def drop(self, gen: Generation, error: APIError | None) -> None:
+        for ch in gen.choices:
+            if self._choices.pop(ch.engine_id, None) is not None:
+                self._send(("abort", ch.engine_id))
+                if error is None:  # the client went away
+                    self.metrics.finished("abort")
+        if error is not None:
+            gen.queue.put_nowait(error)
+
+    def abort_all(self) -> None:
+        """Finish every request now with finish_reason "abort" (shutdown grace period over)."""
+        for ch in list(self._choices.values()):
+            del self._choices[ch.engine_id]
+            self._send(("abort", ch.engine_id))
+            ch.gen.queue.put_nowait((ch.index, ch.state.abort()))
+
+    async def call(self, name: str):
+        fut = self._loop.create_future()
+        cid = next(self._ids)
+        self._calls[cid] = fut
+        self._send(("call", cid, name))
+        try:
+            return await asyncio.wait_for(fut, RPC_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise unavailable(f"the engine process did not answer '{name}' within {RPC_TIMEOUT:.0f} s") from None
+        finally:
+            self._calls.pop(cid, None)
+
+    def _send(self, op: tuple) -> None:
+        # Everything queued during one event-loop iteration goes out as one message.
+        if not self._ops:
+            self._loop.call_soon(self._flush)
+        self._ops.append(op)
+
+    def _flush(self) -> None:
+        ops, self._ops = self._ops, []
+        if ops:
+            self.engine.send(ops)
+
+    # ---- engine process events (event-loop thread) ----
+    def _on_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "step":
+            self._on_step(*msg[1:])
+        elif kind == "ready":
+            self.info = msg[1]
+            if self.state is State.LOADING:
+                self.state = State.READY
+            log.info("engine ready: pid %d, max_model_len %d", self.info["pid"], self.info["max_model_len"])
+        elif kind == "fatal":
+            log.error("%s", msg[1])
+
+    def _on_step(self, outputs: list, rejects: list, stats: tuple, replies: list) -> None:
+        self.stats = CoreStats(*stats)
+        now = time.monotonic()
+        m = self.metrics
+        for rid, ids, lps, finished, reason in outputs:
+            ch = self._choices.get(rid)
+            if ch is None:
+                continue  # aborted here while the step ran
+            ro = ch.state.process(_Out(ids, lps and [Logprob(*x) for x in lps], finished, reason))
+            if ch.last_at is None:
+                m.ttft.observe(now - ch.gen.arrival)
+            else:
+                m.itl.observe(now - ch.last_at)
+            ch.last_at = now
+            if ro.finished:
+                del self._choices[rid]
+                if not finished:  # a stop string ended it; the core still holds its KV
+                    self._send(("abort", rid))
+                m.e2e.observe(now - ch.gen.arrival)
+                m.finished(ro.finish_reason)
+            ch.gen.queue.put_nowait((ch.index, ro))
+        for rid, status, message in rejects:
+            ch = self._choices.get(rid)
+            if ch is not None:
+                self.drop(ch.gen, APIError(status, message))
+        for cid, result in replies:
+            fut = self._calls.get(cid)
+            if fut is not None and not fut.done():
+                fut.set_result(result)
+
+    def _on_exit(self, code: int | None) -> None:
+        if self.engine.stopping:
+            return
+        self.state = State.DEAD
+        log.error("engine process %s exited unexpectedly (exit code %s); failing %d request(s) and shutting down",
+                  self.engine.pid, code, self.num_inflight)
+        dead = unavailable("the engine process died; the server is restarting")
+        for gen in {ch.gen for ch in self._choices.values()}:
+            self.drop(gen, dead)
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(dead)
+        self.on_engine_exit(code)

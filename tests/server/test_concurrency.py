@@ -1,0 +1,78 @@
+"""Many concurrent streams, half of them abandoned mid-stream: the rest complete and every KV block comes back."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+CLIENTS = 32
+MAX_TOKENS = 48
+
+
+async def stream(c: httpx.AsyncClient, i: int, abandon_after: int | None) -> dict:
+    body = {"model": "tiny", "prompt": f"Client number {i} says", "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    seen = {"chunks": 0, "text": "", "finish": None, "done": False}
+    async with c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                seen["done"] = True
+                break
+            choice = json.loads(line[6:])["choices"][0]
+            seen["chunks"] += 1
+            seen["text"] += choice["text"]
+            seen["finish"] = choice["finish_reason"] or seen["finish"]
+            if seen["chunks"] == abandon_after:
+                return seen  # leaving the block closes the connection mid-stream
+    return seen
+
+
+async def run_clients(server) -> list[dict]:
+    limits = httpx.Limits(max_connections=CLIENTS * 2)
+    async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120, limits=limits) as c:
+        return await asyncio.gather(*(stream(c, i, 3 if i % 2 else None) for i in range(CLIENTS)))
+
+
+def test_abandoned_streams_are_aborted_and_the_rest_complete(server):
+    mark = server.log_size()
+    tokens_before = server.metric("deploykit_generation_tokens_total")
+    aborts_before = server.metric("deploykit_request_success_total", finished_reason="abort")
+    results = asyncio.run(run_clients(server))
+
+    kept = results[0::2]
+    assert all(r["done"] and r["finish"] == "length" for r in kept), kept
+    assert len({r["text"] for r in kept}) > 1  # different prompts, different greedy continuations
+
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and (server.metric("deploykit_num_requests_running")
+                                           or server.metric("deploykit_kv_cache_usage_ratio")):
+        time.sleep(0.1)
+    assert server.metric("deploykit_num_requests_running") == 0
+    assert server.metric("deploykit_num_requests_waiting") == 0
+    assert server.metric("deploykit_kv_cache_usage_ratio") == 0
+    aborts = server.metric("deploykit_request_success_total", finished_reason="abort")
+    assert aborts - aborts_before == CLIENTS // 2
+    generated = server.metric("deploykit_generation_tokens_total") - tokens_before
+    assert generated < CLIENTS * MAX_TOKENS - (CLIENTS // 2) * (MAX_TOKENS // 2)  # abandoned ones stopped early
+    log = server.log(mark)
+    assert "ERROR" not in log and "Traceback" not in log and "Exception" not in log
+
+
+def test_client_gone_before_a_blocking_response_aborts_it(server):
+    aborts = server.metric("deploykit_request_success_total", finished_reason="abort")
+    tokens = server.metric("deploykit_generation_tokens_total")
+    body = {"model": "tiny", "prompt": "Hello", "n": 8, "max_tokens": 120, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        server.post("/v1/completions", body, timeout=0.2)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and server.metric("deploykit_num_requests_running"):
+        time.sleep(0.05)
+    assert server.metric("deploykit_request_success_total", finished_reason="abort") - aborts == 8
+    assert server.metric("deploykit_kv_cache_usage_ratio") == 0
+    assert server.metric("deploykit_generation_tokens_total") - tokens < 8 * 120

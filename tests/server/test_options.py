@@ -1,0 +1,68 @@
+"""`serve` options: explicit flags over the plan's replica over DEPLOYKIT_* environment over defaults."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from engine.server.launch import OptionsError, ServeOptions, add_arguments, options_from_args
+
+PLAN = {"model": {"dtype": "bfloat16", "max_model_len": 4096, "served_name": "Qwen/Qwen3-8B"},
+        "serving": {"max_num_seqs": 32, "max_num_batched_tokens": 4096, "api_key_env": "MY_KEY"},
+        "replicas": [{"cpus": [0, 1, 2], "frontend_cpus": [3], "mems": [0], "kv_cache_bytes": 1 << 30,
+                      "omp_threads": 3},
+                     {"cpus": [4, 5], "frontend_cpus": [], "mems": [1], "kv_cache_bytes": 2 << 30,
+                      "omp_threads": 2}]}
+
+
+def options(*argv: str, env: dict | None = None) -> ServeOptions:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return options_from_args(p.parse_args(["/model", *argv]), env or {})
+
+
+@pytest.fixture
+def plan(tmp_path) -> str:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(PLAN))
+    return str(path)
+
+
+def test_defaults_without_plan_or_environment():
+    o = options()
+    assert (o.host, o.port, o.binding, o.frontend_cpus, o.api_key, o.model_name) == ("0.0.0.0", 8000, "auto", None,
+                                                                                   None, "model")
+    assert o.engine_config()["max_num_seqs"] == 16
+
+
+def test_plan_replica_fills_everything(plan):
+    o = options("--plan", plan, "--replica", "1", env={"MY_KEY": "s3cret"})
+    assert (o.binding, o.binding_source, o.frontend_cpus, o.mems) == ("4-5", "plan", "", "1")
+    assert (o.dtype, o.max_model_len, o.served_model_name, o.kv_cache_bytes) == ("bfloat16", 4096,
+                                                                                 "Qwen/Qwen3-8B", 2 << 30)
+    assert (o.max_num_seqs, o.max_num_batched_tokens, o.api_key) == (32, 4096, "s3cret")
+    assert "s3cret" not in repr(o)
+
+
+def test_flags_override_the_plan(plan):
+    o = options("--plan", plan, "--binding", "7", "--mems", "0", "--max-num-seqs", "2", "--kv-cache", "1GiB",
+                "--served-model-name", "x", "--api-key", "k", env={"MY_KEY": "s3cret"})
+    assert (o.binding, o.binding_source, o.frontend_cpus, o.mems) == ("7", "explicit", "3", "0")
+    assert (o.max_num_seqs, o.kv_cache_bytes, o.served_model_name, o.api_key) == (2, 1 << 30, "x", "k")
+
+
+def test_environment_is_the_fallback():
+    o = options(env={"DEPLOYKIT_CPUS": "2-3", "DEPLOYKIT_FRONTEND_CPUS": "1", "DEPLOYKIT_MEMS": "0",
+                     "DEPLOYKIT_API_KEY": "envkey"})
+    assert (o.binding, o.binding_source, o.frontend_cpus, o.mems, o.api_key) == ("2-3", "env", "1", "0", "envkey")
+
+
+def test_plan_errors_are_clear(plan, tmp_path):
+    with pytest.raises(OptionsError, match=r"requires an API key in \$MY_KEY"):
+        options("--plan", plan)
+    with pytest.raises(OptionsError, match="has 2 replica"):
+        options("--plan", plan, "--replica", "5", env={"MY_KEY": "k"})
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(OptionsError, match="cannot read plan"):
+        options("--plan", str(tmp_path / "bad.json"))
