@@ -1,0 +1,223 @@
+"""End to end: build the rendered Dockerfile (offline, from a host-built wheelhouse on the debootstrap base), start
+two replicas plus nginx with run.sh and then with compose, and get /health and a completion through nginx.
+
+Also checks what only a running engine shows: one OpenMP runtime mapped, the planned CPUs, a non-root user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploykit import cpulist
+
+try:
+    from . import render_image
+except ImportError:
+    import render_image
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+NAME = "dke2e"
+RUN_IMAGE = "deploykit-e2e-run:local"  # the plan's image ref; compose uses it, so the built image is tagged so
+PORTS = (18480, 18580, 18680)  # fixed: the port is part of the image (EXPOSE, HEALTHCHECK) and so of its cache key
+READY_TIMEOUT_S = 420
+# Run inside a replica: its cgroup cpuset, Mems_allowed, and per process the OpenMP runtimes and tcmalloc mapped.
+INSIDE = """
+import glob, json, os
+def first(*paths):
+    for p in paths:
+        if os.path.exists(p):
+            return open(p).read().strip()
+status = dict(l.split(":\\t", 1) for l in open("/proc/1/status") if ":\\t" in l)
+omp, tcm, uids = {}, {}, set()
+for d in glob.glob("/proc/[0-9]*"):
+    if d == f"/proc/{os.getpid()}":
+        continue
+    try:
+        maps = open(d + "/maps").read().splitlines()
+        uids.add(int(open(d + "/status").read().split("Uid:")[1].split()[0]))
+    except OSError:
+        continue
+    omp[d] = sorted({l.split()[-1] for l in maps if any(x in l for x in ("libgomp", "libiomp", "libomp"))})
+    tcm[d] = any("libtcmalloc" in l for l in maps)
+print(json.dumps({"cpuset": first("/sys/fs/cgroup/cpuset/cpuset.cpus", "/sys/fs/cgroup/cpuset.cpus.effective"),
+                  "mems": status["Mems_allowed_list"].strip(), "omp": omp, "tcmalloc": tcm, "uids": sorted(uids)}))
+"""
+
+
+def _engine_serves() -> str:
+    """'' when this checkout's engine has `python -m engine serve`, else why not."""
+    done = subprocess.run([sys.executable, "-m", "engine", "serve", "--help"], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    return "" if done.returncode == 0 else "engine has no `serve` command yet"
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _get(url: str, timeout: float = 5) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return 0, b""
+
+
+def _wait_healthy(url: str, what: str, logs) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if _get(url)[0] == 200:
+            return
+        time.sleep(2)
+    pytest.fail(f"{what}: {url} not 200 within {READY_TIMEOUT_S}s\n{logs()}")
+
+
+def _complete(port: int) -> dict:
+    body = json.dumps({"model": NAME, "prompt": "Hello, world", "max_tokens": 8, "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200
+        return json.loads(r.read())
+
+
+def _docker(*args: str, timeout: float = 120, input_: str | None = None) -> str:
+    done = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, input=input_)
+    assert done.returncode == 0, f"docker {' '.join(args)}: {done.stderr}"
+    return done.stdout
+
+
+def _logs(*containers: str):
+    def show() -> str:
+        parts = []
+        for c in containers:
+            done = subprocess.run(["docker", "logs", "--tail", "40", c], capture_output=True, text=True)
+            parts.append(f"--- {c}\n{done.stdout}{done.stderr}")
+        return "\n".join(parts)
+    return show
+
+
+@pytest.fixture(scope="module")
+def deployment(docker, base_image, tmp_path_factory):
+    """(rendered dir, plan, model dir, image ref) for two replicas on this host's first two CPUs."""
+    why = _engine_serves()
+    if why:
+        pytest.skip(why)
+    port = next((p for p in PORTS if all(_free(p + i) for i in range(3))), None)
+    if port is None:
+        pytest.skip(f"ports {PORTS} (+1, +2) are all taken on 127.0.0.1")
+    base = tmp_path_factory.mktemp("e2e")
+    model = base / "model"
+    subprocess.run([sys.executable, "-m", "engine", "tiny-model", str(model)], check=True, capture_output=True,
+                   timeout=300)
+    for f in model.iterdir():  # the containers run as UID 10001, not as the owner of the files
+        f.chmod(0o644)
+    allowed = cpulist.parse(Path("/proc/self/status").read_text().split("Cpus_allowed_list:")[1].split()[0])
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs for two replicas")
+    name, tag = RUN_IMAGE.split(":")
+    spec = {"apiVersion": "deploykit/v1", "kind": "Deployment", "name": NAME,
+            "model": {"source": str(model), "max_model_len": 512},
+            "placement": {"strategy": "explicit", "cpus": [str(allowed[0]), str(allowed[1])], "reserved_cpus": 0},
+            "serving": {"port": port, "publish_address": "127.0.0.1", "kv_cache": "64MiB", "max_num_seqs": 4,
+                        "served_model_name": NAME},
+            "image": {"name": name, "tag": tag, "base": base_image, "wheelhouse": str(render_image.wheelhouse())}}
+    (base / "spec.yaml").write_text(yaml.safe_dump(spec))
+    out = base / "out"
+    done = subprocess.run([sys.executable, "-m", "deploykit.cli", "render", str(base / "spec.yaml"), "-o", str(out),
+                           "--target", "all"], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    start = time.monotonic()
+    ref = render_image.engine_image(out, base_image)
+    print(f"engine image {ref}: {time.monotonic() - start:.0f}s {render_image.TIMINGS}", file=sys.stderr)
+    _docker("tag", ref, RUN_IMAGE)
+    plan = json.loads((out / "plan.json").read_text())
+    yield out, plan, model, ref
+    subprocess.run(["bash", str(out / "run.sh"), "down"], capture_output=True, timeout=120)
+
+
+def test_image_is_offline_non_root_and_labelled(deployment):
+    out, plan, _, ref = deployment
+    cfg = json.loads(_docker("image", "inspect", ref))[0]["Config"]
+    assert cfg["User"] == "10001:10001"
+    assert f"{plan['serving']['port']}/tcp" in cfg["ExposedPorts"]
+    assert cfg["Healthcheck"]["Test"][0] == "CMD"
+    assert cfg["Labels"]["org.opencontainers.image.version"] == "local"
+    assert "LD_PRELOAD=libtcmalloc_minimal.so.4" in cfg["Env"]
+
+
+def test_run_sh_serves_through_nginx(deployment):
+    out, plan, model, ref = deployment
+    names = [r["name"] for r in plan["replicas"]] + [f"{NAME}-lb"]
+    env = {**os.environ, "IMAGE": ref, "MODEL_DIR": str(model)}
+    done = subprocess.run(["bash", str(out / "run.sh")], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    try:
+        port = plan["serving"]["port"]
+        _wait_healthy(f"http://127.0.0.1:{port}/health", "nginx", _logs(*names))
+        for r in plan["replicas"]:
+            _wait_healthy(f"http://127.0.0.1:{r['port']}/health", r["name"], _logs(r["name"]))
+        reply = _complete(port)
+        assert reply["choices"] and isinstance(reply["choices"][0]["text"], str)
+        for r in plan["replicas"]:
+            seen = json.loads(_docker("exec", "-i", r["name"], "python", "-", input_=INSIDE))
+            assert seen["cpuset"] == r["cpuset"]
+            assert seen["mems"] == r["mems_list"]
+            assert seen["uids"] == [10001]
+            torch_procs = [libs for libs in seen["omp"].values() if libs]
+            assert torch_procs, f"no process in {r['name']} has an OpenMP runtime mapped: {seen}"
+            assert all(len(libs) == 1 for libs in torch_procs), f"two OpenMP runtimes in one process: {seen}"
+            assert all(seen["tcmalloc"].values()), seen
+        # Passive health and restarts aside, Docker's own HEALTHCHECK (from the Dockerfile) must agree.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            states = [json.loads(_docker("inspect", "--format", "{{json .State.Health.Status}}", n)) for n in names]
+            if all(s == "healthy" for s in states):
+                break
+            time.sleep(3)
+        assert states == ["healthy"] * len(names), _logs(*names)()
+    finally:
+        subprocess.run(["bash", str(out / "run.sh"), "down"], capture_output=True, timeout=120)
+    assert not _docker("ps", "-aq", "--filter", f"label=deploykit.deployment={NAME}").strip()
+
+
+def test_compose_up_serves_through_nginx(deployment, compose_cli):
+    out, plan, model, _ = deployment
+    exe = compose_cli
+    env = {**os.environ, "MODEL_DIR": str(model)}
+    cmd = [exe, "-p", NAME, "-f", str(out / "compose.yaml")]
+    done = subprocess.run([*cmd, "up", "-d"], env=env, capture_output=True, text=True, timeout=300, cwd=out)
+    try:
+        assert done.returncode == 0, done.stderr
+        port = plan["serving"]["port"]
+
+        def logs() -> str:
+            return subprocess.run([*cmd, "logs", "--tail", "40"], env=env, capture_output=True, text=True,
+                                  cwd=out).stdout
+
+        _wait_healthy(f"http://127.0.0.1:{port}/health", "compose nginx", logs)
+        for r in plan["replicas"]:
+            _wait_healthy(f"http://127.0.0.1:{r['port']}/health", r["name"], logs)
+        assert _complete(port)["choices"]
+    finally:
+        subprocess.run([*cmd, "down", "--remove-orphans"], env=env, capture_output=True, timeout=180, cwd=out)
