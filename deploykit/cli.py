@@ -95,6 +95,41 @@ def _render(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("serve")
+def _serve(args: argparse.Namespace) -> int:
+    """Run one replica of the plan on this host without Docker, through the same entry point the containers use
+    (`python -m engine serve MODEL --plan plan.json --replica N`)."""
+    import tempfile
+
+    from .errors import ModelError, PlanError
+    _, _, plan = load_plan(args.spec, None)
+    if not 0 <= args.replica < len(plan.replicas):
+        raise PlanError(f"the plan has {len(plan.replicas)} replica(s)", path="--replica", value=args.replica,
+                        allowed=f"0-{len(plan.replicas) - 1}")
+    if plan.model.path is None:
+        raise ModelError("deploykit serve needs the model on this machine", path="model.source",
+                         value=plan.model.source, hint="point model.source at a local model directory")
+    try:
+        from engine.server import launch
+    except ImportError as e:
+        raise ModelError(f"the bundled engine is not installed ({e.name} is missing)",
+                         hint="pip install 'deploykit[engine]'") from None
+    replica = plan.replicas[args.replica]
+    host = args.host or plan.serving.publish_address
+    port = replica.port if args.port is None else args.port
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="deploykit-plan-") as f:
+        f.write(plan.to_json())
+        f.flush()
+        p = argparse.ArgumentParser()
+        launch.add_arguments(p)
+        ns = p.parse_args([plan.model.path, "--plan", f.name, "--replica", str(args.replica), "--host", host,
+                           "--port", str(port)])
+        if len(plan.replicas) > 1:
+            print(f"deploykit: serving replica {args.replica} of {len(plan.replicas)} on port {port}; start the others "
+                  "with --replica, or use the rendered compose.yaml for all of them behind nginx", file=sys.stderr)
+        return launch.run_args(ns)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deploykit", description="NUMA-correct LLM inference deployments on CPUs.")
     p.add_argument("--version", action="version", version=f"deploykit {__version__}")
@@ -116,6 +151,12 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--sysroot", metavar="DIR", help="plan for a snapshot instead of the spec's hardware")
     r.add_argument("--force", action="store_true", help="write into a directory deploykit did not write, "
                                                         "overwriting files it did not write or that were edited")
+
+    sv = sub.add_parser("serve", help="run a replica of the plan on this host with the bundled engine (no Docker)")
+    sv.add_argument("spec")
+    sv.add_argument("--replica", type=int, default=0, help="which replica of the plan (default 0)")
+    sv.add_argument("--host", help="listen address (default: serving.publish_address)")
+    sv.add_argument("--port", type=int, help="listen port (default: the replica's port; 0 = any free port)")
 
     t = sub.add_parser("topology", help="inspect this host or a snapshot")
     tsub = t.add_subparsers(dest="topology_command", metavar="ACTION", required=True)

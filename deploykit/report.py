@@ -57,7 +57,7 @@ def plan_text(plan: Plan, topo: Topology) -> str:
     m, h = plan.model, plan.hardware
     out = [f"plan {plan.name}: {len(plan.replicas)} replica(s) | {h.sockets} socket(s), {h.numa_nodes} NUMA node(s),"
            f" SMT {h.threads_per_core}, ISA {h.isa_tier}",
-           f"model {m.source} ({m.architecture}) {m.dtype}: {m.num_parameters / 1e9:.2f}B params, weights "
+           f"model {m.source} ({m.architecture}) {m.dtype}: {_count(m.num_parameters)} params, weights "
            f"{human(m.weight_bytes)}, KV {human(m.kv_bytes_per_token)}/token, max_model_len {m.max_model_len}",
            ""]
     head = ("replica", "nodes", "inference CPUs", "threads", "front end", "mems", "port", "KV cache", "mem limit")
@@ -87,6 +87,13 @@ def plan_text(plan: Plan, topo: Topology) -> str:
     if plan.warnings:
         out += ["", "warnings:"] + [f"  - {w}" for w in plan.warnings]
     return "\n".join(out) + "\n"
+
+
+def _count(n: int) -> str:
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
 
 
 def _wrap(prefix: str, cells: list[str], width: int = 110) -> list[str]:

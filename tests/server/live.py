@@ -29,13 +29,15 @@ def clean_env(**extra: str) -> dict:
 
 
 class LiveServer:
-    def __init__(self, model: str, *args: str, api_key: str | None = None, env: dict | None = None):
+    def __init__(self, model: str, *args: str, api_key: str | None = None, env: dict | None = None,
+                 cmd: list[str] | None = None):
+        """`cmd` replaces `python -m engine serve MODEL`; --host/--port (and --api-key) are appended to it."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self._log = tempfile.NamedTemporaryFile(prefix="deploykit-server-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "engine", "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
-               *(["--api-key", api_key] if api_key else []), *args]
+        cmd = [*(cmd or [sys.executable, "-m", "engine", "serve", model]), "--host", "127.0.0.1", "--port",
+               str(self.port), *(["--api-key", api_key] if api_key else []), *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
                                      env=env if env is not None else clean_env())
 
