@@ -20,8 +20,18 @@ GiB = 1024**3
 KV_BLOCK_TOKENS = 16  # the engine's KV block; auto-sized caches are a whole number of blocks
 
 
+API_KEY_ENV = "DEPLOYKIT_API_KEY"
+
+
 def headroom(memory_bytes: int) -> int:
+    """Memory of a replica's nodes kept free of weights and KV (runtime, activations, page cache, the OS)."""
     return GiB + memory_bytes // 10
+
+
+def container_limit(model_bytes: int) -> int:
+    """The container's memory limit: weights + KV, plus the engine's own runtime (Python, torch, activation
+    buffers for max_num_batched_tokens) and 10 % slack; it follows the workload, not the node."""
+    return model_bytes + 2 * GiB + model_bytes // 10
 
 
 def resolve_dtype(requested: str, topo: Topology) -> tuple[str, list[str]]:
@@ -63,7 +73,7 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
         if topo.memory_limit_bytes is not None:
             mem = min(mem, topo.memory_limit_bytes // len(choices))
         kv = _kv_bytes(spec, i, nodes, mem, weights, per_token, max_len, multi, dtype)
-        limit = weights + kv + headroom(mem)
+        limit = container_limit(weights + kv)
         env = {"OMP_NUM_THREADS": str(len(ch.cpus)), "DEPLOYKIT_CPUS": cpulist.format(ch.cpus),
                "DEPLOYKIT_FRONTEND_CPUS": cpulist.format(ch.frontend_cpus), "DEPLOYKIT_MEMS": cpulist.format(mems)}
         replicas.append(Replica(
@@ -76,13 +86,21 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
 
     sv = spec.serving
     key = sv.api_key
+    last_port = sv.port + (len(replicas) if multi else 0)
+    if last_port > 65535:
+        raise PlanError(f"replica ports run from {sv.port + 1} to {last_port}, past 65535", path="serving.port",
+                        value=sv.port, allowed=f"1-{65535 - len(replicas)}",
+                        hint="pick a lower port: with several replicas the load balancer takes serving.port and the "
+                             "replicas the ports after it")
+    # The engine always reads the key from an environment variable; a secret reference says where Kubernetes
+    # fills it from, and Docker/compose pass DEPLOYKIT_API_KEY from the host by name.
+    key_env = getattr(key, "env", None) or (API_KEY_ENV if key is not None else None)
     return Plan(
         name=spec.name,
         model=ModelPlan(shape.source, shape.path, shape.architecture, dtype, max_len, shape.num_parameters, weights,
                         per_token, sv.served_model_name or served_name(spec.model.source), shape.counted_from),
         replicas=tuple(replicas),
-        serving=ServingPlan(sv.port, sv.publish_address, sv.max_num_seqs, sv.max_num_batched_tokens,
-                            getattr(key, "env", None),
+        serving=ServingPlan(sv.port, sv.publish_address, sv.max_num_seqs, sv.max_num_batched_tokens, key_env,
                             (key.secret, key.key) if key is not None and hasattr(key, "secret") else None, multi),
         image=ImagePlan(spec.image.name, spec.image.tag, spec.image.base, spec.image.wheelhouse),
         security=SecurityPlan(spec.security.seccomp, spec.security.run_as_user, spec.security.read_only_root),

@@ -5,6 +5,7 @@ Loading YAML and turning validation failures into user-facing errors lives in sp
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Annotated, Literal, Union
 
@@ -41,6 +42,14 @@ def _cpus(value: object) -> tuple[int, ...]:
     if ids[-1] > 65535:
         raise ValueError(f"CPU id {ids[-1]} is out of range (max 65535)")
     return ids
+
+
+def _matches(rx: re.Pattern, what: str, example: str):
+    def check(v: str) -> str:
+        if not isinstance(v, str) or not rx.match(v):
+            raise ValueError(f"not a valid {what}; for example {example}")
+        return v
+    return check
 
 
 class Architecture(_Model):
@@ -177,7 +186,9 @@ class PlacementSpec(_Model):
 
 
 class ApiKeyFromEnv(_Model):
-    env: Annotated[str, Field(pattern=ENV_NAME.pattern)]
+    env: str
+
+    _env = field_validator("env")(_matches(ENV_NAME, "environment variable name", "DEPLOYKIT_API_KEY"))
 
 
 class ApiKeyFromSecret(_Model):
@@ -187,7 +198,7 @@ class ApiKeyFromSecret(_Model):
 
 class ServingSpec(_Model):
     port: Annotated[StrictInt, Field(ge=1, le=65535)] = 8000
-    publish_address: Annotated[str, Field(pattern=r"^(\d{1,3}(\.\d{1,3}){3}|\[[0-9a-fA-F:]+\])$")] = "0.0.0.0"
+    publish_address: str = "0.0.0.0"  # IPv4, or IPv6 in brackets as Docker writes it: [::]
     max_num_seqs: PosInt = 16
     max_num_batched_tokens: PosInt = 2048
     kv_cache: Literal["auto"] | int = "auto"
@@ -197,6 +208,17 @@ class ServingSpec(_Model):
                       or isinstance(v, ApiKeyFromSecret) else "env"),
     ] | None = None
     served_model_name: str | None = None
+
+    @field_validator("publish_address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        try:
+            ip = ipaddress.ip_address(v[1:-1] if v.startswith("[") and v.endswith("]") else v)
+        except ValueError:
+            raise ValueError("not an IP address; use e.g. 0.0.0.0 (all interfaces), 127.0.0.1, or [::]") from None
+        if ip.version == 6 and not v.startswith("["):
+            raise ValueError(f"write IPv6 addresses in brackets, as Docker does: [{v}]")
+        return v
 
     @field_validator("kv_cache", mode="before")
     @classmethod
@@ -212,11 +234,20 @@ class ServingSpec(_Model):
         return v
 
 
+_IMAGE_NAME = re.compile(r"^[a-z0-9]+([._/-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*$")
+_IMAGE_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_IMAGE_REF = re.compile(r"^[a-z0-9]+([._/:-][a-z0-9]+)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?$")
+
+
 class ImageSpec(_Model):
-    name: Annotated[str, Field(pattern=r"^[a-z0-9]+([._/-][a-z0-9]+)*$")] = "deploykit-engine"
-    tag: Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")] = "0.1.0"
-    base: Annotated[str, Field(pattern=r"^[a-z0-9]+([._/:@-][A-Za-z0-9]+)*$")] = "python:3.11-slim-bookworm"
+    name: str = "deploykit-engine"
+    tag: str = "0.1.0"
+    base: str = "python:3.11-slim-bookworm"
     wheelhouse: str | None = None  # a local directory of wheels: the image builds with pip --no-index
+
+    _name = field_validator("name")(_matches(_IMAGE_NAME, "image name", "registry.example.com/llm/engine"))
+    _tag = field_validator("tag")(_matches(_IMAGE_TAG, "image tag", "0.1.0 or 2026-11-22"))
+    _base = field_validator("base")(_matches(_IMAGE_REF, "base image reference", "python:3.11-slim-bookworm"))
 
 
 class SecuritySpec(_Model):

@@ -5,6 +5,7 @@ Each problem names the field path, the bad value, what is allowed and a did-you-
 
 from __future__ import annotations
 
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,9 @@ from pydantic import BaseModel, ValidationError
 from .errors import Problem, SpecError, did_you_mean
 from .spec import Spec
 
-_TAGS = {"auto", "sysroot", "inline", "env", "secret"}  # discriminator tags pydantic puts into error paths
-_SECRET_PATHS = ("serving.api_key",)
+# Discriminator tags pydantic puts into error paths, right after the union field they belong to.
+_TAGS = {"hardware": {"auto", "sysroot", "inline"}, "api_key": {"env", "secret"}}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -88,7 +90,9 @@ def resolve_paths(spec: Spec, base: Path) -> Spec:
 
     updates: dict[str, Any] = {}
     src = spec.model.source
-    if src.startswith((".", "/", "~")) or (base / src).is_dir():
+    # A hub id ("org/name") stays an id unless a directory of that name sits next to the spec; any other
+    # relative source is a path relative to the spec file, never to the current directory.
+    if not _HUB_ID.match(src) or (base / src).exists():
         updates["model"] = spec.model.model_copy(update={"source": fix(src)})
     if not isinstance(spec.hardware, str) and hasattr(spec.hardware, "sysroot"):
         updates["hardware"] = spec.hardware.model_copy(update={"sysroot": fix(spec.hardware.sysroot)})
@@ -119,8 +123,8 @@ def _problems(err: ValidationError) -> list[Problem]:
         if kind == "too_short" and any(q != path and q.startswith(path) for q in paths):
             continue  # an item failed, so the list looks empty "after validation"; the item's error says why
         value = e.get("input")
-        if any(path.startswith(s) for s in _SECRET_PATHS):
-            value = "<hidden>"
+        if path == "serving.api_key" and isinstance(value, str):
+            value = "<hidden>"  # somebody pasted the key itself: never echo it
         msg = e["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
         if kind == "missing":
             out.append(Problem("required field is missing", path, hint=f"add `{path.rsplit('.', 1)[-1]}`"))
@@ -136,24 +140,30 @@ def _problems(err: ValidationError) -> list[Problem]:
 
 def _path(loc: tuple) -> str:
     s = ""
+    prev = None
     for part in loc:
         if isinstance(part, int):
             s += f"[{part}]"
-        elif part in _TAGS or part.startswith(("function-", "literal[", "tagged-union[")):
+        elif part in _TAGS.get(prev, ()) or part.startswith(("function-", "literal[", "tagged-union[")):
+            prev = None
             continue
         else:
             s += f".{part}" if s else str(part)
+        prev = part
     return s
 
 
 def _fields_at(loc: tuple) -> list[str]:
     """Field names of the model found by walking `loc` from Spec; [] when the walk leaves the models."""
     model: Any = Spec
+    prev = None
     for part in loc:
-        if isinstance(part, int) or part in _TAGS:
-            if part in _TAGS:
+        if isinstance(part, int) or part in _TAGS.get(prev, ()):
+            if not isinstance(part, int):
                 model = _tagged(model, part)
+            prev = None
             continue
+        prev = part
         if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
             return []
         model = _inner(model.model_fields[part].annotation)
@@ -169,8 +179,11 @@ def _inner(annotation: Any) -> Any:
         elif origin in (tuple, list):
             annotation = typing.get_args(annotation)[0]
         elif origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
-            models = [a for a in map(_strip, typing.get_args(annotation))
-                      if isinstance(a, type) and issubclass(a, BaseModel)]
+            models = []
+            for a in map(_strip, typing.get_args(annotation)):
+                inner = _inner(a) if typing.get_origin(a) is not None else a
+                models += list(inner) if isinstance(inner, tuple) else [inner]
+            models = [a for a in models if isinstance(a, type) and issubclass(a, BaseModel)]
             if len(models) == 1:
                 return models[0]
             return tuple(models) or annotation

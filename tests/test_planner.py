@@ -205,3 +205,9 @@ def test_plan_on_the_live_host_is_runnable():
     p = planner.make_plan(spec, topo, memory.shape(spec.model))
     assert p.replicas and all(r.omp_threads >= 1 for r in p.replicas)
     assert set(p.replicas[0].cpuset) <= set(topo.allowed_cpus)
+
+
+def test_replica_ports_must_stay_below_65536(sysroots):
+    with pytest.raises(PlanError) as e:
+        plan_for(sysroots, "epyc-2s-nps1", serving={"port": 65535})
+    assert e.value.problems[0].path == "serving.port" and "1-65533" in str(e.value)

@@ -138,3 +138,18 @@ def test_spec_targets_are_the_default_and_later_targets_are_skipped_with_a_note(
     assert "'helm'" in r.stderr and "not implemented" in r.stderr
     files = set(snapshot(out))
     assert "compose.yaml" in files and "run.sh" not in files
+
+
+def test_an_edited_manifest_cannot_make_render_delete_outside_the_directory(spec, tmp_path):
+    out = tmp_path / "out"
+    assert render(spec, out).returncode == 0
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    import hashlib
+    m = json.loads((out / "deploykit-manifest.json").read_text())
+    digest = hashlib.sha256(precious.read_bytes()).hexdigest()
+    m["files"]["../precious.txt"] = {"sha256": digest, "mode": "0644"}
+    m["files"][str(precious)] = {"sha256": digest, "mode": "0644"}
+    (out / "deploykit-manifest.json").write_text(json.dumps(m))
+    assert render(spec, out).returncode == 0
+    assert precious.read_text() == "keep me"

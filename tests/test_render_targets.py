@@ -33,13 +33,15 @@ def rendered(case: str, tmp_path: Path, sysroots) -> tuple[Path, dict]:
     return out, plan.to_dict()
 
 
-def docker_runs(out: Path, tmp_path: Path) -> dict[str, list[str]]:
+def docker_runs(out: Path, tmp_path: Path, api_key: str | None = "test-key") -> dict[str, list[str]]:
     rec = tmp_path / "docker"
     rec.write_text(RECORDER)
     rec.chmod(0o755)
     log = tmp_path / "log"
     env = {**os.environ, "DOCKER": str(rec), "DOCKER_LOG": str(log), "MODEL_DIR": "/models/m", "IMAGE": "img:1"}
     env.pop("DEPLOYKIT_API_KEY", None)
+    if api_key is not None:
+        env["DEPLOYKIT_API_KEY"] = api_key
     done = subprocess.run(["bash", str(out / "run.sh")], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     runs = [json.loads(x) for x in log.read_text().splitlines()]
@@ -67,7 +69,8 @@ def test_run_sh_and_compose_agree(case, tmp_path, sysroots):
         assert ("--read-only" in argv) == svc["read_only"]
         assert values(argv, "--publish") == svc["ports"]
         env = dict(e.split("=", 1) if "=" in e else (e, None) for e in values(argv, "--env"))
-        assert env == svc.get("environment", {})
+        by_name = {k: None if str(v).startswith(f"${{{k}:?") else v for k, v in svc.get("environment", {}).items()}
+        assert env == by_name
         mounts = [v.replace(str(out), ".").replace("/models/m", "MODEL") for v in values(argv, "--volume")]
         assert [m.split(":", 1)[1] for m in mounts] == [v.rsplit(":", 2)[-2] + ":ro" for v in svc["volumes"]]
         sec_run = [s.replace(str(out), ".") for s in values(argv, "--security-opt")]
@@ -105,13 +108,20 @@ def test_seccomp_modes(tmp_path, sysroots):
 
 def test_api_key_is_passed_by_name_only(tmp_path, sysroots):
     out, plan = rendered("two-replicas-2socket", tmp_path, sysroots)
-    os.environ["DEPLOYKIT_API_KEY"] = "sk-secret-value"
-    try:
-        runs = docker_runs(out, tmp_path)
-    finally:
-        del os.environ["DEPLOYKIT_API_KEY"]
+    runs = docker_runs(out, tmp_path, api_key="sk-secret-value")
     for r in plan["replicas"]:
         assert "DEPLOYKIT_API_KEY" in values(runs[r["name"]], "--env")
     assert not any("sk-secret-value" in " ".join(a) for a in runs.values())
     services = yaml.safe_load((out / "compose.yaml").read_text())["services"]
-    assert all(services[r["name"]]["environment"]["DEPLOYKIT_API_KEY"] is None for r in plan["replicas"])
+    for r in plan["replicas"]:  # compose interpolates it from the caller's environment, and refuses if unset
+        assert services[r["name"]]["environment"]["DEPLOYKIT_API_KEY"].startswith("${DEPLOYKIT_API_KEY:?")
+    with pytest.raises(AssertionError, match="requires an API key"):
+        docker_runs(out, tmp_path, api_key=None)  # never start an engine that would serve without its key
+
+
+def test_api_key_from_a_kubernetes_secret_still_protects_docker_targets(tmp_path, sysroots):
+    from deploykit import memory, planner, specfile, topology
+    from tests.conftest import make_spec
+    spec = specfile.from_data(make_spec(serving={"api_key": {"secret": "llm-key"}}))
+    plan = planner.make_plan(spec, topology.read(sysroots["two-cpu"]), memory.shape(spec.model))
+    assert plan.serving.api_key_env == "DEPLOYKIT_API_KEY" and plan.serving.api_key_secret == ("llm-key", "api-key")

@@ -168,3 +168,20 @@ def test_mutations_of_a_valid_spec_never_crash(path, value, how):
 
 def test_the_mutation_base_is_valid():
     assert specfile.from_data(FULL).placement.threads == 2
+
+
+def test_a_bare_relative_model_source_is_relative_to_the_spec_not_the_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir("/")
+    f = tmp_path / "s.yaml"
+    f.write_text(yaml.safe_dump(make_spec(model={"source": "tiny"})))
+    assert specfile.load(f).model.source == str(tmp_path / "tiny")  # absolute, even though it does not exist
+    f.write_text(yaml.safe_dump(make_spec(model={"source": "Qwen/Qwen3-8B"})))
+    assert specfile.load(f).model.source == "Qwen/Qwen3-8B"  # a hub id stays an id
+
+
+def test_error_paths_keep_field_names_that_are_also_union_tags():
+    assert "hardware.sysroot" in problems(make_spec(hardware={"sysroot": 5}))
+    p = problems(make_spec(serving={"api_key": {"env": "1BAD"}}))["serving.api_key.env"]
+    assert p.value == "1BAD" and "environment variable name" in p.message
+    assert "image.base" in problems(make_spec(image={"base": "python 3.11"}))
+    assert "serving.publish_address" in problems(make_spec(serving={"publish_address": "999.1.1.1"}))

@@ -23,8 +23,14 @@ def _env() -> jinja2.Environment:
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=True,
                              lstrip_blocks=True, autoescape=False)
     env.filters["sh"] = lambda v: shlex.quote(str(v))
+    env.filters["dq"] = dq
     env.filters["json"] = lambda v: json.dumps(v)  # not jinja's tojson: that HTML-escapes quotes
     return env
+
+
+def dq(text: object) -> str:
+    """Escape for use inside a double-quoted shell word ("...$VAR..." stays expandable where we want it)."""
+    return "".join("\\" + ch if ch in '"$`\\' else ch for ch in str(text))
 
 
 def template(name: str, **context: object) -> str:

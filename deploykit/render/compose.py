@@ -49,8 +49,10 @@ def _service(plan: Plan, c: Container, model_src: str) -> dict:
     if c.shm_size:
         s["shm_size"] = c.shm_size
     if c.env:
-        # None: compose passes the variable through from the caller's environment (the API key, by name only).
-        s["environment"] = dict(c.env)
+        # None marks the API key: compose takes it from the caller's environment by name, and refuses to start
+        # the deployment when it is unset (an engine without its key would serve unauthenticated).
+        s["environment"] = {k: v if v is not None else f"${{{k}:?export {k}: the deployment requires an API key}}"
+                            for k, v in c.env}
     if c.entrypoint:
         s["entrypoint"] = list(c.entrypoint)
     if c.depends_on:

@@ -10,14 +10,15 @@ from dataclasses import dataclass
 from .. import __version__, cpulist
 from ..plan import Plan, Replica
 from ..units import human
-from . import nginx, seccomp, template
+from . import dq, nginx, seccomp, template
 from .output import File
 
 MODEL_DIR = "/model"
 PLAN_PATH = "/etc/deploykit/plan.json"
 NGINX_CONF = "/etc/deploykit/nginx.conf"
-# /dev/shm carries tensors between the server's processes (torch.multiprocessing); Docker's default is 64 MiB.
-SHM_SIZE = "1g"
+# The server's processes talk over a socketpair, not shared memory; /dev/shm only holds Python multiprocessing
+# semaphores and small library buffers. Explicit, so a read-only root keeps a bounded writable shm.
+SHM_SIZE = "256m"
 # The only writable place under a read-only root: HOME, caches, nginx temp files. Not noexec: the engine may
 # dlopen JIT-built kernels from its cache there.
 TMPFS = "/tmp:rw,nosuid,nodev,size=1g"
@@ -154,7 +155,7 @@ def files(plan: Plan) -> list[File]:
 def run_sh(plan: Plan) -> str:
     network = plan.name if plan.serving.load_balancer else None
     model = plan.model.path
-    model_env = ("${MODEL_DIR:-" + _dq(model) + "}" if model else
+    model_env = ("${MODEL_DIR:-" + dq(model) + "}" if model else
                  "${MODEL_DIR:?set MODEL_DIR to the model directory on this host (nothing is downloaded at run time)}")
     cs = [_RunArgs(c, network) for c in containers(plan)]
     return template("run.sh.j2", plan=plan, lb=plan.serving.load_balancer, network=network, containers=cs,
@@ -170,11 +171,6 @@ def _notes(plan: Plan) -> list[str]:
         return ["security.seccomp is 'runtime-default': Docker's profile blocks migrate_pages/move_pages, so the",
                 "engine cannot move pages touched before it bound its memory (binding itself still works)."]
     return []
-
-
-def _dq(text: str) -> str:
-    """Escape for use inside a double-quoted shell word."""
-    return "".join("\\" + ch if ch in '"$`\\' else ch for ch in text)
 
 
 @dataclass(frozen=True, slots=True)

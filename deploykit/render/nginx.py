@@ -12,7 +12,7 @@ MAX_FAILS = 3
 FAIL_TIMEOUT = "30s"
 # Generation can run for many minutes, and a stream may pause while a long prompt is prefilled.
 READ_TIMEOUT = "3600s"
-MAX_BODY = "64m"  # long prompts and chat histories as JSON
+MAX_BODY = "4m"  # the engine's own request limit: a larger body would pass here and fail there
 
 
 def file(plan: Plan) -> File:

@@ -115,7 +115,12 @@ def _previous(out: Path, force: bool) -> dict[str, str]:
         return {}
     try:
         data = json.loads((out / MANIFEST).read_text())
-        return {str(p): str(v["sha256"]) for p, v in data["files"].items()}
+        entries = {str(p): str(v["sha256"]) for p, v in data["files"].items()}
+        # Only plain relative paths inside `out` can be ours: an edited manifest must not steer a deletion
+        # or an overwrite outside the directory.
+        return {p: h for p, h in entries.items()
+                if p and not p.startswith("/") and ".." not in p.split("/") and (out / p).resolve().is_relative_to(
+                    out.resolve())}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         if force:
             return {}

@@ -43,9 +43,9 @@ replace qwen-0
     --restart unless-stopped \
     --cpuset-cpus 0-1 \
     --cpuset-mems 0 \
-    --memory 25767641497 \
-    --memory-swap 25767641497 \
-    --shm-size 1g \
+    --memory 25769803776 \
+    --memory-swap 25769803776 \
+    --shm-size 256m \
     --user 20000:20000 \
     --tmpfs /tmp:rw,nosuid,nodev,size=1g \
     --cap-drop ALL \

@@ -35,7 +35,7 @@ if [ "${1:-up}" = down ]; then
 fi
 MODEL_DIR="${MODEL_DIR:-/spec/tiny-model}"
 
-# replica 0 on NUMA node 0: inference CPUs 0-1 (2 OpenMP threads), front end shares those CPUs; memory on node 0, limit 3.4 GiB
+# replica 0 on NUMA node 0: inference CPUs 0-1 (2 OpenMP threads), front end shares those CPUs; memory on node 0, limit 2.0 GiB
 replace qwen-0
 "$DOCKER" run --detach \
     --name qwen-0 \
@@ -44,9 +44,9 @@ replace qwen-0
     --restart unless-stopped \
     --cpuset-cpus 0-1 \
     --cpuset-mems 0 \
-    --memory 3655320601 \
-    --memory-swap 3655320601 \
-    --shm-size 1g \
+    --memory 2152541888 \
+    --memory-swap 2152541888 \
+    --shm-size 256m \
     --user 10001:10001 \
     --read-only \
     --tmpfs /tmp:rw,nosuid,nodev,size=1g \

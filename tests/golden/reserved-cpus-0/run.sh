@@ -37,7 +37,7 @@ MODEL_DIR="${MODEL_DIR:?set MODEL_DIR to the model directory on this host (nothi
 "$DOCKER" network inspect qwen >/dev/null 2>&1 \
     || "$DOCKER" network create --label "deploykit.deployment=$DEPLOYMENT" qwen >/dev/null
 
-# replica 0 on NUMA node 0: inference CPUs 0 (1 OpenMP thread), front end shares those CPUs; memory on node 0, limit 3.9 GiB
+# replica 0 on NUMA node 0: inference CPUs 0 (1 OpenMP thread), front end shares those CPUs; memory on node 0, limit 3.8 GiB
 replace qwen-0
 "$DOCKER" run --detach \
     --name qwen-0 \
@@ -47,9 +47,9 @@ replace qwen-0
     --network qwen \
     --cpuset-cpus 0 \
     --cpuset-mems 0 \
-    --memory 4155603916 \
-    --memory-swap 4155603916 \
-    --shm-size 1g \
+    --memory 4120192742 \
+    --memory-swap 4120192742 \
+    --shm-size 256m \
     --user 10001:10001 \
     --read-only \
     --tmpfs /tmp:rw,nosuid,nodev,size=1g \
@@ -67,7 +67,7 @@ replace qwen-0
     --publish 0.0.0.0:8001:8000 \
     "$IMAGE"
 
-# replica 1 on NUMA node 0: inference CPUs 1 (1 OpenMP thread), front end shares those CPUs; memory on node 0, limit 3.9 GiB
+# replica 1 on NUMA node 0: inference CPUs 1 (1 OpenMP thread), front end shares those CPUs; memory on node 0, limit 3.8 GiB
 replace qwen-1
 "$DOCKER" run --detach \
     --name qwen-1 \
@@ -77,9 +77,9 @@ replace qwen-1
     --network qwen \
     --cpuset-cpus 1 \
     --cpuset-mems 0 \
-    --memory 4155603916 \
-    --memory-swap 4155603916 \
-    --shm-size 1g \
+    --memory 4120192742 \
+    --memory-swap 4120192742 \
+    --shm-size 256m \
     --user 10001:10001 \
     --read-only \
     --tmpfs /tmp:rw,nosuid,nodev,size=1g \

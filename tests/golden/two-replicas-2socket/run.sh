@@ -33,12 +33,13 @@ if [ "${1:-up}" = down ]; then
     exit 0
 fi
 MODEL_DIR="${MODEL_DIR:?set MODEL_DIR to the model directory on this host (nothing is downloaded at run time)}"
+: "${DEPLOYKIT_API_KEY:?the deployment requires an API key: export DEPLOYKIT_API_KEY first (it is passed to the containers by name)}"
 
 # Replicas and the load balancer find each other by container name on this network.
 "$DOCKER" network inspect qwen >/dev/null 2>&1 \
     || "$DOCKER" network create --label "deploykit.deployment=$DEPLOYMENT" qwen >/dev/null
 
-# replica 0 on NUMA node 0: inference CPUs 0-94 (95 OpenMP threads), front end on CPUs 95,287; memory on node 0, limit 165.1 GiB
+# replica 0 on NUMA node 0: inference CPUs 0-94 (95 OpenMP threads), front end on CPUs 95,287; memory on node 0, limit 98.0 GiB
 replace qwen-0
 "$DOCKER" run --detach \
     --name qwen-0 \
@@ -48,9 +49,9 @@ replace qwen-0
     --network qwen \
     --cpuset-cpus 0-95,287 \
     --cpuset-mems 0 \
-    --memory 177227995955 \
-    --memory-swap 177227995955 \
-    --shm-size 1g \
+    --memory 105207453900 \
+    --memory-swap 105207453900 \
+    --shm-size 256m \
     --user 10001:10001 \
     --read-only \
     --tmpfs /tmp:rw,nosuid,nodev,size=1g \
@@ -69,7 +70,7 @@ replace qwen-0
     --publish 127.0.0.1:8001:8000 \
     "$IMAGE"
 
-# replica 1 on NUMA node 1: inference CPUs 96-190 (95 OpenMP threads), front end on CPUs 191,383; memory on node 1, limit 165.1 GiB
+# replica 1 on NUMA node 1: inference CPUs 96-190 (95 OpenMP threads), front end on CPUs 191,383; memory on node 1, limit 98.0 GiB
 replace qwen-1
 "$DOCKER" run --detach \
     --name qwen-1 \
@@ -79,9 +80,9 @@ replace qwen-1
     --network qwen \
     --cpuset-cpus 96-191,383 \
     --cpuset-mems 1 \
-    --memory 177227995955 \
-    --memory-swap 177227995955 \
-    --shm-size 1g \
+    --memory 105207453900 \
+    --memory-swap 105207453900 \
+    --shm-size 256m \
     --user 10001:10001 \
     --read-only \
     --tmpfs /tmp:rw,nosuid,nodev,size=1g \

@@ -37,7 +37,7 @@ MODEL_DIR="${MODEL_DIR:?set MODEL_DIR to the model directory on this host (nothi
 "$DOCKER" network inspect qwen >/dev/null 2>&1 \
     || "$DOCKER" network create --label "deploykit.deployment=$DEPLOYMENT" qwen >/dev/null
 
-# replica 0 on NUMA node 0: inference CPUs 0-26,112-138 (54 OpenMP threads), front end on CPUs 27,139; memory on node 0, limit 113.9 GiB
+# replica 0 on NUMA node 0: inference CPUs 0-26,112-138 (54 OpenMP threads), front end on CPUs 27,139; memory on node 0, limit 98.0 GiB
 replace qwen-0
 "$DOCKER" run --detach \
     --name qwen-0 \
@@ -47,9 +47,9 @@ replace qwen-0
     --network qwen \
     --cpuset-cpus 0-27,112-139 \
     --cpuset-mems 0 \
-    --memory 122252414566 \
-    --memory-swap 122252414566 \
-    --shm-size 1g \
+    --memory 105207453900 \
+    --memory-swap 105207453900 \
+    --shm-size 256m \
     --user 10001:10001 \
     --read-only \
     --tmpfs /tmp:rw,nosuid,nodev,size=1g \
@@ -67,7 +67,7 @@ replace qwen-0
     --publish 0.0.0.0:8001:8000 \
     "$IMAGE"
 
-# replica 1 on NUMA node 1: inference CPUs 28-54,140-166 (54 OpenMP threads), front end on CPUs 55,167; memory on node 1, limit 113.9 GiB
+# replica 1 on NUMA node 1: inference CPUs 28-54,140-166 (54 OpenMP threads), front end on CPUs 55,167; memory on node 1, limit 98.0 GiB
 replace qwen-1
 "$DOCKER" run --detach \
     --name qwen-1 \
@@ -77,9 +77,9 @@ replace qwen-1
     --network qwen \
     --cpuset-cpus 28-55,140-167 \
     --cpuset-mems 1 \
-    --memory 122252414566 \
-    --memory-swap 122252414566 \
-    --shm-size 1g \
+    --memory 105207453900 \
+    --memory-swap 105207453900 \
+    --shm-size 256m \
     --user 10001:10001 \
     --read-only \
     --tmpfs /tmp:rw,nosuid,nodev,size=1g \
@@ -97,7 +97,7 @@ replace qwen-1
     --publish 0.0.0.0:8002:8000 \
     "$IMAGE"
 
-# replica 2 on NUMA node 2: inference CPUs 56-82,168-194 (54 OpenMP threads), front end on CPUs 83,195; memory on node 2, limit 113.9 GiB
+# replica 2 on NUMA node 2: inference CPUs 56-82,168-194 (54 OpenMP threads), front end on CPUs 83,195; memory on node 2, limit 98.0 GiB
 replace qwen-2
 "$DOCKER" run --detach \
     --name qwen-2 \
@@ -107,9 +107,9 @@ replace qwen-2
     --network qwen \
     --cpuset-cpus 56-83,168-195 \
     --cpuset-mems 2 \
-    --memory 122252414566 \
-    --memory-swap 122252414566 \
-    --shm-size 1g \
+    --memory 105207453900 \
+    --memory-swap 105207453900 \
+    --shm-size 256m \
     --user 10001:10001 \
     --read-only \
     --tmpfs /tmp:rw,nosuid,nodev,size=1g \
@@ -127,7 +127,7 @@ replace qwen-2
     --publish 0.0.0.0:8003:8000 \
     "$IMAGE"
 
-# replica 3 on NUMA node 3: inference CPUs 84-110,196-222 (54 OpenMP threads), front end on CPUs 111,223; memory on node 3, limit 113.9 GiB
+# replica 3 on NUMA node 3: inference CPUs 84-110,196-222 (54 OpenMP threads), front end on CPUs 111,223; memory on node 3, limit 98.0 GiB
 replace qwen-3
 "$DOCKER" run --detach \
     --name qwen-3 \
@@ -137,9 +137,9 @@ replace qwen-3
     --network qwen \
     --cpuset-cpus 84-111,196-223 \
     --cpuset-mems 3 \
-    --memory 122252414566 \
-    --memory-swap 122252414566 \
-    --shm-size 1g \
+    --memory 105207453900 \
+    --memory-swap 105207453900 \
+    --shm-size 256m \
     --user 10001:10001 \
     --read-only \
     --tmpfs /tmp:rw,nosuid,nodev,size=1g \
