@@ -101,8 +101,12 @@ def _serve(args: argparse.Namespace) -> int:
     (`python -m engine serve MODEL --plan plan.json --replica N`)."""
     import tempfile
 
-    from .errors import ModelError, PlanError
-    _, _, plan = load_plan(args.spec, None)
+    from .errors import ModelError, PlanError, RuntimeFailure
+    spec, _, plan = load_plan(args.spec, None)
+    if spec.hardware != "auto":
+        raise PlanError("deploykit serve runs the plan on this host, but the spec describes other hardware",
+                        path="hardware", value="sysroot" if hasattr(spec.hardware, "sysroot") else "inline",
+                        allowed="auto", hint="use hardware: auto (or render the spec and run it on that machine)")
     if not 0 <= args.replica < len(plan.replicas):
         raise PlanError(f"the plan has {len(plan.replicas)} replica(s)", path="--replica", value=args.replica,
                         allowed=f"0-{len(plan.replicas) - 1}")
@@ -115,7 +119,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ModelError(f"the bundled engine is not installed ({e.name} is missing)",
                          hint="pip install 'deploykit[engine]'") from None
     replica = plan.replicas[args.replica]
-    host = args.host or plan.serving.publish_address
+    host = (args.host or plan.serving.publish_address).strip("[]")  # Docker writes IPv6 as [::]; bind() does not
     port = replica.port if args.port is None else args.port
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="deploykit-plan-") as f:
         f.write(plan.to_json())
@@ -127,7 +131,10 @@ def _serve(args: argparse.Namespace) -> int:
         if len(plan.replicas) > 1:
             print(f"deploykit: serving replica {args.replica} of {len(plan.replicas)} on port {port}; start the others "
                   "with --replica, or use the rendered compose.yaml for all of them behind nginx", file=sys.stderr)
-        return launch.run_args(ns)
+        code = launch.run_args(ns)
+    if code:
+        raise RuntimeFailure(f"the engine server stopped with exit code {code}", hint="see the log lines above")
+    return 0
 
 
 def parser() -> argparse.ArgumentParser:

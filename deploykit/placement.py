@@ -80,8 +80,3 @@ def choose(topo: Topology, candidates: Iterable[int], *, reserved: int | None = 
                          "over a quota")
             cpus = cpus[:budget]
     return CpuChoice(tuple(sorted(cpus)), tuple(frontend), tuple(notes))
-
-
-def describe(choice: CpuChoice) -> str:
-    front = cpulist.format(choice.frontend_cpus) or "shared"
-    return f"inference {cpulist.format(choice.cpus)} ({len(choice.cpus)} threads), front end {front}"

@@ -166,8 +166,11 @@ def read_with_sources(sysroot: str | Path = "/") -> tuple[Topology, tuple[str, .
 def _extract(archive: Path, dest: Path) -> None:
     try:
         with tarfile.open(archive) as tar:
-            members = [m for m in tar.getmembers() if m.isfile() or m.isdir()]  # no links, devices
-            tar.extractall(dest, members=members, filter="data")
+            # Regular files and directories with plain relative names only: no links, devices or "..".
+            members = [m for m in tar.getmembers() if (m.isfile() or m.isdir()) and not m.name.startswith("/")
+                       and ".." not in m.name.split("/")]
+            kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python >= 3.10.12 / 3.11.4
+            tar.extractall(dest, members=members, **kw)
     except (tarfile.TarError, OSError) as e:
         raise TopologyError(f"cannot read snapshot archive: {e}", path=str(archive),
                             hint="pass a directory or a .tar.gz written by `deploykit topology snapshot`") from None

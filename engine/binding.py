@@ -26,8 +26,10 @@ _FIX = ("run the container with --cap-add SYS_NICE and deploykit's seccomp profi
         "writes), or security.seccomp: unconfined")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Binding:
+    """What this process was asked to do (first five fields) and what applying it found (warnings, tids)."""
+
     cpus: tuple[int, ...]  # OpenMP thread i runs on cpus[i]; () = not pinned
     frontend_cpus: tuple[int, ...]  # where the HTTP/tokenizer side and helper threads go; () = share cpus
     mems: tuple[int, ...]  # NUMA nodes for memory; () = leave the policy alone
@@ -70,12 +72,6 @@ def resolve(mode: str = "auto", *, frontend_cpus: str | None = None, mems: str |
     else:
         mem_nodes = tuple(sorted({topo.cpu(c).node for c in cpus} & set(topo.allowed_mems)))
     return Binding(tuple(cpus), tuple(front_cpus), mem_nodes, len(cpus), source, tuple(notes))
-
-
-def from_plan(plan: dict, replica: int) -> Binding:
-    """The binding a rendered container must apply: `deploykit plan --format json`, replicas[replica]."""
-    r = plan["replicas"][replica]
-    return Binding(tuple(r["cpus"]), tuple(r["frontend_cpus"]), tuple(r["mems"]), int(r["omp_threads"]), "plan")
 
 
 def prepare(b: Binding) -> Binding:

@@ -98,7 +98,8 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> No
         return torch.tensor(values).repeat_interleave(lengths)  # [N]
 
     r = per_entry(rows)
-    rep = per_entry([states[i].params.repetition_penalty for i in rows])
+    # float32 holds neither 1e306 nor 1e-40 (valid as float64 params): 0 * inf would be NaN
+    rep = per_entry([min(max(states[i].params.repetition_penalty, 1e-30), 1e30) for i in rows])
     v = logits[r, ids]
     v = torch.where(v > 0, v / rep, v * rep)
     v -= per_entry([states[i].params.frequency_penalty for i in rows]) * counts
@@ -156,7 +157,8 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
     u = torch.rand(cdf.shape[0], 1, generator=generator) * total
     # u == total after rounding would select past the last token with non-zero weight.
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, u, right=True).squeeze(1)
+    # A row that still went NaN must not index past the candidates (that would crash the next step).
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_max_(cdf.shape[1] - 1)
 
 
 def _column(params: Sequence[SamplingParams], value: Callable[[SamplingParams], float]) -> torch.Tensor:
@@ -217,7 +219,8 @@ def _sample_truncated(x: torch.Tensor, params: Sequence[SamplingParams], generat
 def _sample_rows(x: torch.Tensor, params: Sequence[SamplingParams], generator: torch.Generator | None) -> list[int]:
     """One token per row of logits [R, V] (overwritten). Rows must be all truncated (top-k/top-p) or none."""
     if any(p.temperature != 1 for p in params):
-        x.div_(_column(params, lambda p: p.temperature)).clamp_(-FINITE, FINITE)
+        # a temperature beyond float32's range would become inf, and -inf / inf is NaN
+        x.div_(_column(params, lambda p: min(p.temperature, FINITE))).clamp_(-FINITE, FINITE)
     if not params[0].is_truncated:
         m = x.amax(-1, keepdim=True)  # [R, 1]
         if any(p.min_p > 0 for p in params):

@@ -17,7 +17,7 @@ from engine.server.middleware import Gate
 ERRORS = {code: {"model": p.ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
 
 
-def build_app(fe: Frontend, *, model_path: str, api_key: str | None, max_body_bytes: int,
+def build_app(fe: Frontend, *, api_key: str | None, max_body_bytes: int,
               on_shutdown: Callable[[], None] = lambda: None):
     """Returns the ASGI app (the FastAPI app wrapped in the auth/body-size gate)."""
     started = int(time.time())
@@ -48,7 +48,7 @@ def build_app(fe: Frontend, *, model_path: str, api_key: str | None, max_body_by
 
     @app.get("/v1/models", response_model=p.ModelList, responses=ERRORS)
     async def models() -> p.ModelList:
-        return p.ModelList(data=[p.ModelCard(id=fe.model_name, created=started, root=model_path,
+        return p.ModelList(data=[p.ModelCard(id=fe.model_name, created=started, root=fe.model_name,
                                              max_model_len=fe.max_model_len)])
 
     @app.post("/v1/completions", response_model=p.CompletionResponse, responses=ERRORS)

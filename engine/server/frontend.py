@@ -29,6 +29,20 @@ class State(enum.Enum):
     DEAD = "dead"
 
 
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-level alphabet: printable stand-ins for the 256 byte values."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
 class _Out(NamedTuple):  # what RequestState.process reads of engine.core.TokenOutput
     new_token_ids: list[int]
     logprobs: list | None
@@ -130,10 +144,23 @@ class Frontend:
             raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
+    def check_fits(self, count: int, param: str) -> None:
+        """A request with more sequences than the server can ever hold is a client error, not 'retry later'."""
+        if count > self.capacity:
+            raise bad_request(f"the request needs {count} sequences (prompts x n) but this server holds at most "
+                              f"{self.capacity} (max_num_seqs + max_waiting); send fewer prompts or a smaller n",
+                              param)
+
     def admit(self, count: int) -> None:
         if self.num_inflight + count > self.capacity:
             raise APIError(429, f"too many requests waiting ({self.num_inflight} in flight, capacity "
                            f"{self.capacity}); retry later", code="queue_full", headers={"Retry-After": "1"})
+
+    def check_stop_tokens(self, params: SamplingParams) -> None:
+        vocab = self.info["vocab_size"]
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise bad_request(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab})", "stop_token_ids")
 
     def check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> None:
         if not ids:
@@ -174,6 +201,19 @@ class Frontend:
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one Frontend per process, bounded by the vocabulary
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (a byte-level BPE piece may be part of a UTF-8 character, whose
+        decoded text is only U+FFFD): GPT-2 byte alphabet, or SentencePiece's <0xNN> byte-fallback pieces."""
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return b""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        table = _byte_decoder()
+        if all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return self.token_text(token_id).encode()
 
     # ---- requests ----
     def submit(self, request_id: str, prompts: list[list[int]], params: list[list[SamplingParams]]) -> Generation:

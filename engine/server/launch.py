@@ -88,9 +88,43 @@ class OptionsError(ValueError):
     pass
 
 
+DTYPES = ("auto", "bfloat16", "float32", "float16")
+
+
+def _check_ranges(a: argparse.Namespace) -> None:
+    """Usage errors, reported before any process starts or any model byte is read."""
+    checks = [("--port", a.port, 0, 65535), ("--max-model-len", a.max_model_len, 1, None),
+              ("--max-num-seqs", a.max_num_seqs, 1, None),
+              ("--max-num-batched-tokens", a.max_num_batched_tokens, 1, None),
+              ("--max-waiting", a.max_waiting, 0, None), ("--replica", a.replica, 0, None),
+              ("--shutdown-timeout", a.shutdown_timeout, 0, None)]
+    for flag, value, lo, hi in checks:
+        if value is not None and (value < lo or (hi is not None and value > hi)):
+            allowed = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
+            raise OptionsError(f"{flag} must be {allowed}, got {value}")
+    if a.dtype is not None and a.dtype not in DTYPES:
+        raise OptionsError(f"--dtype must be one of {', '.join(DTYPES)}, got {a.dtype!r}")
+
+
+def missing_model_files(model: str) -> str | None:
+    """What a servable Hugging Face model directory lacks, or None."""
+    if not os.path.isdir(model):
+        return f"model directory {model} does not exist (a local Hugging Face model directory is required)"
+    names = set(os.listdir(model))
+    lacks = []
+    if "config.json" not in names:
+        lacks.append("config.json")
+    if not any(n.endswith((".safetensors", ".bin")) for n in names):
+        lacks.append("weights (*.safetensors)")
+    if not names & {"tokenizer.json", "tokenizer.model", "vocab.json"}:
+        lacks.append("a tokenizer (tokenizer.json)")
+    return f"model directory {model} lacks {', '.join(lacks)}" if lacks else None
+
+
 def options_from_args(a: argparse.Namespace, environ: dict | None = None) -> ServeOptions:
     """Explicit flags win, then the plan's replica, then DEPLOYKIT_* environment variables, then defaults."""
     env = os.environ if environ is None else environ
+    _check_ranges(a)
     plan: dict = {}
     replica: dict = {}
     if a.plan:
@@ -156,8 +190,9 @@ def _listen(host: str, port: int) -> socket.socket:
 def serve(o: ServeOptions) -> int:
     """Run the server until SIGTERM/SIGINT (exit 0 after draining) or engine death (exit 1)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if not os.path.isdir(o.model):
-        log.error("model directory %s does not exist (a local Hugging Face model directory is required)", o.model)
+    problem = missing_model_files(o.model)
+    if problem:
+        log.error("%s", problem)
         return EXIT_STARTUP
     try:
         b = resolve_binding(o)
@@ -195,7 +230,7 @@ def _run(o: ServeOptions, b, engine, sock: socket.socket) -> int:
         log.error("cannot load the tokenizer from %s: %s", o.model, e)
         return EXIT_STARTUP
     fe = Frontend(tokenizer, engine, o.model_name, max_num_seqs=o.max_num_seqs, max_waiting=o.max_waiting)
-    app = build_app(fe, model_path=o.model, api_key=o.api_key, max_body_bytes=o.max_body_bytes,
+    app = build_app(fe, api_key=o.api_key, max_body_bytes=o.max_body_bytes,
                     on_shutdown=lambda: engine.stop(timeout=0 if fe.state is State.LOADING else 10.0))
     config = uvicorn.Config(app, log_level="info", access_log=o.access_log, timeout_graceful_shutdown=5)
     server = _server_class(uvicorn)(config)

@@ -25,7 +25,7 @@ class Gate:
         if self.key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
             err = APIError(401, "invalid or missing API key; send it as 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            await self._reject(err, scope, receive, send, drain=True)
+            await self._reject(err, scope, receive, send, drain=True, limit=self.max_body)
             return
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
@@ -67,9 +67,9 @@ class Gate:
                         code="request_too_large")
 
     @staticmethod
-    async def _reject(err: APIError, scope, receive, send, *, drain: bool) -> None:
+    async def _reject(err: APIError, scope, receive, send, *, drain: bool, limit: int = DRAIN_LIMIT) -> None:
         seen = 0
-        while drain and seen <= DRAIN_LIMIT:
+        while drain and seen <= limit:
             msg = await receive()
             if msg["type"] != "http.request":
                 break

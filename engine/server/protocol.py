@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 MAX_N = 128  # OpenAI's documented limit for `n`
 MAX_TOP_LOGPROBS = 20
@@ -47,7 +47,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # token ids: no true/1.0 coercion
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
     best_of: PositiveInt | None = None  # only best_of == n is supported
@@ -90,7 +90,7 @@ class TokenizeRequest(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     model_config = _LENIENT
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]
 
 
 # ---- responses ----

@@ -139,6 +139,9 @@ async def create_completion(fe: Frontend, req: p.CompletionRequest, request: Req
     if req.echo and req.logprobs is not None:
         raise bad_request("echo together with logprobs (prompt logprobs) is not supported", "echo")
     params = _params(req, req.max_tokens, req.logprobs)
+    single = isinstance(req.prompt, str) or not req.prompt or isinstance(req.prompt[0], int)
+    fe.check_fits((1 if single else len(req.prompt)) * req.n, "n")
+    fe.check_stop_tokens(params[0])
     prompts = await _prompts(fe, req.prompt)
     for ids in prompts:
         fe.check_prompt(ids, req.max_tokens, "prompt")
@@ -187,7 +190,7 @@ async def create_completion(fe: Frontend, req: p.CompletionRequest, request: Req
 def _chat_logprobs(fe: Frontend, lps) -> list[dict]:
     def entry(token_id: int, logprob: float) -> dict:
         s = fe.token_text(token_id)
-        return {"token": s, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(s.encode())}
+        return {"token": s, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(fe.token_bytes(token_id))}
     return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
 
@@ -202,6 +205,8 @@ async def create_chat_completion(fe: Frontend, req: p.ChatCompletionRequest, req
         raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
     max_tokens = req.max_completion_tokens or req.max_tokens
     params = _params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    fe.check_fits(req.n, "n")
+    fe.check_stop_tokens(params[0])
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
     ids = await fe.encode(fe.render_chat(messages, req.add_generation_prompt), add_special_tokens=False)
     fe.check_prompt(ids, max_tokens, "messages")

@@ -124,8 +124,10 @@ def _plain(out) -> tuple:
 
 
 def child_main(fd: int) -> int:
-    # Ctrl-C reaches the whole process group; the front end decides when the engine stops (drain first).
+    # Ctrl-C, `timeout`, systemd and shells signal the whole process group; the front end decides when the
+    # engine stops (after draining) and tells it over the socket. If the front end dies, EOF ends the loop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     conn = Connection(fd)
     try:

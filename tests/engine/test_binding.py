@@ -82,9 +82,3 @@ def test_explicit_cpus_outside_the_cpuset_are_rejected():
         binding.resolve("4000")
     with pytest.raises(ValueError, match="CPU list"):
         binding.resolve("zero")
-
-
-def test_plan_replica_becomes_the_binding():
-    plan = {"replicas": [{"cpus": [0], "frontend_cpus": [1], "mems": [0], "omp_threads": 1}]}
-    b = binding.from_plan(plan, 0)
-    assert (b.cpus, b.frontend_cpus, b.mems, b.threads, b.source) == ((0,), (1,), (0,), 1, "plan")

@@ -330,8 +330,11 @@ def test_extreme_but_valid_params_never_produce_nan_or_out_of_range_tokens():
 
     V = 1000
     logits = torch.randn(2, V) * 5
+    logits[:, 7] = -math.inf  # a banned token, as min_tokens / ignore_eos leave it
     for params in (SamplingParams(top_p=1e-216), SamplingParams(repetition_penalty=1e-40),
-                   SamplingParams(repetition_penalty=1e-40, top_p=0.5, temperature=0.3)):
+                   SamplingParams(repetition_penalty=1e-40, top_p=0.5, temperature=0.3),
+                   SamplingParams(temperature=1.4e308, top_p=0.93),
+                   SamplingParams(temperature=2.5e16, repetition_penalty=4.9e306)):
         states = [SamplingState(params, [1, 2, 3], [0], V) for _ in range(2)]
         out = Sampler()(logits.clone(), states)
         assert all(0 <= t < V for t in out.token_ids)

@@ -30,7 +30,7 @@ def clean_env(**extra: str) -> dict:
 
 class LiveServer:
     def __init__(self, model: str, *args: str, api_key: str | None = None, env: dict | None = None,
-                 cmd: list[str] | None = None):
+                 cmd: list[str] | None = None, new_session: bool = False):
         """`cmd` replaces `python -m engine serve MODEL`; --host/--port (and --api-key) are appended to it."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -39,7 +39,7 @@ class LiveServer:
         cmd = [*(cmd or [sys.executable, "-m", "engine", "serve", model]), "--host", "127.0.0.1", "--port",
                str(self.port), *(["--api-key", api_key] if api_key else []), *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env=env if env is not None else clean_env())
+                                     env=env if env is not None else clean_env(), start_new_session=new_session)
 
     @property
     def headers(self) -> dict:

@@ -45,6 +45,10 @@ def test_prompt_plus_max_tokens_over_the_context_names_both_numbers(server):
     ({"prompt": [5, 100000]}, "prompt"),
     ({"prompt": ""}, "prompt"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"prompt": [True, False]}, "prompt"),
+    ({"n": 10_000}, "n"),  # more sequences than the server can ever hold: not a "retry later" 429
+    ({"stop_token_ids": [100_000]}, "stop_token_ids"),
+    ({"stop_token_ids": [100_000], "stream": True}, "stop_token_ids"),  # checked before the 200 is sent
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_invalid_parameters_are_400_naming_the_parameter(server, body, param):

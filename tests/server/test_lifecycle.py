@@ -60,7 +60,7 @@ def test_plan_replica_then_engine_death_gives_503_and_a_nonzero_exit(tiny_model,
         s.close()
 
 
-async def _drain_scenario(s: LiveServer) -> tuple[list, int, int, int]:
+async def _drain_scenario(s: LiveServer, terminate) -> tuple[list, int, int, int]:
     body = {"prompt": "Hello", "max_tokens": 600, "ignore_eos": True, "stream": True, "temperature": 0}
 
     async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
@@ -79,18 +79,23 @@ async def _drain_scenario(s: LiveServer) -> tuple[list, int, int, int]:
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
         full = await c.post("/v1/completions", json={**body, "stream": False})
         assert full.headers.get("retry-after")
-        s.proc.send_signal(signal.SIGTERM)
+        terminate()
         await asyncio.sleep(0.3)
         late = await c.post("/v1/completions", json={**body, "stream": False})
         health = await c.get("/health")
         return await asyncio.gather(*streams), full.status_code, late.status_code, health.status_code
 
 
-def test_sigterm_finishes_in_flight_requests_then_exits_0(tiny_model):
-    s = LiveServer(tiny_model, "--max-num-seqs", "2", "--max-waiting", "0", "--max-model-len", "1024")
+@pytest.mark.parametrize("group", [False, True], ids=["to-the-server", "to-its-process-group"])
+def test_sigterm_finishes_in_flight_requests_then_exits_0(tiny_model, group):
+    """`docker stop` signals PID 1; systemd, `timeout` and shells signal the whole group, engine included."""
+    s = LiveServer(tiny_model, "--max-num-seqs", "2", "--max-waiting", "0", "--max-model-len", "1024",
+                   new_session=group)
     try:
         s.wait_ready()
-        streams, full, late, health = asyncio.run(_drain_scenario(s))
+        terminate = ((lambda: os.killpg(s.proc.pid, signal.SIGTERM)) if group
+                     else (lambda: s.proc.send_signal(signal.SIGTERM)))
+        streams, full, late, health = asyncio.run(_drain_scenario(s, terminate))
         assert (full, late, health) == (429, 503, 503)
         for lines in streams:
             assert lines[-1] == "[DONE]"
@@ -116,8 +121,16 @@ def test_model_that_cannot_load_exits_3_with_the_reason(tiny_model, tmp_path):
         if f.startswith("tokenizer"):
             shutil.copy(os.path.join(tiny_model, f), broken)
     s = LiveServer(str(broken))
-    try:
+    try:  # caught before any process starts, naming every missing piece
         assert s.proc.wait(timeout=120) == 3
-        assert "engine failed to start" in s.log() and "config.json" in s.log()
+        assert "lacks config.json, weights (*.safetensors)" in s.log() and "Traceback" not in s.log()
+    finally:
+        s.close()
+    shutil.copy(os.path.join(tiny_model, "config.json"), broken)
+    (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
+    s = LiveServer(str(broken))
+    try:  # present but unreadable: the engine process reports it and the server exits 3
+        assert s.proc.wait(timeout=120) == 3
+        assert "engine failed to start" in s.log() and "model.safetensors" in s.log()
     finally:
         s.close()
