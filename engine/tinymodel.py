@@ -126,4 +126,6 @@ def make_tiny_model(out_dir: str, arch: str = "llama", *, hidden: int = 64, laye
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out_dir, **kwargs)
     tokenizer.save_pretrained(out_dir)
+    for name in os.listdir(out_dir):  # weights are written through a 0600 temp file; containers run as another UID
+        os.chmod(os.path.join(out_dir, name), 0o644)
     return out_dir
