@@ -151,8 +151,14 @@ def test_every_golden_compose_file_is_valid_for_docker_compose(compose_cli, tmp_
     for case in sorted(golden.iterdir()):
         work = tmp_path / case.name
         shutil.copytree(case, work)
-        done = subprocess.run([compose_cli, "-f", str(work / "compose.yaml"), "config", "-q"], capture_output=True,
-                              text=True, env={**os.environ, "MODEL_DIR": str(tmp_path)}, timeout=60, cwd=work)
+        env = {k: v for k, v in os.environ.items() if k != "DEPLOYKIT_API_KEY"} | {"MODEL_DIR": str(tmp_path)}
+        config = [compose_cli, "-f", str(work / "compose.yaml"), "config", "-q"]
+        if "DEPLOYKIT_API_KEY:?" in (work / "compose.yaml").read_text():
+            # A deployment whose key lives in a secret must not start unprotected when the key is not exported.
+            refused = subprocess.run(config, capture_output=True, text=True, env=env, timeout=60, cwd=work)
+            assert refused.returncode != 0 and "export DEPLOYKIT_API_KEY" in refused.stderr, case.name
+            env["DEPLOYKIT_API_KEY"] = "k"
+        done = subprocess.run(config, capture_output=True, text=True, env=env, timeout=60, cwd=work)
         assert done.returncode == 0, f"{case.name}: {done.stderr}"
         checked += 1
     assert checked >= 5
