@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from engine.kernels import loader
 
-__all__ = ["linear", "prepare_weight", "status"]
+__all__ = ["add_rms_norm", "fused", "linear", "prepare_bias", "prepare_weight", "rotary_", "silu_mul", "status"]
 
 _NATIVE = loader.load()
 _ops = torch.ops.deploykit if _NATIVE.loaded else None
@@ -28,6 +28,9 @@ if _ops is not None:  # resolved once: the OpOverloadPacket lookup costs microse
     _avx512_packed = _ops.linear_packed_avx512.default
     _amx_packed = _ops.linear_packed_amx.default
     _amx_plain = _ops.linear_plain_amx.default
+    _add_rms_norm = _ops.add_rms_norm.default
+    _silu_mul = _ops.silu_mul.default
+    _rotary = _ops.rotary_.default
 
 
 def is_packed(w: torch.Tensor) -> bool:
@@ -57,8 +60,18 @@ def prepare_weight(w: torch.Tensor) -> torch.Tensor:
         return w.contiguous()
 
 
+def prepare_bias(b: torch.Tensor | None) -> torch.Tensor | None:
+    """Called once per bias at load time: the native kernels add an fp32 bias, so convert it once here rather
+    than on every call (a bf16 [N] -> fp32 copy per projection per step)."""
+    if b is None or not _NATIVE.loaded or b.dtype != _BF16:
+        return b
+    return b.float().contiguous()
+
+
 def fallback_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Pure PyTorch (oneDNN) path; also the reference the native kernels are tested against."""
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)  # a prepare_bias fp32 copy on a non-native call
     return F.linear(x, unpack(w) if is_packed(w) else w, bias)
 
 
@@ -77,7 +90,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     if w.dim() == 4:  # packed, see is_packed
         y = _amx_packed(x2, w, bias) if m >= _amx_min_m else _avx512_packed(x2, w, bias)
     elif w.dim() != 2 or not w.is_contiguous():
-        return F.linear(x, w, bias)
+        return fallback_linear(x, w, bias)
     elif m <= ROWS_MAX_M:
         y = _rows(x2, w, bias)
     elif m <= PLAIN_AMX_MAX_M and _NATIVE.amx and w.shape[0] % 16 == 0 and x2.shape[1] % 32 == 0:
@@ -85,8 +98,47 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     elif m <= 4:
         y = _rows(x2, w, bias)
     else:
-        return F.linear(x, w, bias)
+        return fallback_linear(x, w, bias)
     return y if x.dim() == 2 else y.view(*lead, y.shape[-1])
+
+
+def fused(x: torch.Tensor) -> bool:
+    """Whether the fused element-wise ops below run natively for activations like x (bf16 only: fp32, the
+    dtype of the exactness tests, always takes the PyTorch compositions)."""
+    return _ops is not None and x.dtype == _BF16
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """h [M, H] += delta (in place, the residual add), then rms_norm(h) * w -> [M, H]. Needs fused(h)."""
+    return _add_rms_norm(h, delta, w, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[M, 2I] (gate, up) -> silu(gate) * up [M, I]. Needs fused(gate_up)."""
+    return _silu_mul(gate_up)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place on x [M, heads, D]: x * cos + roll(x, D/2) * sin, cos and signed sin [M, D]. Needs fused(x)."""
+    _rotary(x, cos, sin)
+
+
+def fallback_add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Reference for add_rms_norm (fp32 inside, like the native op)."""
+    if delta is not None:
+        h += delta
+    hf = h.float()
+    return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(h.dtype)
+
+
+def fallback_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def fallback_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    xf = x.float()
+    x.copy_(xf * cos.float()[:, None] + xf.roll(x.shape[-1] // 2, -1) * sin.float()[:, None])
 
 
 def status() -> dict:

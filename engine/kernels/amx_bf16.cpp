@@ -22,6 +22,9 @@ using bf16 = at::BFloat16;
 constexpr int ARCH_REQ_XCOMP_PERM = 0x1023;
 constexpr int XFEATURE_XTILEDATA = 18;
 constexpr int64_t BLOCK_X_MIN_M = 64;
+// Weight tiles are requested this far ahead of their tileloadd: a tile load that misses to DRAM
+// stalls the AMX pipe, and the hardware prefetcher restarts at every 28 KiB column block.
+constexpr int64_t PREFETCH_BYTES = 4096;
 
 struct alignas(64) TileConfig {
   uint8_t palette_id;
@@ -83,6 +86,12 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, const bf16* wp, in
   for (int64_t kp = 0; kp < Kh; kp += 16, a0 += a.step) {
     _tile_loadd(4, a0, a.ld);
     if constexpr (MB > 1) _tile_loadd(5, a0 + a.half, a.ld);
+    const char* p0 = reinterpret_cast<const char*>(b0 + kp * 32) + PREFETCH_BYTES;
+    for (int l = 0; l < 16; ++l) _mm_prefetch(p0 + l * 64, _MM_HINT_T0);
+    if constexpr (NB > 1) {
+      const char* p1 = reinterpret_cast<const char*>(b1 + kp * 32) + PREFETCH_BYTES;
+      for (int l = 0; l < 16; ++l) _mm_prefetch(p1 + l * 64, _MM_HINT_T0);
+    }
     _tile_loadd(6, b0 + kp * 32, 64);
     if constexpr (NB > 1) _tile_loadd(7, b1 + kp * 32, 64);
     _tile_dpbf16ps(0, 4, 6);

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-SOURCES = ("gemv_bf16.cpp", "amx_bf16.cpp", "amx_plain_bf16.cpp", "stream_read.cpp")
+SOURCES = ("gemv_bf16.cpp", "amx_bf16.cpp", "amx_plain_bf16.cpp", "stream_read.cpp", "decode_ops.cpp")
 LIBRARY_NAME = "deploykit_kernels.so"
 MANIFEST_NAME = "manifest.json"
 SOURCE_DIR = Path(__file__).resolve().parent

@@ -9,13 +9,8 @@ import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
 
-try:  # the native GEMV kernels; plain F.linear until that package exists
-    from engine.kernels import linear, prepare_weight
-except ImportError:
-    linear = F.linear
-
-    def prepare_weight(w: torch.Tensor) -> torch.Tensor:
-        return w
+from engine import kernels
+from engine.kernels import linear, prepare_bias, prepare_weight
 
 
 def embed_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -35,14 +30,28 @@ def rms_norm(x: torch.Tensor, weight2: torch.Tensor | None, eps: float) -> torch
 
 
 class RMSNorm:
-    __slots__ = ("weight2", "eps")
+    __slots__ = ("weight", "weight2", "eps")
 
     def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight = weight.contiguous()               # [H]
         self.weight2 = torch.cat([weight, weight])      # [2H]
         self.eps = eps
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual_delta: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, H] -> normed [N, H]; with residual_delta, x += residual_delta in place first (one fused op)."""
+        if kernels.fused(x):
+            return kernels.add_rms_norm(x, residual_delta, self.weight, self.eps)
+        if residual_delta is not None:
+            x += residual_delta
         return rms_norm(x, self.weight2, self.eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] -> silu(gate) * up [N, I]."""
+    if kernels.fused(gate_up):
+        return kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 ACTIVATIONS = {
@@ -91,8 +100,12 @@ class Rotary:
 
 
 def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotary embedding in place on x [N, H, D] (3 kernels instead of rotate_half's 7)."""
-    torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin, out=x)
+    """Rotary embedding in place on x [N, H, D], cos/sin [N, 1, D] (native: one kernel; else 3 instead of
+    rotate_half's 7)."""
+    if kernels.fused(x):
+        kernels.rotary_(x, cos[:, 0], sin[:, 0])
+    else:
+        torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin, out=x)
 
 
 Blocks = torch.Tensor | slice   # block ids to gather, or a contiguous run of blocks (a view, no copy)

@@ -16,9 +16,11 @@ from engine.models.layers import (
     embed_rows,
     linear,
     paged_attention,
+    prepare_bias,
     prepare_weight,
     rms_norm,
     rotate_,
+    silu_and_mul,
 )
 
 log = logging.getLogger("engine")
@@ -45,6 +47,7 @@ class LlamaModel:
         self.spec = spec
         self.dtype = dtype
         self.act = ACTIVATIONS[spec.hidden_act]
+        self.act_fused = spec.hidden_act in ("silu", "swish")
         self.scale = spec.head_dim ** -0.5
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
@@ -71,7 +74,7 @@ class LlamaModel:
             return prepare_weight(w)
 
         def fused_bias(names: list[str]) -> torch.Tensor | None:
-            return torch.cat([get(n) for n in names]) if names[0] in r else None
+            return prepare_bias(torch.cat([get(n) for n in names])) if names[0] in r else None
 
         hidden, inter = s.hidden_size, s.intermediate_size
         self.embed = get("model.embed_tokens.weight")
@@ -89,7 +92,7 @@ class LlamaModel:
             L.qkv = fused([n + ".weight" for n in qkv], self.q_size + 2 * self.kv_size, hidden)
             L.qkv_bias = fused_bias([n + ".bias" for n in qkv])
             L.o = fused([p + "self_attn.o_proj.weight"], hidden, self.q_size)
-            L.o_bias = opt(p + "self_attn.o_proj.bias")
+            L.o_bias = prepare_bias(opt(p + "self_attn.o_proj.bias"))
             # Qwen3 normalises each q and k head before rotary; one [Hq + Hkv, D] weight does both at once.
             qn, kn = opt(p + "self_attn.q_norm.weight"), opt(p + "self_attn.k_norm.weight")
             L.qk_norm = None if qn is None else torch.cat([qn.expand(s.num_heads, -1),
@@ -97,7 +100,7 @@ class LlamaModel:
             L.gate_up = fused([n + ".weight" for n in gate_up], 2 * inter, hidden)
             L.gate_up_bias = fused_bias([n + ".bias" for n in gate_up])
             L.down = fused([p + "mlp.down_proj.weight"], hidden, inter)
-            L.down_bias = opt(p + "mlp.down_proj.bias")
+            L.down_bias = prepare_bias(opt(p + "mlp.down_proj.bias"))
             self.layers.append(L)
         self.norm = RMSNorm(get("model.norm.weight"), s.rms_norm_eps)
         if "lm_head.weight" in r and not s.tie_word_embeddings:
@@ -121,18 +124,26 @@ class LlamaModel:
         nh, nkv, hd = s.num_heads, s.num_kv_heads, s.head_dim
         cos, sin = self.rotary.tables(positions)                       # [N, 1, D]
         h = embed_rows(self.embed if self.embed is not None else self.lm_head, input_ids)  # [N, H]
+        last = len(self.layers) - 1
+        x = self.layers[0].ln1(h)
         for i, L in enumerate(self.layers):
-            x = L.ln1(h)
             qkv = linear(x, L.qkv, L.qkv_bias).view(n, nh + 2 * nkv, hd)  # [N, Hq + 2 Hkv, D]
             qk = qkv[:, :nh + nkv]                                     # q and k heads, normed/rotated in place
             if L.qk_norm is not None:
                 torch.mul(rms_norm(qk, None, s.rms_norm_eps), L.qk_norm, out=qk)
             rotate_(qk, cos, sin)
             o = paged_attention(qkv[:, :nh], qkv[:, nh:].view(n, 2, nkv, hd), kv.layers[i], meta, self.scale)
-            h += linear(o.reshape(n, nh * hd), L.o, L.o_bias)
-            x = L.ln2(h)
-            gate, up = linear(x, L.gate_up, L.gate_up_bias).chunk(2, dim=-1)      # [N, I] each
-            h += linear(self.act(gate) * up, L.down, L.down_bias)
+            x = L.ln2(h, linear(o.reshape(n, nh * hd), L.o, L.o_bias))            # h += o_proj; norm
+            if self.act_fused:
+                y = silu_and_mul(linear(x, L.gate_up, L.gate_up_bias))            # [N, I]
+            else:
+                gate, up = linear(x, L.gate_up, L.gate_up_bias).chunk(2, dim=-1)  # [N, I] each
+                y = self.act(gate) * up
+            d = linear(y, L.down, L.down_bias)
+            if i < last:
+                x = self.layers[i + 1].ln1(h, d)                                  # h += down_proj; next norm
+            else:
+                h += d
         return h
 
     @torch.inference_mode()

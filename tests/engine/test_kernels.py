@@ -222,3 +222,54 @@ def test_cpuinfo_flags_are_read(tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_tile\n\nprocessor\t: 1\n")
     assert loader.cpu_flags(info) == frozenset({"fpu", "avx512f", "avx512_bf16", "amx_tile"})
+
+
+@needs_bf16
+@pytest.mark.parametrize("m,h", [(1, 896), (16, 896), (3, 100), (5, 17)])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_matches_reference_and_updates_the_residual(kernels, m, h, with_delta):
+    g = torch.Generator().manual_seed(m * h)
+    base = (torch.randn(m, h, generator=g) * 3).bfloat16()
+    delta = torch.randn(m, h, generator=g).bfloat16() if with_delta else None
+    w = torch.randn(h, generator=g).bfloat16()
+    native, ref = base.clone(), base.clone()
+    y = kernels.add_rms_norm(native, delta, w, 1e-6)
+    y_ref = kernels.fallback_add_rms_norm(ref, delta, w, 1e-6)
+    assert torch.equal(native, ref)  # the residual stream is updated in place, rounded to bf16 like h += delta
+    # Independent fp64 check of the reference itself, within one bf16 rounding of the output.
+    hf = ref.double()
+    exact = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert torch.allclose(y_ref.double(), exact, rtol=2 ** -7, atol=1e-6)
+    assert torch.allclose(y.float(), y_ref.float(), rtol=2 ** -7, atol=1e-6)
+
+
+@needs_bf16
+@pytest.mark.parametrize("m,i", [(1, 4864), (16, 4864), (2, 37)])
+def test_silu_mul_matches_reference_including_extremes(kernels, m, i):
+    g = torch.Generator().manual_seed(i)
+    gu = (torch.randn(m, 2 * i, generator=g) * 4).bfloat16()
+    gu[0, :6] = torch.tensor([-200.0, 200.0, 0.0, -0.0, 1e-30, -88.0])  # saturating exp both ways, signed zero
+    y = kernels.silu_mul(gu)
+    gate, up = gu.double().chunk(2, dim=-1)
+    exact = gate * torch.sigmoid(gate) * up
+    assert torch.allclose(y.double(), exact, rtol=2 ** -7, atol=1e-30)
+    # Equal to the PyTorch composition except where exp saturates (|silu| < 1e-30 there instead of 0).
+    assert torch.allclose(y.float(), kernels.fallback_silu_mul(gu).float(), rtol=0, atol=1e-30)
+
+
+@needs_bf16
+@pytest.mark.parametrize("m,heads,d", [(1, 16, 64), (16, 16, 64), (2, 3, 80), (1, 2, 34)])
+def test_rotary_in_place_on_a_strided_qkv_view(kernels, m, heads, d):
+    g = torch.Generator().manual_seed(heads * d)
+    qkv = torch.randn(m, heads + 2, d, generator=g).bfloat16()  # q/k heads first, then 2 untouched v heads
+    cos, sin = torch.randn(m, d, generator=g).bfloat16(), torch.randn(m, d, generator=g).bfloat16()
+    native, ref = qkv.clone(), qkv.clone()
+    kernels.rotary_(native[:, :heads], cos, sin)
+    kernels.fallback_rotary_(ref[:, :heads], cos, sin)
+    assert torch.equal(native, ref)
+    assert torch.equal(native[:, heads:], qkv[:, heads:])
+    # fp64 from the definition: with the signed table sin = [-sin, sin], roll(x, D/2) * sin is HF's
+    # rotate_half(x) * sin; the op is x * cos + (x's halves swapped) * sin.
+    x, half = qkv[:, :heads].double(), d // 2
+    exact = x * cos.double()[:, None] + torch.cat([x[..., half:], x[..., :half]], -1) * sin.double()[:, None]
+    assert torch.allclose(native[:, :heads].double(), exact, rtol=2 ** -7, atol=2 ** -6)
