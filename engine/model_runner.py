@@ -75,9 +75,15 @@ class ModelRunner:
             tables = torch.tensor([b for t in dec_tables for b in t + [0] * (width - len(t))])  # [B * max_blocks]
             ctx = torch.tensor(dec_ctx)
             mask = self._additive(torch.arange(width * bs)[None, :] < ctx[:, None])[:, None, None]  # [B, 1, 1, T]
+        dec_tables_2d = dec_lens = None
+        if dec_tables:
+            width = max(len(t) for t in dec_tables)
+            dec_tables_2d = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.int32)
+            dec_lens = torch.tensor(dec_ctx, dtype=torch.int32)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots), num_decode=len(dec_tables), decode_blocks=tables,
-            decode_mask=mask, decode_context_len=dec_ctx[0] if dec_ctx else 0, prefills=prefills)
+            decode_mask=mask, decode_context_len=dec_ctx[0] if dec_ctx else 0, prefills=prefills,
+            decode_tables=dec_tables_2d, decode_lens=dec_lens)
         return torch.tensor(ids), torch.tensor(pos), meta, sampled, rows
 
 

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from engine.kernels import loader
 
-__all__ = ["add_rms_norm", "fused", "linear", "prepare_bias", "prepare_weight", "rotary_", "silu_mul", "status"]
+__all__ = ["add_rms_norm", "decode_attention", "decode_attention_supported", "fused", "linear", "prepare_bias",
+           "prepare_weight", "rotary_", "silu_mul", "status"]
 
 _NATIVE = loader.load()
 _ops = torch.ops.deploykit if _NATIVE.loaded else None
@@ -31,6 +32,7 @@ if _ops is not None:  # resolved once: the OpOverloadPacket lookup costs microse
     _add_rms_norm = _ops.add_rms_norm.default
     _silu_mul = _ops.silu_mul.default
     _rotary = _ops.rotary_.default
+    _decode_attention = _ops.decode_attention.default
 
 
 def is_packed(w: torch.Tensor) -> bool:
@@ -121,6 +123,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """In place on x [M, heads, D]: x * cos + roll(x, D/2) * sin, cos and signed sin [M, D]. Needs fused(x)."""
     _rotary(x, cos, sin)
+
+
+def decode_attention_supported(q: torch.Tensor) -> bool:
+    """q [B, Hq, D]: the native paged decode attention handles bf16 with D a multiple of 32 up to 256."""
+    return fused(q) and q.shape[-1] % 32 == 0 and q.shape[-1] <= 256
+
+
+def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One query per sequence against its cached context, read in place from the paged cache.
+    q [B, Hq, D], kv_layer [blocks, block_size, 2, Hkv, D], tables int32 [B, W], lens int32 [B] -> [B, Hq, D]."""
+    return _decode_attention(q, kv_layer, tables, lens, scale)
 
 
 def fallback_add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-SOURCES = ("gemv_bf16.cpp", "amx_bf16.cpp", "amx_plain_bf16.cpp", "stream_read.cpp", "decode_ops.cpp")
+SOURCES = ("gemv_bf16.cpp", "amx_bf16.cpp", "amx_plain_bf16.cpp", "stream_read.cpp", "decode_ops.cpp",
+           "decode_attention.cpp")
+HEADERS = ("vec.h",)
 LIBRARY_NAME = "deploykit_kernels.so"
 MANIFEST_NAME = "manifest.json"
 SOURCE_DIR = Path(__file__).resolve().parent
@@ -41,7 +43,7 @@ class BuildResult:
 
 def source_hash() -> str:
     h = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         h.update(name.encode())
         h.update((SOURCE_DIR / name).read_bytes())
     h.update(" ".join(CXX_FLAGS).encode())

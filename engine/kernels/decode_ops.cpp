@@ -12,23 +12,13 @@
 
 #include <cmath>
 
+#include "vec.h"
+
 namespace deploykit {
 namespace {
 
 using bf16 = at::BFloat16;
-
-// 16 bf16 <-> 16 fp32 (bf16 is the top half of an fp32).
-inline __m512 load16(const bf16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline __m512 load16_masked(const bf16* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline void store16(bf16* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v)); }
-inline void store16_masked(bf16* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
-inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1); }
+using namespace vec;
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kBFloat16 && t.stride(1) == 1, name,
@@ -109,22 +99,7 @@ at::Tensor silu_mul(const at::Tensor& gu) {
       for (int64_t k = 0; k < I; k += 16) {
         const __mmask16 mk = k + 16 <= I ? (__mmask16)0xFFFF : tail_mask(I - k);
         const __m512 x = load16_masked(g + k, mk);
-        // silu(x) = x / (1 + exp(-x)), exp(-x) = 2^t with t = -x log2(e) = 2^n * 2^f, n = round(t),
-        // f in [-0.5, 0.5] (no vector exp among the compiler's intrinsics). Clamping t keeps 2^n finite;
-        // past |t| = 126 silu is 0 or x to far below bf16 precision anyway.
-        __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(-1.44269504f));
-        t = _mm512_max_ps(_mm512_min_ps(t, _mm512_set1_ps(126.0f)), _mm512_set1_ps(-126.0f));
-        const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512 f = _mm512_sub_ps(t, n);
-        // 2^f, Cephes exp2f polynomial (relative error ~2e-7, far below bf16's 4e-3).
-        __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-        p = _mm512_fmadd_ps(p, f, one);
-        const __m512 e = _mm512_scalef_ps(p, n);  // exp(-x)
+        const __m512 e = vec::exp(_mm512_sub_ps(_mm512_setzero_ps(), x));  // silu(x) = x / (1 + exp(-x))
         const __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, e));
         store16_masked(o + k, _mm512_mul_ps(s, load16_masked(u + k, mk)), mk);
       }

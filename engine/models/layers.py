@@ -129,6 +129,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None    # [num_decode, 1, 1, max_blocks * block_size]; None for one sequence
     decode_context_len: int             # exact context length when num_decode == 1
     prefills: list[PrefillChunk]
+    decode_tables: torch.Tensor | None = None   # int32 [num_decode, max_blocks] (for the native kernel)
+    decode_lens: torch.Tensor | None = None     # int32 [num_decode] context lengths incl. the new token
 
 
 def _context(kv_layer: torch.Tensor, blocks: Blocks) -> torch.Tensor:
@@ -149,16 +151,20 @@ def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_layer: torch.Tenso
     out = None
     if nd:
         # One query per sequence: fold the query heads sharing a KV head into the query-length axis (GQA).
-        qd = q[:nd].view(nd, n_kv, n_heads // n_kv, head_dim)                   # [B, Hkv, G, D]
-        ctx = _context(kv_layer, meta.decode_blocks)                             # [B * T, 2, Hkv, D]
-        if meta.decode_mask is None:
-            ctx = ctx[:meta.decode_context_len]
-        ctx = ctx.view(nd, -1, 2, n_kv, head_dim).permute(2, 0, 3, 1, 4)        # [2, B, Hkv, T, D]
-        o = F.scaled_dot_product_attention(qd, ctx[0], ctx[1], attn_mask=meta.decode_mask, scale=scale)
+        if meta.decode_tables is not None and kernels.decode_attention_supported(q):
+            o = kernels.decode_attention(q[:nd], kv_layer, meta.decode_tables, meta.decode_lens, scale)
+        else:
+            qd = q[:nd].view(nd, n_kv, n_heads // n_kv, head_dim)               # [B, Hkv, G, D]
+            ctx = _context(kv_layer, meta.decode_blocks)                         # [B * T, 2, Hkv, D]
+            if meta.decode_mask is None:
+                ctx = ctx[:meta.decode_context_len]
+            ctx = ctx.view(nd, -1, 2, n_kv, head_dim).permute(2, 0, 3, 1, 4)    # [2, B, Hkv, T, D]
+            o = F.scaled_dot_product_attention(qd, ctx[0], ctx[1], attn_mask=meta.decode_mask, scale=scale)
+        o = o.view(nd, n_heads, head_dim)
         if not meta.prefills:
-            return o.view(nd, n_heads, head_dim)
+            return o
         out = q.new_empty(q.shape)
-        out[:nd] = o.view(nd, n_heads, head_dim)
+        out[:nd] = o
     if out is None and len(meta.prefills) > 1:
         out = q.new_empty(q.shape)
     for c in meta.prefills:

@@ -273,3 +273,47 @@ def test_rotary_in_place_on_a_strided_qkv_view(kernels, m, heads, d):
     x, half = qkv[:, :heads].double(), d // 2
     exact = x * cos.double()[:, None] + torch.cat([x[..., half:], x[..., :half]], -1) * sin.double()[:, None]
     assert torch.allclose(native[:, :heads].double(), exact, rtol=2 ** -7, atol=2 ** -6)
+
+
+def _attention_reference(q, kv, tables, lens, scale):
+    """fp64 softmax(q k^T * scale) v per sequence, gathering each token's K/V through its block table."""
+    bs, group = kv.shape[1], q.shape[1] // kv.shape[3]
+    out = []
+    for b, n in enumerate(lens.tolist()):
+        ctx = torch.stack([kv[tables[b, t // bs], t % bs] for t in range(n)]).double()  # [T, 2, Hkv, D]
+        k, v = (ctx[:, i].repeat_interleave(group, dim=1) for i in (0, 1))              # [T, Hq, D]
+        p = (torch.einsum("hd,thd->ht", q[b].double(), k) * scale).softmax(-1)
+        out.append(torch.einsum("ht,thd->hd", p, v))
+    return torch.stack(out)
+
+
+@needs_bf16
+@pytest.mark.parametrize("heads,kv_heads,d,block,lens", [
+    (14, 2, 64, 16, [1]), (14, 2, 64, 16, [17]), (8, 8, 128, 16, [1, 40, 100]),
+    (32, 8, 128, 32, [5, 300, 64, 1000]), (4, 1, 32, 8, [9, 8, 7])])
+def test_decode_attention_reads_scattered_blocks_in_place(kernels, heads, kv_heads, d, block, lens):
+    g = torch.Generator().manual_seed(heads * d + len(lens))
+    kv = torch.randn(200, block, 2, kv_heads, d, generator=g).bfloat16()
+    width = max(-(-n // block) for n in lens)
+    tables = torch.randperm(200, generator=g)[:len(lens) * width].view(len(lens), width).int()  # out of order
+    qkv = torch.randn(len(lens), heads + 2 * kv_heads, d, generator=g).bfloat16()
+    q, lens_t = qkv[:, :heads], torch.tensor(lens, dtype=torch.int32)                  # q: a strided view
+    out = kernels.decode_attention(q, kv, tables, lens_t, d ** -0.5)
+    exact = _attention_reference(q, kv, tables, lens_t, d ** -0.5)
+    assert out.shape == (len(lens), heads, d)
+    assert torch.allclose(out.double(), exact, rtol=2 ** -7, atol=2 ** -7)
+
+
+@needs_bf16
+def test_decode_attention_rejects_tables_that_point_outside_the_cache(kernels):
+    kv = torch.zeros(4, 16, 2, 2, 64, dtype=torch.bfloat16)
+    q = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
+
+    def call(block: int, length: int):
+        i32 = torch.int32
+        return kernels.decode_attention(q, kv, torch.tensor([[block]], dtype=i32), torch.tensor([length], dtype=i32), 1.0)
+
+    with pytest.raises(RuntimeError, match="out of range"):
+        call(9, 3)
+    with pytest.raises(RuntimeError, match="context length"):
+        call(0, 17)

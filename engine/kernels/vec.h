@@ -1,0 +1,46 @@
+// Small AVX-512 helpers shared by the element-wise and attention kernels: bf16 <-> fp32 and exp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <immintrin.h>
+
+namespace deploykit {
+namespace vec {
+
+using bf16 = at::BFloat16;
+
+// bf16 is the top half of an fp32.
+inline __m512 load16(const bf16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline __m512 load16_masked(const bf16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline void store16(bf16* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v)); }
+inline void store16_masked(bf16* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+
+// exp(x) = 2^t, t = x log2(e) = 2^n * 2^f with n = round(t), f in [-0.5, 0.5] (the compiler has no vector
+// exp). t is clamped to [-126, 126] so 2^n stays a normal float: exp(x) for x < -87 comes out ~1e-38
+// instead of 0 and for x > 87 ~1e38 instead of inf, far outside anything a bf16 result can tell apart.
+inline __m512 exp(__m512 x) {
+  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  t = _mm512_max_ps(_mm512_min_ps(t, _mm512_set1_ps(126.0f)), _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  // 2^f: Cephes exp2f polynomial, relative error ~2e-7 (bf16 resolves 4e-3).
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace vec
+}  // namespace deploykit
