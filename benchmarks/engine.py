@@ -1,0 +1,398 @@
+"""Decode and prefill speed of the bundled engine against transformers and llama.cpp on a generated ~350M-parameter
+Qwen2-shaped bf16 model, with the memory bandwidth (decode roofline) and bf16 matmul peak measured in the same run.
+
+Run: flock /tmp/deploykit-heavy.lock python benchmarks/engine.py [--quick] [--threads N] [--rounds R]
+         [--skip-transformers] [--skip-llamacpp] [--model-dir DIR]       (JSON on stdout, progress on stderr)
+
+Each framework runs in its own worker process with the binding `python -m engine serve` uses (one pinned OpenMP
+thread per CPU), so llama.cpp's OpenMP runtime never shares a process with torch's. The host is shared: rounds visit
+every measurement in alternating order, one at a time, a measurement during which other processes used our CPUs is
+repeated, and each number is reported as best and median over the rounds. Decode rates exclude prefill (they start
+at the step that delivered every sequence's first token); prefill is the time to first token of a 512-token prompt.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from statistics import median
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[0] = str(ROOT)  # not benchmarks/: this file's own name would shadow the engine package
+
+SHAPE = {"arch": "qwen2", "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864}
+DEFAULT_MODEL_DIR = Path.home() / ".cache/deploykit/bench/qwen2-350m-bf16"
+PREFILL, BATCH, PROMPT, MAX_LEN = 512, 16, 16, 1024
+FOREIGN_MAX, RETRIES, CLK_TCK = 0.1, 3, os.sysconf("SC_CLK_TCK")
+TARGETS = {"b1_pct_roofline": 80.0, "b1_vs_llamacpp": 1.25, "b16_vs_transformers_b16": 3.0, "prefill_pct_peak": 50.0}
+
+
+class Ours:
+    def __init__(self, a):
+        import torch
+
+        from engine import kernels
+        from engine.config import EngineConfig
+        from engine.core import EngineCore
+        self.torch, self.kernels = torch, kernels
+        self.core = EngineCore(EngineConfig(a.model_dir, dtype="bfloat16", max_model_len=MAX_LEN, max_num_seqs=BATCH))
+        self.ids, self.probe, self.mats = itertools.count(), None, None
+        self.info = {"kernels": kernels.status(), "torch": torch.__version__}
+
+    def generate(self, prompts: list[list[int]], tokens: int) -> dict:
+        from engine.sampling import SamplingParams
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=tokens)
+        out: dict[str, list[int]] = {}
+        t0 = time.perf_counter()
+        for p in prompts:
+            rid = str(next(self.ids))
+            out[rid] = []
+            self.core.add_request(rid, p, params)
+        first = None
+        while self.core.has_unfinished_requests():
+            for o in self.core.step():
+                out[o.request_id] += o.new_token_ids
+            if first is None and all(out.values()):
+                first = time.perf_counter()
+        return {"ttft_s": first - t0, "decode_s": time.perf_counter() - first, "tokens": list(out.values())}
+
+    def bandwidth(self) -> dict:
+        """Best of 3 streaming reads of 1 GiB and 3 MKL fp32 GEMVs over 512 MiB (both far beyond the L3)."""
+        torch = self.torch
+        if self.probe is None:
+            self.probe = (torch.ones(256 << 20), torch.randn(32768, 4096), torch.randn(1, 4096))
+        stream, w, x = self.probe
+        native = self.kernels.status()["path"] != "fallback" and hasattr(torch.ops.deploykit, "stream_read")
+        read = torch.ops.deploykit.stream_read if native else torch.sum
+        t_read = best_time(lambda: read(stream), 3)
+        t_gemv = best_time(lambda: torch.nn.functional.linear(x, w), 3)
+        return {"stream_read_gbps": stream.nbytes / t_read / 1e9, "fp32_gemv_gbps": w.nbytes / t_gemv / 1e9,
+                "stream_probe": "native avx512 stream_read" if native else "torch.sum (compute-bound, understates)"}
+
+    def matmul_peak(self) -> dict:
+        """Seconds per [512, K] x [K, N] bf16 matmul for the model's fused layer shapes, per implementation."""
+        torch, kernels, s = self.torch, self.kernels, self.core.spec
+        if self.mats is None:
+            shapes = {"qkv": ((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.hidden_size),
+                      "o_proj": (s.hidden_size, s.num_heads * s.head_dim),
+                      "gate_up": (2 * s.intermediate_size, s.hidden_size), "down": (s.hidden_size, s.intermediate_size)}
+            self.mats = {}
+            for name, (n, k) in shapes.items():
+                x, w = torch.randn(PREFILL, k).bfloat16(), (torch.randn(n, k) / k ** 0.5).bfloat16()
+                wp, wd = kernels.prepare_weight(w), torch.ops.mkldnn._reorder_linear_weight(w, None)
+                self.mats[name] = (2 * PREFILL * n * k, {
+                    "torch F.linear": partial(torch.nn.functional.linear, x, w),
+                    f"engine kernels.linear ({kernels.status()['path']})": partial(kernels.linear, x, wp),
+                    "oneDNN prepacked": partial(torch.ops.mkldnn._linear_pointwise, x, wd, None, "none", [], "")})
+        return {"shapes": {name: {"flop": flop, "seconds": {i: best_time(fn, 5) for i, fn in fns.items()}}
+                           for name, (flop, fns) in self.mats.items()}}
+
+
+class Transformers:
+    def __init__(self, a):
+        import torch
+        import transformers
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.bfloat16).eval()
+        # No EOS at all: generation always runs max_new_tokens, and greedy stays a pure argmax (min_new_tokens
+        # would mask EOS instead, which changes the tokens compared with the other frameworks).
+        self.model.generation_config = transformers.GenerationConfig(pad_token_id=0, eos_token_id=None)
+        self.info = {"transformers": transformers.__version__, "attn": self.model.config._attn_implementation}
+
+    def generate(self, prompts: list[list[int]], tokens: int) -> dict:
+        from transformers import LogitsProcessor, LogitsProcessorList
+        stamps: list[float] = []
+
+        class Stamp(LogitsProcessor):  # called once per step, right after that step's forward
+            def __call__(self, input_ids, scores):
+                stamps.append(time.perf_counter())
+                return scores
+
+        ids = self.torch.tensor(prompts)  # [B, T]: equal-length prompts, so no padding
+        t0 = time.perf_counter()
+        with self.torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=self.torch.ones_like(ids), max_new_tokens=tokens,
+                                      do_sample=False, logits_processor=LogitsProcessorList([Stamp()]))
+        new = out[:, ids.shape[1]:].tolist()
+        assert all(len(s) == tokens for s in new), "transformers stopped early"
+        return {"ttft_s": stamps[0] - t0, "decode_s": stamps[-1] - stamps[0], "tokens": new}
+
+
+def llamacpp_worker(a):
+    from benchmarks.gguf_export import LlamaCppRunner
+    return LlamaCppRunner(a.gguf, a.threads, MAX_LEN, PREFILL)
+
+
+WORKERS = {"ours": Ours, "transformers": Transformers, "llamacpp": llamacpp_worker}
+
+
+def best_time(fn, reps: int) -> float:
+    fn()  # warm-up: page-in, oneDNN primitive cache, AMX tile state
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def serve_worker(a) -> None:
+    reply = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # print() and C libraries that print go to stderr, never into the reply stream
+    from engine import binding
+    b = binding.prepare(binding.resolve(a.cpus))
+    if a.worker != "llamacpp":  # llama.cpp has no torch; its own libgomp reads the affinity env set above
+        binding.finish(b)
+    bench = WORKERS[a.worker](a)
+    reply.write(json.dumps(bench.info) + "\n")
+    for line in sys.stdin:
+        cmd, cpu = json.loads(line), sum(os.times()[:2])
+        try:
+            result = getattr(bench, cmd.pop("op"))(**cmd)
+        except Exception as e:  # noqa: BLE001 -- reported to the parent, which records it and goes on
+            result = {"error": f"{type(e).__name__}: {e}"}
+        reply.write(json.dumps({**result, "cpu_s": sum(os.times()[:2]) - cpu}) + "\n")  # all threads
+
+
+class Worker:
+    """Parent side of one worker process: a JSON command per line in, a JSON result per line out."""
+
+    def __init__(self, kind: str, a, cpus: str, threads: int):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
+        self.kind, self.proc = kind, subprocess.Popen(
+            [sys.executable, __file__, "--worker", kind, "--model-dir", str(a.model_dir), "--cpus", cpus,
+             "--threads", str(threads), "--gguf", str(a.gguf)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+
+    def call(self, op: str | None = None, **kwargs) -> dict:
+        if op is not None:
+            self.proc.stdin.write(json.dumps({"op": op, **kwargs}) + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.kind} worker exited with code {self.proc.wait()} (its stderr is above)")
+        return json.loads(line)
+
+
+def ensure_model(model_dir: Path) -> bool:
+    """Generate the benchmark model once (True when generated now): written aside, then renamed into place."""
+    if (model_dir / "config.json").is_file():
+        return False
+    from engine.tinymodel import make_tiny_model
+    tmp = model_dir.with_name(model_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    make_tiny_model(str(tmp), **SHAPE, dtype="bfloat16", max_position_embeddings=2048)
+    os.replace(tmp, model_dir)
+    return True
+
+
+def weight_stats(model_dir: Path) -> dict:
+    """Parameter and byte counts from the safetensors headers (no tensor data is read)."""
+    index = model_dir / "model.safetensors.index.json"
+    files = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else {"model.safetensors"}
+    meta: dict[str, dict] = {}
+    for f in files:
+        with open(model_dir / f, "rb") as fh:  # u64 header length, then the JSON header
+            meta.update(json.loads(fh.read(int.from_bytes(fh.read(8), "little"))))
+    meta.pop("__metadata__", None)
+    nbytes = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in meta.items()}
+    tied, total = "lm_head.weight" not in meta, sum(nbytes.values())
+    embed = sum(n for k, n in nbytes.items() if k.endswith("embed_tokens.weight"))
+    # One decode step reads every weight once, except the embedding table (a row gather) unless it is the lm_head.
+    return {"params": sum(math.prod(v["shape"]) for v in meta.values()), "bytes": total,
+            "decode_read_bytes": total - (0 if tied else embed), "tied_embeddings": tied,
+            "layer_matmul_params": sum(math.prod(v["shape"]) for k, v in meta.items()
+                                       if ".layers." in k and len(v["shape"]) == 2)}
+
+
+def stats(xs: list[float], nd: int = 2, lower_is_better: bool = False, samples: bool = True) -> dict:
+    out = {"best": round(min(xs) if lower_is_better else max(xs), nd), "median": round(median(xs), nd)}
+    return {**out, "samples": [round(x, nd) for x in xs]} if samples else out
+
+
+def jobs_for(kinds: list[str], vocab: int, tokens: int) -> list[tuple[str, str, str, dict]]:
+    """(result name, worker, op, arguments) of one round. Prompt ids skip 0-2, the special tokens."""
+    ids = range(3, vocab)
+    p1, pre = [random.Random(1).choices(ids, k=PROMPT)], [random.Random(2).choices(ids, k=PREFILL)]
+    p16 = [random.Random(100 + i).choices(ids, k=PROMPT) for i in range(BATCH)]
+    return ([("bandwidth", "ours", "bandwidth", {})]
+            + [(f"decode_b1/{k}", k, "generate", {"prompts": p1, "tokens": tokens}) for k in kinds]
+            + [(f"decode_b{BATCH}/{k}", k, "generate", {"prompts": p16, "tokens": tokens}) for k in kinds
+               if k != "llamacpp"]
+            + [(f"prefill/{k}", k, "generate", {"prompts": pre, "tokens": 1}) for k in kinds]
+            + [("matmul_peak", "ours", "matmul_peak", {})])
+
+
+def busy_seconds(cpus: tuple[int, ...]) -> float:
+    """Non-idle time of these CPUs since boot (/proc/stat columns: user nice system idle iowait irq ...)."""
+    with open("/proc/stat") as f:
+        rows = {ln.split()[0]: ln.split()[1:] for ln in f if ln.startswith("cpu")}
+    return sum(int(v) for c in cpus for i, v in enumerate(rows[f"cpu{c}"]) if i not in (3, 4)) / CLK_TCK
+
+
+def measure(worker: Worker, cpus: tuple[int, ...], op: str, kw: dict) -> dict:
+    """One measurement, retried while other processes used > FOREIGN_MAX of our CPUs (the host is shared)."""
+    for attempt in range(RETRIES + 1):
+        busy, t0 = busy_seconds(cpus), time.perf_counter()
+        res = worker.call(op, **kw)
+        res["foreign_load"] = round((busy_seconds(cpus) - busy - res.pop("cpu_s", 0.0))
+                                    / (len(cpus) * (time.perf_counter() - t0)), 3)
+        if "error" in res or res["foreign_load"] <= FOREIGN_MAX or attempt == RETRIES:
+            return {**res, "retries": attempt}
+        print(f"  other processes took {res['foreign_load']:.0%} of the CPUs; measuring again", file=sys.stderr)
+        time.sleep(3)
+
+
+def run_rounds(workers: dict[str, Worker], jobs: list, rounds: int, cpus: tuple[int, ...],
+               notes: list[str]) -> dict[str, list[dict]]:
+    samples: dict[str, list[dict]] = {}
+    live = []
+    for job in jobs:  # warm-up pass with short decodes; a job failing here is dropped with a note
+        name, kind, op, kw = job
+        res = workers[kind].call(op, **({**kw, "tokens": min(kw["tokens"], 4)} if "tokens" in kw else kw))
+        if "error" in res:
+            notes.append(f"{name} failed and was skipped: {res['error']}")
+        else:
+            live.append(job)
+    for r in range(rounds):
+        for name, kind, op, kw in (live if r % 2 == 0 else live[::-1]):
+            res = measure(workers[kind], cpus, op, kw)
+            if "error" in res or res["foreign_load"] > FOREIGN_MAX:
+                notes.append(f"{name} round {r + 1}: {res.get('error') or 'disturbed by other processes'}")
+            if "error" not in res:
+                samples.setdefault(name, []).append(res)
+            shown = {k: round(v, 3) for k, v in res.items() if k in ("ttft_s", "decode_s", "foreign_load")}
+            print(f"round {r + 1}/{rounds} {name} {shown}", file=sys.stderr)
+    return samples
+
+
+def summarize(samples: dict[str, list[dict]], w: dict, tokens: int) -> dict:
+    out: dict = {"decode_tok_s": {}, "prefill_512": {}}
+    if bw := samples.get("bandwidth"):
+        best = max(max(s["stream_read_gbps"], s["fp32_gemv_gbps"]) for s in bw)
+        out["bandwidth_gbps"] = {"best": round(best, 1), "stream_read": stats([s["stream_read_gbps"] for s in bw], 1),
+                                 "fp32_gemv": stats([s["fp32_gemv_gbps"] for s in bw], 1),
+                                 "stream_probe": bw[0]["stream_probe"]}
+        out["roofline_tok_s"] = round(best * 1e9 / w["decode_read_bytes"], 2)
+    if mm := [s["shapes"] for s in samples.get("matmul_peak", ())]:
+        flop = {shape: r["flop"] for shape, r in mm[0].items()}
+        sec = {shape: {i: min(s[shape]["seconds"][i] for s in mm) for i in r["seconds"]} for shape, r in mm[0].items()}
+        tf = {shape: {i: round(flop[shape] / t / 1e12, 3) for i, t in r.items()} for shape, r in sec.items()}
+        # The peak a prefill's matmuls can reach: one layer's FLOP mix, each shape on its fastest implementation.
+        fastest = {s: min(r, key=r.get) for s, r in sec.items()}
+        peak = sum(flop.values()) / sum(sec[s][i] for s, i in fastest.items()) / 1e12
+        out["matmul_bf16_m512"] = {"peak_tflops": round(peak, 3), "peak_from": fastest, "tflops_by_shape": tf}
+    for name, ss in samples.items():
+        kind, b = name.partition("/")[2], len(ss[0].get("tokens", ()))
+        if name.startswith("decode"):
+            out["decode_tok_s"][name[7:]] = {
+                **stats([b * (tokens - 1) / s["decode_s"] for s in ss]),
+                "ttft_s": stats([s["ttft_s"] for s in ss], 4, True, samples=False)}
+        elif name.startswith("prefill"):
+            out["prefill_512"][kind] = {"ttft_s": stats([s["ttft_s"] for s in ss], 4, True), "tflops": stats(
+                [2 * w["layer_matmul_params"] * PREFILL / s["ttft_s"] / 1e12 for s in ss], 3, samples=False)}
+    return out
+
+
+def ratios(s: dict) -> tuple[dict, dict]:
+    d, pre = s["decode_tok_s"], s["prefill_512"]
+    roof, peak = ({"best": v, "median": v} if v else None
+                  for v in (s.get("roofline_tok_s"), s.get("matmul_bf16_m512", {}).get("peak_tflops")))
+    pairs = {"b1_pct_roofline": (d.get("b1/ours"), roof, 100),
+             "b1_vs_llamacpp": (d.get("b1/ours"), d.get("b1/llamacpp"), 1),
+             f"b{BATCH}_vs_transformers_b{BATCH}": (d.get(f"b{BATCH}/ours"), d.get(f"b{BATCH}/transformers"), 1),
+             "prefill_pct_peak": (pre.get("ours", {}).get("tflops"), peak, 100),
+             "b1_vs_transformers_b1": (d.get("b1/ours"), d.get("b1/transformers"), 1),
+             "llamacpp_b1_pct_roofline": (d.get("b1/llamacpp"), roof, 100),
+             "prefill_vs_llamacpp": (pre.get("ours", {}).get("tflops"), pre.get("llamacpp", {}).get("tflops"), 1)}
+    out = {k: None if a is None or b is None else {m: round(f * a[m] / b[m], 2) for m in ("best", "median")}
+           for k, (a, b, f) in pairs.items()}
+    targets = {k: {"target": v, "value": (out[k] or {}).get("best"),
+                   "pass": None if out[k] is None else out[k]["best"] >= v} for k, v in TARGETS.items()}
+    return out, targets
+
+
+def greedy_agreement(samples: dict, tokens: int) -> dict:
+    """Common-prefix lengths of two frameworks' greedy continuations of the same prompts (first timed round)."""
+    out = {}
+    for b, (k1, k2) in itertools.product(("b1", f"b{BATCH}"), itertools.combinations(WORKERS, 2)):
+        if (s1 := samples.get(f"decode_{b}/{k1}")) and (s2 := samples.get(f"decode_{b}/{k2}")):
+            out[f"{b}/{k1}_vs_{k2}"] = [next((i for i, (u, v) in enumerate(zip(x, y, strict=True)) if u != v), len(x))
+                                        for x, y in zip(s1[0]["tokens"], s2[0]["tokens"], strict=True)]
+    return {"of_tokens": tokens, "agreeing_prefix": out}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=64, help="tokens generated per decode measurement")
+    ap.add_argument("--threads", type=int, default=None, help="default: one per core, as `serve --binding auto`")
+    ap.add_argument("--quick", action="store_true", help="smoke run: one round of 8-token decodes")
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--skip-llamacpp", action="store_true")
+    for hidden in ("--worker", "--cpus", "--gguf"):
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return serve_worker(a)
+    if a.quick:
+        a.rounds, a.tokens = 1, 8
+    from deploykit import cpulist
+    from engine import binding
+    b = binding.resolve("auto" if a.threads is None else cpulist.format(sorted(os.sched_getaffinity(0))[:a.threads]))
+    notes, load_before = [], os.getloadavg()
+    generated = ensure_model(a.model_dir)
+    kinds, gguf_check = ["ours"] + ([] if a.skip_transformers else ["transformers"]), None
+    if not a.skip_llamacpp and importlib.util.find_spec("llama_cpp") is None:
+        notes.append("llama.cpp not measured: llama_cpp is not importable (benchmarks/README.md says how to install)")
+    elif not a.skip_llamacpp:
+        from benchmarks.gguf_export import ensure_gguf
+        a.gguf, gguf_check = ensure_gguf(str(a.model_dir))
+        kinds.append("llamacpp")
+    w, cfg = weight_stats(a.model_dir), json.loads((a.model_dir / "config.json").read_text())
+    workers = {k: Worker(k, a, cpulist.format(b.cpus), b.threads) for k in kinds}
+    try:
+        infos = {k: wk.call() for k, wk in workers.items()}  # the ready line: each worker has loaded its model
+        samples = run_rounds(workers, jobs_for(kinds, cfg["vocab_size"], a.tokens), a.rounds, b.cpus, notes)
+    finally:
+        for wk in workers.values():
+            wk.proc.stdin.close()
+            wk.proc.wait(60)
+    s = summarize(samples, w, a.tokens)
+    derived, targets = ratios(s)
+    kern = infos["ours"]["kernels"]
+    if kern["path"] == "fallback":
+        notes.append(f"engine kernels are NOT native ({kern['reason']}); build: python -m engine.kernels build")
+    print(json.dumps({
+        "benchmark": "engine_vs_transformers_vs_llamacpp",
+        "model": {"dir": str(a.model_dir), "generated_now": generated, **w, **{k: cfg.get(k) for k in (
+            "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "intermediate_size", "vocab_size", "dtype")}},
+        "machine": {"cpus": cpulist.format(b.cpus), "threads": b.threads, "isa": kern["isa"],
+                    "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "workers": infos},
+        "settings": {"rounds": a.rounds, "decode_tokens": a.tokens, "decode_prompt_tokens": PROMPT,
+                     "batch": BATCH, "prefill_tokens": PREFILL, "quick": a.quick},
+        **s, "ratios": derived, "targets": targets,
+        "retried_for_foreign_load": {k: sum(x["retries"] for x in v) for k, v in samples.items()},
+        "validation": {"gguf": gguf_check, "greedy_agreement": greedy_agreement(samples, a.tokens)},
+        "method": METHOD, "notes": notes}, indent=1))
+
+
+METHOD = ("roofline = best bandwidth / bytes a decode step reads (all weights but the embedding table); prefill "
+          "TFLOP/s = 2 * decoder-layer matmul params * 512 / TTFT; matmul peak = bf16 [512,K]x[K,N] on one layer's "
+          "shapes (FLOP-weighted), each on its fastest implementation")
+
+
+if __name__ == "__main__":
+    main()
