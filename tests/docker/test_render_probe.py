@@ -47,7 +47,7 @@ def host_spec() -> dict:
             "model": {"source": "Qwen/Qwen2.5-0.5B-Instruct", "max_model_len": 4096,
                       "architecture": {"num_parameters": 494_032_768, "num_hidden_layers": 24,
                                        "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 32768}},
-            "placement": placement, "serving": {"publish_address": "127.0.0.1", "kv_cache": "64MiB"}}
+            "placement": placement, "serving": {"publish_address": "127.0.0.1", "kv_cache": "256MiB"}}
 
 
 @pytest.fixture(scope="module")
