@@ -1,4 +1,5 @@
-"""Public matmul entry point for the engine: native AVX512-BF16 / AMX kernels when built, pure PyTorch otherwise."""
+"""Public matmul entry point for the engine: native AVX-512 (BF16 / AMX where the CPU has them) kernels when built,
+pure PyTorch otherwise."""
 
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ _BF16 = torch.bfloat16
 AMX_MIN_M = 5
 _amx_min_m = AMX_MIN_M if _NATIVE.amx else 1 << 62
 # Plain [N, K] weights (cannot be packed, e.g. an lm_head tied to the embedding): the row-dot kernel
-# at M=1, AMX with W as the A operand for small batches, oneDNN beyond.
+# at M=1, AMX with W as the A operand for small batches, oneDNN beyond. Without BF16 hardware oneDNN's
+# bf16 matmul is ~3x slower than the row-dot kernel at every M (benchmarks/kernels.py: 2.8 vs 8.1 GB/s
+# at M=16), so the widening build keeps the rows kernel throughout.
 ROWS_MAX_M = 1
 PLAIN_AMX_MAX_M = 64
+_rows_max_m = 1 << 62 if _NATIVE.variant == "avx512" else 4
 
 
 if _ops is not None:  # resolved once: the OpOverloadPacket lookup costs microseconds per call
@@ -97,7 +101,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         y = _rows(x2, w, bias)
     elif m <= PLAIN_AMX_MAX_M and _NATIVE.amx and w.shape[0] % 16 == 0 and x2.shape[1] % 32 == 0:
         y = _amx_plain(x2, w, bias)
-    elif m <= 4:
+    elif m <= _rows_max_m:
         y = _rows(x2, w, bias)
     else:
         return fallback_linear(x, w, bias)
@@ -157,9 +161,10 @@ def fallback_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> N
 
 def status() -> dict:
     """Which matmul path is active and why, for the engine's start-up log."""
-    path = ("native-amx" if _NATIVE.amx else "native-avx512bf16") if _NATIVE.loaded else "fallback"
+    path = ("native-amx" if _NATIVE.amx else f"native-{_NATIVE.variant}") if _NATIVE.loaded else "fallback"
     return {
         "path": path,
+        "variant": _NATIVE.variant,
         "isa": _NATIVE.isa,
         "amx": _NATIVE.amx,
         "library": _NATIVE.library,

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
 
         result = build.build(args.dir, force=args.force)
         verb = "built" if result.seconds else "up to date"
-        print(json.dumps({"result": verb, "library": str(result.library), "seconds": round(result.seconds, 2)}))
+        print(json.dumps({"result": verb, "directory": str(result.directory), "seconds": round(result.seconds, 2)}))
         if args.dir is not None and os.environ.get("DEPLOYKIT_KERNEL_DIR") != str(args.dir):
             print(f"note: set DEPLOYKIT_KERNEL_DIR={args.dir} so the engine finds this build", file=sys.stderr)
         return 0

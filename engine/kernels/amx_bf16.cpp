@@ -15,6 +15,8 @@
 #include <cstring>
 
 namespace deploykit {
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 namespace {
 
 using bf16 = at::BFloat16;
@@ -218,6 +220,16 @@ at::Tensor linear_packed_amx(const at::Tensor& x, const at::Tensor& wp, const st
   });
   return out;
 }
+
+#else  // the plain AVX-512F build: no tile code at all, callers check amx_init() first
+
+bool amx_init() { return false; }
+
+at::Tensor linear_packed_amx(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "this kernel library was built without AMX");
+}
+
+#endif
 
 TORCH_LIBRARY_FRAGMENT(deploykit, m) {
   m.def("amx_init() -> bool", &amx_init);

@@ -12,6 +12,8 @@
 
 namespace deploykit {
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+
 bool amx_init();                             // amx_bf16.cpp
 void amx_configure_tiles(int rows0, int rows1);  // amx_bf16.cpp
 
@@ -123,6 +125,14 @@ at::Tensor linear_plain_amx(const at::Tensor& x, const at::Tensor& w, const std:
   });
   return out;
 }
+
+#else  // the plain AVX-512F build: no tile code at all, callers check amx_init() first
+
+at::Tensor linear_plain_amx(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "this kernel library was built without AMX");
+}
+
+#endif
 
 TORCH_LIBRARY_FRAGMENT(deploykit, m) {
   m.def("linear_plain_amx(Tensor x, Tensor w, Tensor? bias) -> Tensor");

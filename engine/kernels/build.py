@@ -19,25 +19,33 @@ from torch.utils import cpp_extension
 SOURCES = ("gemv_bf16.cpp", "amx_bf16.cpp", "amx_plain_bf16.cpp", "stream_read.cpp", "decode_ops.cpp",
            "decode_attention.cpp")
 HEADERS = ("vec.h",)
-LIBRARY_NAME = "deploykit_kernels.so"
 MANIFEST_NAME = "manifest.json"
 SOURCE_DIR = Path(__file__).resolve().parent
 
-# No -march: the image is built on one host and may run on another. The loader only dlopens
-# the library after /proc/cpuinfo shows avx512_bf16, and AMX code runs only with amx_* flags.
-ISA_FLAGS = (
-    "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
-    "-mamx-tile", "-mamx-bf16",
-)
+# No -march: the image is built on one host and may run on another, so every variant is built and the
+# loader picks the one this host's /proc/cpuinfo allows (AMX code runs only after amx_* flags and the OS
+# grant). "avx512" serves AVX-512F CPUs without BF16 (vec.h widens bf16 by a shift).
 # -fopenmp only at compile time (at::parallel_for's pragma); at link time the library is tied to
 # torch's own libgomp so the process never holds two OpenMP runtimes.
-CXX_FLAGS = ("-O3", "-std=c++20", "-fPIC", "-fopenmp", "-DNDEBUG", "-Wall", "-Wno-unused-function") + ISA_FLAGS
+BASE_FLAGS = ("-O3", "-std=c++20", "-fPIC", "-fopenmp", "-DNDEBUG", "-Wall", "-Wno-unused-function",
+              "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma")
+VARIANTS = {
+    "avx512bf16": ("-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+    "avx512": (),
+}
+
+
+def cxx_flags(variant: str) -> tuple[str, ...]:
+    return BASE_FLAGS + VARIANTS[variant]
+
+
+def library_name(variant: str) -> str:
+    return f"deploykit_kernels_{variant}.so"
 
 
 @dataclass(frozen=True, slots=True)
 class BuildResult:
     directory: Path
-    library: Path
     seconds: float
 
 
@@ -46,7 +54,8 @@ def source_hash() -> str:
     for name in SOURCES + HEADERS:
         h.update(name.encode())
         h.update((SOURCE_DIR / name).read_bytes())
-    h.update(" ".join(CXX_FLAGS).encode())
+    for variant in VARIANTS:
+        h.update(" ".join((variant,) + cxx_flags(variant)).encode())
     return h.hexdigest()[:16]
 
 
@@ -69,10 +78,10 @@ def compiler() -> str:
     return cxx
 
 
-def _compile_commands(cxx: str, obj_dir: Path) -> list[list[str]]:
+def _compile_commands(cxx: str, variant: str, obj_dir: Path) -> list[list[str]]:
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     return [
-        [cxx, *CXX_FLAGS, abi_flag(), *includes, "-c", str(SOURCE_DIR / src), "-o", str(obj_dir / f"{src}.o")]
+        [cxx, *cxx_flags(variant), abi_flag(), *includes, "-c", str(SOURCE_DIR / src), "-o", str(obj_dir / f"{src}.o")]
         for src in SOURCES
     ]
 
@@ -99,41 +108,42 @@ def _run_all(commands: list[list[str]]) -> None:
 
 
 def build(directory: Path | None = None, force: bool = False) -> BuildResult:
-    """Compile into `directory` (default: default_dir()); a no-op when an up-to-date build is there."""
+    """Compile every variant into `directory` (default: default_dir()); a no-op when an up-to-date build is
+    there."""
     directory = Path(directory) if directory is not None else default_dir()
-    library = directory / LIBRARY_NAME
     if not force and manifest_matches(directory):
-        return BuildResult(directory, library, 0.0)
+        return BuildResult(directory, 0.0)
     directory.mkdir(parents=True, exist_ok=True)
     cxx = compiler()
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        obj_dir = Path(tmp)
-        _run_all(_compile_commands(cxx, obj_dir))
-        staged = obj_dir / LIBRARY_NAME
-        _run_all([_link_command(cxx, obj_dir, staged)])
-        os.replace(staged, library)  # atomic: a concurrent loader sees the old or the new library
+    for variant in VARIANTS:  # one variant at a time: six torch-header compiles at once is enough memory
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            obj_dir = Path(tmp)
+            _run_all(_compile_commands(cxx, variant, obj_dir))
+            staged = obj_dir / library_name(variant)
+            _run_all([_link_command(cxx, obj_dir, staged)])
+            os.replace(staged, directory / library_name(variant))  # atomic for a concurrent loader
     seconds = time.perf_counter() - start
     manifest = {
         "torch": torch.__version__,
         "source_hash": source_hash(),
-        "flags": list(CXX_FLAGS),
+        "variants": {variant: list(cxx_flags(variant)) for variant in VARIANTS},
         "compiler": cxx,
         "python": sys.version.split()[0],
         "build_seconds": round(seconds, 2),
     }
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-    return BuildResult(directory, library, seconds)
+    return BuildResult(directory, seconds)
 
 
 def manifest_matches(directory: Path) -> bool:
-    """True when `directory` holds a library built from these sources for this torch."""
+    """True when `directory` holds every variant built from these sources for this torch."""
     try:
         manifest = json.loads((Path(directory) / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
         return False
     return (
-        (Path(directory) / LIBRARY_NAME).is_file()
+        all((Path(directory) / library_name(v)).is_file() for v in VARIANTS)
         and manifest.get("torch") == torch.__version__
         and manifest.get("source_hash") == source_hash()
     )

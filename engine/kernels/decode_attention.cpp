@@ -5,7 +5,7 @@
 // (sequence, KV head) task reads its blocks in place and computes the G = Hq / Hkv query heads that
 // share that KV head together (GQA), so every K/V row is loaded once.
 //
-// Per task: scores [G, T] = q . k * scale (vdpbf16ps, fp32 accumulation), an exact softmax in fp32
+// Per task: scores [G, T] = q . k * scale (vec::dot2, fp32 accumulation), an exact softmax in fp32
 // (max-subtracted, two passes over the scores), then out [G, D] = sum_t p[g, t] * v_t in fp32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,7 +27,6 @@ using namespace vec;
 
 constexpr int64_t MAX_HEAD_DIM = 256;
 
-inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
 }  // namespace
 
@@ -85,7 +84,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
         for (int64_t g = 0; g < G; ++g) {
           __m512 s = _mm512_setzero_ps();
           for (int64_t c = 0; c < chunks; ++c)
-            s = _mm512_dpbf16_ps(s, as_bh(kc[c]), as_bh(_mm512_loadu_si512(qh + g * D + 32 * c)));
+            s = vec::dot2(s, kc[c], _mm512_loadu_si512(qh + g * D + 32 * c));
           scores[g * T + t] = _mm512_reduce_add_ps(s) * fscale;
         }
       }

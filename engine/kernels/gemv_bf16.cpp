@@ -1,4 +1,4 @@
-// AVX512-BF16 (vdpbf16ps) matrix-vector kernels for batch-1 / small-batch decode.
+// bf16 matrix-vector kernels for batch-1 / small-batch decode: vdpbf16ps, or its AVX-512F widening (vec.h).
 //
 // Two weight layouts are served:
 //   plain  [N, K]            row dot products, any K (masked tail); used for weights the model
@@ -16,12 +16,14 @@
 
 #include <cstring>
 
+#include "vec.h"
+
 namespace deploykit {
 namespace {
 
 using bf16 = at::BFloat16;
-
-inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+using vec::dot2;
+using vec::to_bf16;
 
 inline int32_t load_pair(const bf16* p) {
   int32_t v;
@@ -69,14 +71,14 @@ inline void rows_accumulate(const bf16* x, const bf16* wr, int64_t K, __m512 acc
       for (int r = 0; r < R; ++r) _mm_prefetch(prefetch + (k / 32 * R + r) * 64, _MM_HINT_T1);
     const __m512i xv = _mm512_loadu_si512(x + k);
     for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_dpbf16_ps(acc[r], as_bh(_mm512_loadu_si512(wr + r * K + k)), as_bh(xv));
+      acc[r] = dot2(acc[r], _mm512_loadu_si512(wr + r * K + k), xv);
   }
   if (k < K) {
     // Zero-filled lanes contribute 0 * 0; never reads past the row end.
     const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
     const __m512i xv = _mm512_maskz_loadu_epi16(mask, x + k);
     for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_dpbf16_ps(acc[r], as_bh(_mm512_maskz_loadu_epi16(mask, wr + r * K + k)), as_bh(xv));
+      acc[r] = dot2(acc[r], _mm512_maskz_loadu_epi16(mask, wr + r * K + k), xv);
   }
 }
 
@@ -89,7 +91,7 @@ inline void rows_block16(const bf16* x, int64_t ldx, int64_t M, const bf16* w, i
   for (int64_t m = 0; m < M; ++m) {
     __m512 acc[16];
     rows_accumulate<16>(x + m * ldx, w + n0 * K, K, acc, m == 0 ? next : nullptr);
-    __m256bh h = _mm512_cvtneps_pbh(_mm512_add_ps(reduce16(acc), bv));
+    const __m256i h = to_bf16(_mm512_add_ps(reduce16(acc), bv));
     std::memcpy(out + m * ldo + n0, &h, sizeof(h));
   }
 }
@@ -125,14 +127,14 @@ inline void packed_block(const bf16* x, int64_t ldx, const bf16* wp, int64_t Kh,
     }
     for (int m = 0; m < MT; ++m) {
       __m512i xb = _mm512_set1_epi32(load_pair(x + m * ldx + 2 * kp));
-      for (int g = 0; g < G; ++g) acc[m][g] = _mm512_dpbf16_ps(acc[m][g], as_bh(wv[g]), as_bh(xb));
+      for (int g = 0; g < G; ++g) acc[m][g] = dot2(acc[m][g], wv[g], xb);
     }
   }
   for (int m = 0; m < MT; ++m)
     for (int g = 0; g < G; ++g) {
       __m512 v = acc[m][g];
       if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + (nb0 + g) * 16));
-      __m256bh h = _mm512_cvtneps_pbh(v);
+      const __m256i h = to_bf16(v);
       std::memcpy(out + m * ldo + (nb0 + g) * 16, &h, sizeof(h));
     }
 }
@@ -185,7 +187,7 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const std::opti
   return out;
 }
 
-// x [M, K], wp [N/16, K/2, 16, 2] -> [M, N] bf16 via vdpbf16ps broadcasts.
+// x [M, K], wp [N/16, K/2, 16, 2] -> [M, N] bf16 via broadcast x pairs (vec::dot2).
 at::Tensor linear_packed_avx512(const at::Tensor& x, const at::Tensor& wp,
                                 const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 2 && wp.is_contiguous() &&
@@ -200,6 +202,16 @@ at::Tensor linear_packed_avx512(const at::Tensor& x, const at::Tensor& wp,
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   bf16* op = out.data_ptr<bf16>();
   const int64_t ldx = x.stride(0);
+  if (M == 1) {
+    // One x row: 8 column-block streams per group keep more DRAM requests in flight per core.
+    constexpr int64_t G = 8;
+    const int64_t groups = NB / G;
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) packed_block<G, 1>(xp, ldx, w, Kh, g * G, bp, op, N);
+    });
+    for (int64_t nb = groups * G; nb < NB; ++nb) packed_block<1, 1>(xp, ldx, w, Kh, nb, bp, op, N);
+    return out;
+  }
   constexpr int64_t G = 4;  // 4 column blocks x 4 rows = 16 accumulators
   const int64_t groups = NB / G;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {

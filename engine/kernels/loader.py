@@ -20,6 +20,7 @@ class Native:
     isa: str
     reason: str
     library: str | None
+    variant: str | None = None  # build.VARIANTS key of the loaded library
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
@@ -43,16 +44,32 @@ def _isa(flags: frozenset[str]) -> str:
     return "no avx512"
 
 
+AVX512_BASE = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+
+
+def variant_for(flags: frozenset[str]) -> str | None:
+    """The build variant this CPU can run: vdpbf16ps where the CPU reports avx512_bf16, the widening build on
+    any other AVX-512 (F, BW, VL, DQ) CPU, none below that."""
+    if not AVX512_BASE <= flags:
+        return None
+    return "avx512bf16" if "avx512_bf16" in flags else "avx512"
+
+
 def load(flags: frozenset[str] | None = None) -> Native:
-    """Load the library built by `python -m engine.kernels build`, or explain why the fallback is used."""
+    """Load the library built by `python -m engine.kernels build`, or explain why the fallback is used.
+    DEPLOYKIT_KERNELS=off forces the PyTorch path; =avx512 forces the widening build (to test it on a BF16 CPU)."""
     flags = cpu_flags() if flags is None else flags
     isa = _isa(flags)
-    if os.environ.get("DEPLOYKIT_KERNELS", "").lower() in {"0", "off", "fallback", "torch"}:
+    choice = os.environ.get("DEPLOYKIT_KERNELS", "").lower()
+    if choice in {"0", "off", "fallback", "torch"}:
         return Native(False, False, isa, "disabled by DEPLOYKIT_KERNELS", None)
-    if "avx512_bf16" not in flags:
-        return Native(False, False, isa, f"CPU lacks avx512_bf16 ({isa}); pure PyTorch path is the best available", None)
+    variant = variant_for(flags)
+    if variant is None:
+        return Native(False, False, isa, f"CPU lacks AVX-512 ({isa}); pure PyTorch path is the best available", None)
+    if choice == "avx512":
+        variant = "avx512"
     directory = build.default_dir()
-    library = directory / build.LIBRARY_NAME
+    library = directory / build.library_name(variant)
     if not library.is_file():
         return Native(False, False, isa, f"no prebuilt kernel library at {library}; {BUILD_HINT}", None)
     if not build.manifest_matches(directory):
@@ -61,5 +78,5 @@ def load(flags: frozenset[str] | None = None) -> Native:
         torch.ops.load_library(str(library))
     except (OSError, RuntimeError) as exc:
         return Native(False, False, isa, f"loading {library} failed: {exc}; {BUILD_HINT}", None)
-    amx = {"amx_tile", "amx_bf16"} <= flags and bool(torch.ops.deploykit.amx_init())
-    return Native(True, amx, isa, "", str(library))
+    amx = variant == "avx512bf16" and {"amx_tile", "amx_bf16"} <= flags and bool(torch.ops.deploykit.amx_init())
+    return Native(True, amx, isa, "", str(library), variant)

@@ -1,4 +1,9 @@
-// Small AVX-512 helpers shared by the element-wise and attention kernels: bf16 <-> fp32 and exp.
+// Small AVX-512 helpers shared by every kernel: bf16 <-> fp32, the bf16 pair dot product, and exp.
+//
+// The sources compile twice (engine/kernels/build.py): with -mavx512bf16 (vdpbf16ps, vcvtneps2bf16) and for
+// plain AVX-512F (Skylake-SP to Ice Lake, or a hypervisor that hides the BF16 CPUID bit), where a bf16 is
+// widened by a 16-bit shift and multiplied in fp32. Decode is bound by reading weights, so the plain build
+// still streams bf16 weights at DRAM speed; only compute-bound prefill feels the 2 extra ops per FMA pair.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -17,10 +22,35 @@ inline __m512 load16(const bf16* p) {
 inline __m512 load16_masked(const bf16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
-inline void store16(bf16* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v)); }
-inline void store16_masked(bf16* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+
+// 16 fp32 -> 16 bf16, round to nearest even (NaN stays a quiet NaN), as vcvtneps2bf16.
+inline __m256i to_bf16(__m512 v) {
+#ifdef __AVX512BF16__
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
 }
+
+// acc[i] += a[2i] * b[2i] + a[2i+1] * b[2i+1]: a and b hold 32 bf16 each, i.e. 16 (even, odd) pairs.
+// The plain build CSEs the widening of an operand that is reused across calls (a broadcast x pair, a
+// weight line used for several rows), so the inner loops pay it once per load.
+inline __m512 dot2(__m512 acc, __m512i a, __m512i b) {
+#ifdef __AVX512BF16__
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#else
+  const __m512i odd = _mm512_set1_epi32((int)0xFFFF0000u);
+  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, odd)), _mm512_castsi512_ps(_mm512_and_si512(b, odd)), acc);
+#endif
+}
+
+inline void store16(bf16* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, to_bf16(v)); }
+inline void store16_masked(bf16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, to_bf16(v)); }
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
 // exp(x) = 2^t, t = x log2(e) = 2^n * 2^f with n = round(t), f in [-0.5, 0.5] (the compiler has no vector

@@ -17,16 +17,16 @@ import torch.nn.functional as F
 from engine.kernels import build, loader
 
 ROOT = Path(__file__).resolve().parents[2]
-HAS_BF16 = "avx512_bf16" in loader.cpu_flags()
+VARIANT = loader.variant_for(loader.cpu_flags())
 HAS_AMX = {"amx_tile", "amx_bf16"} <= loader.cpu_flags()
-needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="CPU lacks avx512_bf16: native kernels never load here")
+needs_bf16 = pytest.mark.skipif(VARIANT is None, reason="CPU lacks AVX-512: native kernels never load here")
 
 
 @pytest.fixture(scope="session")
 def kernels():
     """engine.kernels with the native library loaded, building it first on a clean checkout."""
-    if not HAS_BF16:
-        pytest.skip("CPU lacks avx512_bf16")
+    if VARIANT is None:
+        pytest.skip("CPU lacks AVX-512")
     build.build()
     import engine.kernels as k
 
@@ -183,11 +183,11 @@ def run_status(env_overrides: dict[str, str]) -> dict:
 
 def test_missing_library_falls_back_and_says_how_to_fix(tmp_path):
     status = run_status({"DEPLOYKIT_KERNEL_DIR": str(tmp_path), "DEPLOYKIT_KERNELS": ""})
-    if HAS_BF16:
+    if VARIANT is not None:
         assert status["path"] == "fallback"
         assert "python -m engine.kernels build" in status["reason"] and str(tmp_path) in status["reason"]
     else:
-        assert status["path"] == "fallback" and "avx512_bf16" in status["reason"]
+        assert status["path"] == "fallback" and "AVX-512" in status["reason"]
 
 
 def test_fallback_module_computes_f_linear(tmp_path):
@@ -205,7 +205,8 @@ def test_fallback_module_computes_f_linear(tmp_path):
 
 @needs_bf16
 def test_stale_library_is_not_loaded(kernels, tmp_path):
-    shutil.copy(build.default_dir() / build.LIBRARY_NAME, tmp_path / build.LIBRARY_NAME)
+    for variant in build.VARIANTS:
+        shutil.copy(build.default_dir() / build.library_name(variant), tmp_path / build.library_name(variant))
     manifest = json.loads((build.default_dir() / build.MANIFEST_NAME).read_text())
     manifest["source_hash"] = "0" * 16
     (tmp_path / build.MANIFEST_NAME).write_text(json.dumps(manifest))
@@ -213,9 +214,48 @@ def test_stale_library_is_not_loaded(kernels, tmp_path):
     assert status["path"] == "fallback" and "stale" in status["reason"]
 
 
-def test_cpu_without_avx512_bf16_is_reported():
-    native = loader.load(flags=frozenset({"avx2", "avx512f", "fma"}))
-    assert not native.loaded and "avx512_bf16" in native.reason
+def test_cpu_without_avx512_is_reported():
+    native = loader.load(flags=frozenset({"avx2", "avx512f", "fma"}))  # no BW/VL/DQ: not enough for vec.h
+    assert not native.loaded and "AVX-512" in native.reason
+
+
+def test_variant_follows_the_cpu_flags():
+    base = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    assert loader.variant_for(frozenset(base)) == "avx512"  # Skylake-SP .. Ice Lake, or a hidden BF16 bit
+    assert loader.variant_for(frozenset(base | {"avx512_bf16"})) == "avx512bf16"
+    assert loader.variant_for(frozenset(base | {"avx512_bf16", "amx_tile", "amx_bf16"})) == "avx512bf16"
+    assert loader.variant_for(frozenset({"avx2", "fma"})) is None
+
+
+@needs_bf16
+def test_widening_build_matches_the_bf16_build(kernels):
+    """The plain AVX-512F library (forced with DEPLOYKIT_KERNELS=avx512, on any AVX-512 CPU) computes what the
+    fallback computes, for the matmuls, the fused ops and decode attention."""
+    code = (
+        "import torch, torch.nn.functional as F\n"
+        "import engine.kernels as k\n"
+        "assert k.status()['path'] == 'native-avx512', k.status()\n"
+        "torch.manual_seed(0)\n"
+        "x = torch.randn(5, 256).bfloat16(); w = torch.randn(208, 256).bfloat16() / 16; b = torch.randn(208)\n"
+        "ref = F.linear(x.float(), w.float(), b)\n"
+        "for m in (1, 5):\n"
+        "    for wt in (k.prepare_weight(w), w):\n"
+        "        y = k.linear(x[:m], wt, b.bfloat16()).float()\n"
+        "        assert (y - ref[:m]).abs().max() < 0.05, (m, wt.dim(), (y - ref[:m]).abs().max())\n"
+        "g = torch.randn(3, 512).bfloat16()\n"
+        "assert torch.allclose(k.silu_mul(g).float(), k.fallback_silu_mul(g).float(), atol=2e-2, rtol=2e-2)\n"
+        "v = torch.tensor([1.0, -2.5, 3.0e38, 3.4e38, float('nan'), float('inf'), -0.0, 1e-40, 1.00390625,\n"
+        "                  1.01171875, -1.00390625, 65504.0, 1e-3, 7.0, 2.0 ** -126, -3.0])\n"
+        "for wt in (k.prepare_weight(w[:16]), w[:16]):  # x = 0: the output is the fp32 bias rounded to bf16\n"
+        "    out = k.linear(torch.zeros(1, 256).bfloat16(), wt, v)[0]\n"
+        "    want = v.bfloat16()\n"
+        "    same = (out == want) | (out.isnan() & want.isnan())\n"
+        "    assert bool(same.all()), (out, want)  # round to nearest even, NaN kept, overflow to inf\n"
+        "print('ok')\n")
+    env = {**os.environ, "DEPLOYKIT_KERNELS": "avx512"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
 
 
 def test_cpuinfo_flags_are_read(tmp_path):
