@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+MAX_ID = 65535  # Linux's NR_CPUS tops out at 8192; anything far beyond is a typo, not a machine
+
 
 def parse(text: str) -> tuple[int, ...]:
-    """'0-3,8' -> (0, 1, 2, 3, 8). Empty or whitespace -> (). Raises ValueError on bad syntax."""
+    """'0-3,8' -> (0, 1, 2, 3, 8). Empty or whitespace -> (). Raises ValueError on bad syntax or ids > MAX_ID
+    (checked before a range is expanded, so '0-4000000000' costs nothing)."""
     text = text.strip()
     if not text:
         return ()
@@ -21,6 +24,8 @@ def parse(text: str) -> tuple[int, ...]:
         a, b = int(lo), int(hi) if sep else int(lo)
         if b < a:
             raise ValueError(f"descending range {part!r} in CPU list {text!r}")
+        if b > MAX_ID:
+            raise ValueError(f"CPU id {b} is out of range (max {MAX_ID})")
         out.update(range(a, b + 1))
     return tuple(sorted(out))
 

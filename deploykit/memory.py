@@ -108,21 +108,28 @@ def _from_dir(source: str, path: Path) -> ModelShape:
         hidden = int(text["hidden_size"])
         kv = int(text.get("num_key_value_heads") or heads)
         head_dim = int(text.get("head_dim") or hidden // heads)
+        inter = int(text.get("intermediate_size") or text.get("ffn_dim") or 4 * hidden)
+        experts = int(text.get("num_local_experts") or text.get("num_experts") or 1)
+        vocab = int(text.get("vocab_size") or 32000)
+        max_pos = text.get("max_position_embeddings") or text.get("n_positions") or text.get("seq_length")
+        max_pos = int(max_pos) if max_pos else None
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-        raise ModelError(f"config.json lacks a usable {e} (need num_hidden_layers, num_attention_heads, "
+        raise ModelError(f"config.json lacks a usable {e} (need integer num_hidden_layers, num_attention_heads, "
                          "hidden_size)", path=str(cfg_file)) from None
+    bad = {k: v for k, v in {"num_hidden_layers": layers, "num_attention_heads": heads, "hidden_size": hidden,
+                             "num_key_value_heads": kv, "head_dim": head_dim, "intermediate_size": inter,
+                             "vocab_size": vocab, "max_position_embeddings": max_pos or 1}.items() if v < 1}
+    if bad:
+        raise ModelError(f"config.json has non-positive sizes: {bad}", path=str(cfg_file),
+                         hint="a causal LM needs at least one layer, head and hidden unit")
     arch = (cfg.get("architectures") or [cfg.get("model_type", "unknown")])[0]
-    max_pos = text.get("max_position_embeddings") or text.get("n_positions") or text.get("seq_length")
     params = _count_safetensors(path)
     counted = "safetensors"
     if params is None:
         counted = "config.json"
-        inter = text.get("intermediate_size") or text.get("ffn_dim") or 4 * hidden
-        experts = int(text.get("num_local_experts") or text.get("num_experts") or 1)
-        params = _count(hidden, int(inter) * experts, int(text.get("vocab_size") or 32000), layers, heads, kv,
-                        head_dim, bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))))
-    return ModelShape(source, str(path), str(arch), params, layers, kv, head_dim,
-                      int(max_pos) if max_pos else None, counted)
+        params = _count(hidden, inter * experts, vocab, layers, heads, kv, head_dim,
+                        bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))))
+    return ModelShape(source, str(path), str(arch), params, layers, kv, head_dim, max_pos, counted)
 
 
 def _count(hidden, inter, vocab, layers, heads, kv, head_dim, tied) -> int:

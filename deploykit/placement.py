@@ -71,6 +71,10 @@ def choose(topo: Topology, candidates: Iterable[int], *, reserved: int | None = 
                             path="placement.threads", value=threads, allowed=f"1-{len(cpus)} or auto",
                             hint="lower threads, set placement.use_smt: true, or reduce placement.reserved_cpus")
         cpus = cpus[:threads]
+    if quota is not None and frontend and math.floor(quota + 1e-9) < 2:
+        notes.append(f"{label}: a CFS quota of {quota:g} CPUs has no room for a front-end core beside inference; "
+                     "the front end shares the inference CPUs")
+        frontend = []
     if quota is not None:
         budget = max(1, math.floor(quota + 1e-9) - (1 if frontend else 0))
         if budget < len(cpus):

@@ -207,7 +207,14 @@ def _mems(spec: Spec, topo: Topology, nodes: tuple[int, ...], label: str) -> tup
     for m in spec.placement.memory_nodes:
         if m not in {x.id for x in topo.nodes} or topo.node(m).memory_bytes == 0:
             raise PlanError(f"NUMA node {m} has no memory", path="placement.memory_nodes", value=m,
-                            allowed=cpulist.format(x.id for x in topo.nodes if x.memory_bytes))
+                            allowed=cpulist.format(x.id for x in topo.nodes if x.memory_bytes and not x.cpus)
+                            or "none (this machine has no memory-only nodes)")
+        if topo.node(m).cpus:
+            raise PlanError(f"NUMA node {m} has CPUs: memory_nodes is for memory-only (CXL, HBM) nodes",
+                            path="placement.memory_nodes", value=m,
+                            allowed=cpulist.format(x.id for x in topo.nodes if x.memory_bytes and not x.cpus)
+                            or "none (this machine has no memory-only nodes)",
+                            hint="choose CPU nodes with placement.numa_nodes, or strategy per-socket / single")
         if m not in allowed:
             raise PlanError(f"NUMA node {m} is outside this process's allowed memory nodes",
                             path="placement.memory_nodes", value=m, allowed=cpulist.format(allowed))
@@ -219,11 +226,13 @@ def _mems(spec: Spec, topo: Topology, nodes: tuple[int, ...], label: str) -> tup
 
 
 def _nearest(topo: Topology, node: int, allowed: set[int]) -> int | None:
+    """The closest allowed node with memory and CPUs: memory-only (CXL) nodes join mems only when listed in
+    placement.memory_nodes, however close the SLIT says they are."""
     ids = [n.id for n in topo.nodes]
     row = topo.node(node).distances
     best = None
     for m in sorted(allowed):
-        if topo.node(m).memory_bytes == 0:
+        if topo.node(m).memory_bytes == 0 or not topo.node(m).cpus:
             continue
         d = row[ids.index(m)] if len(row) == len(ids) else abs(m - node) + 10
         if best is None or d < best[0]:

@@ -5,6 +5,7 @@ Loading YAML and turning validation failures into user-facing errors lives in sp
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import re
 from typing import Annotated, Literal, Union
@@ -70,6 +71,9 @@ class Architecture(_Model):
     def _enough(self) -> Architecture:
         if self.head_dim is None and not (self.hidden_size and self.num_attention_heads):
             raise ValueError("give head_dim, or hidden_size and num_attention_heads to derive it")
+        if self.head_dim is None and self.hidden_size < self.num_attention_heads:  # type: ignore[operator]
+            raise ValueError(f"hidden_size {self.hidden_size} / num_attention_heads {self.num_attention_heads} "
+                             "gives a head_dim of 0; give head_dim explicitly")
         if self.num_parameters is None and not (self.hidden_size and self.intermediate_size and self.vocab_size):
             raise ValueError("give num_parameters, or hidden_size, intermediate_size and vocab_size to count them")
         return self
@@ -125,11 +129,20 @@ class SysrootHardware(_Model):
     sysroot: Annotated[str, Field(min_length=1)]
 
 
+def _meant(keys: object, tag: str, other_fields: object) -> bool:
+    """A mapping meant as the `tag` form: it has the key, or a misspelling of it and no key of the other form
+    (so `{sysroott: DIR}` is told "did you mean `sysroot`", not "add numa_nodes")."""
+    names = [k for k in keys if isinstance(k, str)]  # type: ignore[union-attr]
+    if tag in names:
+        return True
+    return not any(k in other_fields for k in names) and bool(difflib.get_close_matches(tag, names, n=1, cutoff=0.75))
+
+
 def _hardware_form(v: object) -> str | None:
     if isinstance(v, (SysrootHardware, InlineHardware)):
         return "sysroot" if isinstance(v, SysrootHardware) else "inline"
     if isinstance(v, dict):
-        return "sysroot" if "sysroot" in v else "inline"
+        return "sysroot" if _meant(v, "sysroot", InlineHardware.model_fields) else "inline"
     return "auto" if v == "auto" else None
 
 
@@ -204,7 +217,8 @@ class ServingSpec(_Model):
     kv_cache: Literal["auto"] | int = "auto"
     api_key: Annotated[
         Union[Annotated[ApiKeyFromEnv, Tag("env")], Annotated[ApiKeyFromSecret, Tag("secret")]],
-        Discriminator(lambda v: "secret" if (isinstance(v, dict) and "secret" in v)
+        Discriminator(lambda v: "secret" if (isinstance(v, dict) and "env" not in v
+                                             and _meant(v, "secret", ApiKeyFromEnv.model_fields))
                       or isinstance(v, ApiKeyFromSecret) else "env"),
     ] | None = None
     served_model_name: str | None = None

@@ -133,6 +133,10 @@ def _problems(err: ValidationError) -> list[Problem]:
             hint = did_you_mean(value, choices) if isinstance(value, str) else ""
             out.append(Problem("not one of the allowed values", path, value, allowed=e["ctx"]["expected"],
                                hint=hint))
+        elif kind == "hardware_form":
+            hint = did_you_mean(value, ["auto"]) if isinstance(value, str) else ""
+            out.append(Problem(msg, path, value, allowed="auto | {sysroot: DIR} | {numa_nodes: [...], ...}",
+                               hint=hint or "write `hardware: auto` to plan for this host"))
         else:
             out.append(Problem(msg[:1].lower() + msg[1:] if msg[1:2].islower() else msg, path, value))
     return out

@@ -193,18 +193,30 @@ def _nodes(r: _Reader, online: tuple[int, ...]) -> tuple[Node, ...]:
     for nid in ids:
         cpus = tuple(c for c in (r.cpus(f"{NODE_DIR}/node{nid}/cpulist") or ()) if c in set(online))
         mem = _kib(r.text(f"{NODE_DIR}/node{nid}/meminfo"), f"Node {nid} MemTotal") or 0
-        dist = tuple(int(x) for x in (r.text(f"{NODE_DIR}/node{nid}/distance") or "").split())
-        nodes.append(Node(nid, cpus, mem, dist))
+        nodes.append(Node(nid, cpus, mem, _distances(r.text(f"{NODE_DIR}/node{nid}/distance"))))
     with_mem = [n for n in nodes if n.memory_bytes]
-    if len(with_mem) <= 1 and total:
+    if len(with_mem) == 1 and total:
         # One memory node owns all memory; some VMs (hot-plugged memory) under-report it in nodeN/meminfo.
-        nodes = [Node(n.id, n.cpus, max(n.memory_bytes, total), n.distances)
-                 if (n in with_mem or not with_mem) else n for n in nodes]
+        nodes = [Node(n.id, n.cpus, max(n.memory_bytes, total), n.distances) if n in with_mem else n for n in nodes]
+    elif not with_mem and total:
+        # No per-node meminfo at all (a trimmed snapshot): share MemTotal among the CPU nodes rather than
+        # count it once per node. Memory-only nodes stay unknown (0) and are never used.
+        cpu_nodes = [n for n in nodes if n.cpus] or nodes
+        share = total // len(cpu_nodes)
+        nodes = [Node(n.id, n.cpus, share, n.distances) if n in cpu_nodes else n for n in nodes]
     orphans = set(online) - {c for n in nodes for c in n.cpus}
     if orphans and nodes:  # CPUs no node claims (odd firmware): attach to the first node rather than lose them
         first = nodes[0]
         nodes[0] = Node(first.id, tuple(sorted(set(first.cpus) | orphans)), first.memory_bytes, first.distances)
     return tuple(nodes)
+
+
+def _distances(text: str | None) -> tuple[int, ...]:
+    """A SLIT row ("10 21 ..."); () when absent or unreadable, and the planner falls back to node ids."""
+    try:
+        return tuple(int(x) for x in (text or "").split())
+    except ValueError:
+        return ()
 
 
 def _kib(text: str | None, key: str) -> int | None:

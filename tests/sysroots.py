@@ -6,7 +6,7 @@ files out exactly where deploykit.topology reads them. The MACHINES table holds 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from deploykit import cpulist
@@ -34,7 +34,8 @@ class Machine:
     node_dir: bool = True
     flags: str = FLAGS_AMD_ZEN5
     model_name: str = "Synthetic CPU"
-    extra: dict = field(default_factory=dict)
+    node_cores: tuple[int, ...] = ()  # asymmetric nodes: cores per node in core order (default: equal split)
+    node_memories: tuple[int, ...] = ()  # per CPU node (default: node_memory each)
 
     @property
     def ncpus(self) -> int:
@@ -56,6 +57,8 @@ class Machine:
                 socket = core // self.cores_per_socket
             local = (core // self.sockets if self.numbering == "roundrobin" else core % self.cores_per_socket)
             node = socket * self.nodes_per_socket + local * self.nodes_per_socket // self.cores_per_socket
+            if self.node_cores:
+                node = next(i for i in range(len(self.node_cores)) if core < sum(self.node_cores[:i + 1]))
             out.append((cpu, socket, core, node))
         return out
 
@@ -92,14 +95,15 @@ def write(m: Machine, root: str | Path) -> Path:
         put(f"{node}/online", cpulist.format(all_nodes) + "\n")
         for n in all_nodes:
             cpus = [c for c, _s, _core, nn in lay if nn == n and c not in m.offline]
-            mem = m.node_memory if n < nnodes else m.memory_only_nodes[n - nnodes]
+            mem = ((m.node_memories[n] if m.node_memories else m.node_memory) if n < nnodes
+                   else m.memory_only_nodes[n - nnodes])
             put(f"{node}/node{n}/cpulist", cpulist.format(cpus) + "\n")
             put(f"{node}/node{n}/meminfo", f"Node {n} MemTotal:       {mem // 1024} kB\n"
                                            f"Node {n} MemFree:        {mem // 2048} kB\n")
             dist = [10 if x == n else 12 if x < nnodes and n < nnodes and x // m.nodes_per_socket ==
                     n // m.nodes_per_socket else 32 for x in all_nodes]
             put(f"{node}/node{n}/distance", " ".join(map(str, dist)) + "\n")
-    total = m.node_memory * nnodes + sum(m.memory_only_nodes)
+    total = (sum(m.node_memories) if m.node_memories else m.node_memory * nnodes) + sum(m.memory_only_nodes)
     put("proc/meminfo", f"MemTotal:       {total // 1024} kB\nMemFree:        {total // 2048} kB\n")
     put("proc/cpuinfo", f"processor\t: 0\nvendor_id\t: Synthetic\nmodel name\t: {m.model_name}\n"
                         f"flags\t\t: {m.flags}\n\n")
@@ -148,6 +152,10 @@ MACHINES: dict[str, Machine] = {
     # Desktop: 8 cores, siblings adjacent (0,1) (2,3)..., kernel without NUMA (no node directory).
     "desktop-adjacent": Machine(sockets=1, cores_per_socket=8, numbering="adjacent", node_dir=False,
                                 node_memory=32 * GiB, flags=FLAGS_DESKTOP, model_name="Desktop CPU"),
+    # Asymmetric nodes on one socket (a VM or a partly populated part): node 0 has 8 cores and 48 GiB, node 1
+    # 4 cores and 16 GiB; siblings at +12.
+    "asymmetric-2n": Machine(sockets=1, cores_per_socket=12, nodes_per_socket=2, node_cores=(8, 4),
+                             node_memories=(48 * GiB, 16 * GiB)),
     # A small 2-CPU host like the CI machine.
     "two-cpu": Machine(sockets=1, cores_per_socket=2, threads_per_core=1, node_memory=24 * GiB, flags=FLAGS_SPR),
 }

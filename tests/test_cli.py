@@ -79,10 +79,44 @@ def test_topology_show_and_snapshot(tmp_path, sysroots):
 
 
 def test_examples_plan_cleanly():
+    plans = {}
     for name in ("epyc-9655-2s.yaml", "xeon-amx-2s.yaml"):
         r = run("plan", ROOT / "examples" / name, "--format", "json")
         assert r.returncode == 0, r.stderr
+        plans[name] = json.loads(r.stdout)
+    epyc = plans["epyc-9655-2s.yaml"]["replicas"]  # the user report's box: 2 x 95 threads, not 2 threads
+    assert [(r["cpus_list"], r["frontend_cpus_list"], r["mems_list"]) for r in epyc] == \
+        [("0-94", "95,287", "0"), ("96-190", "191,383", "1")]
+    xeon = plans["xeon-amx-2s.yaml"]
+    assert xeon["hardware"]["isa_tier"] == "amx" and xeon["model"]["dtype"] == "bfloat16"
     assert run("validate", ROOT / "examples" / "single-socket.yaml").returncode == 0
+
+
+def test_single_socket_example_plans_on_this_host_and_explains_itself(tmp_path):
+    """`deploykit plan` on the live host (2 CPUs in CI) gives a runnable plan and says what it did."""
+    (tmp_path / "examples").mkdir()
+    spec = tmp_path / "examples" / "single-socket.yaml"
+    spec.write_text((ROOT / "examples" / "single-socket.yaml").read_text())
+    model = tmp_path / "models" / "tiny-qwen2"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 2048}))
+    r = run("plan", spec, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    allowed = Path("/proc/self/status").read_text().split("Cpus_allowed_list:")[1].split()[0]
+    (rep,) = plan["replicas"]
+    assert rep["omp_threads"] >= 1 and set(rep["cpus"]) | set(rep["frontend_cpus"]) <= set(_parse(allowed))
+    if len(_parse(allowed)) < 4:
+        assert rep["frontend_cpus"] == [] and any("none is reserved" in w for w in plan["warnings"])
+    table = run("plan", spec)
+    assert table.returncode == 0 and "tiny-0" in table.stdout
+
+
+def _parse(text):
+    from deploykit import cpulist
+    return cpulist.parse(text)
 
 
 def test_example_snapshot_matches_its_generator(tmp_path):

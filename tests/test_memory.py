@@ -87,3 +87,10 @@ def test_broken_config_json(tmp_path):
     (d / "config.json").write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(ModelError, match="num_hidden_layers"):
         memory.shape(ModelSpec(source=str(d)))
+    good = {"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 8, "vocab_size": 10}
+    (d / "config.json").write_text(json.dumps({**good, "num_hidden_layers": 0}))
+    with pytest.raises(ModelError, match="non-positive sizes"):
+        memory.shape(ModelSpec(source=str(d)))
+    (d / "config.json").write_text(json.dumps({**good, "intermediate_size": "big"}))
+    with pytest.raises(ModelError, match="usable"):
+        memory.shape(ModelSpec(source=str(d)))

@@ -211,3 +211,66 @@ def test_replica_ports_must_stay_below_65536(sysroots):
     with pytest.raises(PlanError) as e:
         plan_for(sysroots, "epyc-2s-nps1", serving={"port": 65535})
     assert e.value.problems[0].path == "serving.port" and "1-65533" in str(e.value)
+
+
+def test_asymmetric_nodes_get_their_own_cores_and_memory(sysroots):
+    small = {**SMALL, "architecture": {**SMALL["architecture"], "num_parameters": 500_000_000}}
+    a, b = plan_for(sysroots, "asymmetric-2n", model=small, serving={"max_num_seqs": 1024}).replicas
+    assert (a.numa_nodes, a.cpus, a.frontend_cpus, a.mems) == ((0,), rng(0, 6), (7, 19), (0,))
+    assert (b.numa_nodes, b.cpus, b.frontend_cpus, b.mems) == ((1,), rng(8, 10), (11, 23), (1,))
+    assert (a.memory_bytes, b.memory_bytes) == (48 * GiB, 16 * GiB)
+    # KV auto-sizing follows each node's own memory, not the average
+    assert a.kv_cache_bytes > 2 * b.kv_cache_bytes
+    assert b.weight_bytes + b.kv_cache_bytes + planner.headroom(16 * GiB) <= 16 * GiB
+
+
+def test_quota_below_two_cpus_drops_the_front_end_core(sysroots, tmp_path):
+    from tests.sysroots import Machine, write
+
+    root = write(Machine(sockets=1, cores_per_socket=8, threads_per_core=1, node_memory=32 * GiB,
+                         quota=(150000, 100000)), tmp_path / "q15")
+    spec = specfile.from_data(make_spec(model=SMALL, placement={"reserved_cpus": 1}))
+    p = planner.make_plan(spec, topology.read(root), memory.shape(spec.model))
+    (r,) = p.replicas
+    assert (r.cpus, r.frontend_cpus) == ((0,), ())  # 1.5 CPUs of quota: one thread, front end shares it
+    assert any("no room for a front-end core" in w for w in p.warnings)
+
+
+def test_memory_only_node_is_never_borrowed_for_a_cpu_only_node(tmp_path):
+    """A CPU node without memory borrows the nearest CPU node's memory, never the CXL node's (even when the SLIT
+    is missing and node ids are all there is to go on)."""
+    from tests.sysroots import Machine, write
+
+    root = write(Machine(sockets=2, cores_per_socket=4, threads_per_core=1, node_memory=32 * GiB,
+                         memory_only_nodes=(64 * GiB,)), tmp_path / "m")
+    node = root / "sys/devices/system/node"
+    (node / "node1/meminfo").write_text("Node 1 MemTotal:       0 kB\n")
+    for n in range(3):
+        (node / f"node{n}/distance").unlink()
+    spec = specfile.from_data(make_spec(model=SMALL))
+    p = planner.make_plan(spec, topology.read(root), memory.shape(spec.model))
+    assert [r.mems for r in p.replicas] == [(0,), (0,)]
+    with pytest.raises(PlanError, match="has CPUs: memory_nodes is for memory-only"):
+        planner.make_plan(specfile.from_data(make_spec(model=SMALL, placement={"memory_nodes": [0]})),
+                          topology.read(root), memory.shape(spec.model))
+
+
+def test_nodes_without_meminfo_share_memtotal(tmp_path):
+    from tests.sysroots import Machine, write
+
+    root = write(Machine(sockets=2, cores_per_socket=4, threads_per_core=1, node_memory=32 * GiB,
+                         memory_only_nodes=(64 * GiB,)), tmp_path / "m")
+    for n in range(3):
+        (root / f"sys/devices/system/node/node{n}/meminfo").unlink()
+    topo = topology.read(root)
+    assert [n.memory_bytes for n in topo.nodes] == [64 * GiB, 64 * GiB, 0]  # 128 GiB MemTotal, counted once
+
+
+def test_malformed_distance_file_is_not_a_crash(tmp_path):
+    from tests.sysroots import Machine, write
+
+    root = write(Machine(sockets=2, cores_per_socket=4, threads_per_core=1), tmp_path / "m")
+    (root / "sys/devices/system/node/node0/distance").write_text("10 twenty\n")
+    spec = specfile.from_data(make_spec(model=SMALL))
+    p = planner.make_plan(spec, topology.read(root), memory.shape(spec.model))
+    assert [r.mems for r in p.replicas] == [(0,), (1,)]

@@ -6,11 +6,12 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from deploykit import specfile
-from deploykit.errors import SpecError
+from deploykit import hardware, memory, planner, specfile
+from deploykit.errors import DeploykitError, SpecError
 from tests.conftest import BASE_SPEC, make_spec
 
-EXAMPLES = settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# The issue asks for >= 2,000 examples in CI; each property below runs that many.
+EXAMPLES = settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def problems(data):
@@ -107,10 +108,16 @@ yaml_values = st.recursive(yaml_scalars, lambda inner: st.one_of(
 
 
 def check(data):
+    """A valid spec goes on to the planner (inline hardware or this host): a Plan or a clean DeploykitError."""
     try:
-        specfile.from_data(data)
+        spec = specfile.from_data(data)
     except SpecError as e:
         assert str(e)  # renders
+        return
+    try:
+        planner.make_plan(spec, hardware.resolve(spec), memory.shape(spec.model))
+    except DeploykitError as e:
+        assert str(e)
 
 
 @EXAMPLES
@@ -120,7 +127,8 @@ def test_random_documents_never_crash(data):
 
 
 @EXAMPLES
-@given(st.text(max_size=200))
+@given(st.text(max_size=200) | yaml_values.map(lambda v: yaml.safe_dump(v, allow_unicode=True))
+       | st.builds(lambda v: yaml.safe_dump(copy.deepcopy(BASE_SPEC) | {"placement": v}), yaml_values))
 def test_random_yaml_text_never_crashes(text):
     try:
         check(specfile.parse_yaml(text))
@@ -177,6 +185,27 @@ def test_a_bare_relative_model_source_is_relative_to_the_spec_not_the_cwd(tmp_pa
     assert specfile.load(f).model.source == str(tmp_path / "tiny")  # absolute, even though it does not exist
     f.write_text(yaml.safe_dump(make_spec(model={"source": "Qwen/Qwen3-8B"})))
     assert specfile.load(f).model.source == "Qwen/Qwen3-8B"  # a hub id stays an id
+
+
+def test_misspelt_form_keys_get_did_you_mean_for_the_form_they_meant():
+    p = problems(make_spec(hardware={"sysroott": "/snap"}))["hardware.sysroott"]
+    assert "did you mean `sysroot`" in p.hint and p.allowed == "sysroot"
+    p = problems(make_spec(serving={"api_key": {"secrett": "llm-key"}}))["serving.api_key.secrett"]
+    assert "did you mean `secret`" in p.hint and "secret" in p.allowed
+    p = problems(make_spec(hardware="autoo"))["hardware"]
+    assert "did you mean `auto`" in p.hint
+
+
+def test_shape_numbers_that_would_divide_by_zero_are_spec_errors():
+    arch = {"num_hidden_layers": 2, "num_key_value_heads": 1, "hidden_size": 1, "num_attention_heads": 2,
+            "num_parameters": 1000}
+    p = problems(make_spec(model={"source": "a/b", "architecture": arch}))["model.architecture"]
+    assert "head_dim of 0" in p.message
+
+
+def test_huge_cpu_ranges_are_rejected_without_expanding_them():
+    p = problems(make_spec(placement={"strategy": "explicit", "cpus": ["0-4000000000"]}))["placement.cpus"]
+    assert "out of range" in p.message
 
 
 def test_error_paths_keep_field_names_that_are_also_union_tags():
