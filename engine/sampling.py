@@ -175,7 +175,8 @@ def _truncate(vals: torch.Tensor, params: Sequence[SamplingParams], lse_full: to
     are the whole vocabulary, returns a [R] mask of rows whose nucleus extends past them (to be redone)."""
     width = vals.shape[1]
     if any(p.top_k > 0 for p in params):
-        vals.masked_fill_(torch.arange(width) >= _column(params, lambda p: p.top_k if p.top_k > 0 else width),
+        # min(): a top_k past the vocabulary (even 2**63, which no int64 holds) keeps every candidate
+        vals.masked_fill_(torch.arange(width) >= _column(params, lambda p: min(p.top_k, width) if p.top_k > 0 else width),
                           -math.inf)
     short = None
     if any(p.top_p < 1 for p in params):

@@ -55,6 +55,8 @@ def _service(plan: Plan, c: Container, model_src: str) -> dict:
                             for k, v in c.env}
     if c.entrypoint:
         s["entrypoint"] = list(c.entrypoint)
+    if c.stop_seconds is not None:
+        s["stop_grace_period"] = f"{c.stop_seconds}s"
     if c.depends_on:
         s["depends_on"] = {name: {"condition": "service_started"} for name in c.depends_on}
     return s

@@ -25,6 +25,9 @@ TMPFS = "/tmp:rw,nosuid,nodev,size=1g"
 LB_TMPFS = "/tmp:rw,nosuid,nodev,noexec,size=64m"
 LB_MEMORY = 256 * 1024**2
 RUNTIME_PACKAGES = ("libtcmalloc-minimal4", "libnuma1", "numactl")
+# SIGTERM to SIGKILL: the engine drains in-flight requests for up to 30 s (`--shutdown-timeout`), uvicorn adds 5 s
+# and the engine process gets 10 s to exit. Docker's default of 10 s would kill streams mid-answer.
+ENGINE_STOP_SECONDS = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +58,7 @@ class Container:
     shm_size: str | None
     entrypoint: tuple[str, ...] = ()  # () = the image's own
     depends_on: tuple[str, ...] = ()
+    stop_seconds: int | None = None  # None = the runtime's default (10 s)
 
     @property
     def labels(self) -> tuple[tuple[str, str], ...]:
@@ -91,7 +95,8 @@ def containers(plan: Plan) -> tuple[Container, ...]:
             mems=cpulist.format(r.mems), memory=r.memory_limit_bytes, env=tuple(sorted(env)),
             mounts=(Mount("model", MODEL_DIR), Mount("plan.json", PLAN_PATH)),
             publish=f"{plan.serving.publish_address}:{r.port}:{port}", caps_add=("SYS_NICE",), seccomp=sec,
-            user=user, read_only=plan.security.read_only_root, tmpfs=TMPFS, shm_size=SHM_SIZE))
+            user=user, read_only=plan.security.read_only_root, tmpfs=TMPFS, shm_size=SHM_SIZE,
+            stop_seconds=ENGINE_STOP_SECONDS))
     if plan.serving.load_balancer:
         front = sorted({c for r in plan.replicas for c in r.frontend_cpus})
         out.append(Container(
@@ -192,6 +197,8 @@ class _RunArgs:
     def args(self) -> list[str]:
         c, q = self.container, shlex.quote
         a = [f"--name {q(c.name)}", *(f"--label {q(f'{k}={v}')}" for k, v in c.labels), "--restart unless-stopped"]
+        if c.stop_seconds is not None:
+            a.append(f"--stop-timeout {c.stop_seconds}")
         if self.network:
             a.append(f"--network {q(self.network)}")
         if c.cpuset:

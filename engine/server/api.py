@@ -51,6 +51,14 @@ def build_app(fe: Frontend, *, api_key: str | None, max_body_bytes: int,
         return p.ModelList(data=[p.ModelCard(id=fe.model_name, created=started, root=fe.model_name,
                                              max_model_len=fe.max_model_len)])
 
+    @app.get("/v1/models/{model_id:path}", response_model=p.ModelCard, responses=ERRORS)
+    async def model(model_id: str) -> p.ModelCard:
+        """What the SDK's `models.retrieve(id)` calls; ids may contain '/' (hub names)."""
+        if model_id != fe.model_name:
+            raise errors.APIError(404, f"the model '{model_id}' does not exist; this server serves "
+                                       f"'{fe.model_name}'", param="model", code="model_not_found")
+        return p.ModelCard(id=fe.model_name, created=started, root=fe.model_name, max_model_len=fe.max_model_len)
+
     @app.post("/v1/completions", response_model=p.CompletionResponse, responses=ERRORS)
     async def completions(req: p.CompletionRequest, request: Request) -> Response:
         return await _counted(fe, serving.create_completion(fe, req, request))

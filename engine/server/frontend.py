@@ -78,9 +78,10 @@ class Choice:
 class Generation:
     """One API request: its engine requests (prompts x n) merged into one stream of (choice index, output)."""
 
-    def __init__(self, fe: Frontend, request_id: str, prompt_lens: list[int]):
+    def __init__(self, fe: Frontend, request_id: str, prompt_lens: list[int], arrival: float | None = None):
         self.fe, self.request_id, self.prompt_lens = fe, request_id, prompt_lens
-        self.arrival = time.monotonic()
+        self.arrival = time.monotonic() if arrival is None else arrival  # before tokenization, for TTFT
+        self.first_at: float | None = None
         self.created = int(time.time())
         self.choices: list[Choice] = []
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -216,9 +217,11 @@ class Frontend:
         return self.token_text(token_id).encode()
 
     # ---- requests ----
-    def submit(self, request_id: str, prompts: list[list[int]], params: list[list[SamplingParams]]) -> Generation:
-        """Send prompts[i] once per entry of params[i]; choice index = position in that flattened order."""
-        gen = Generation(self, request_id, [len(p) for p in prompts])
+    def submit(self, request_id: str, prompts: list[list[int]], params: list[list[SamplingParams]],
+               arrival: float | None = None) -> Generation:
+        """Send prompts[i] once per entry of params[i]; choice index = position in that flattened order.
+        `arrival`: time.monotonic() when the HTTP request came in (default now)."""
+        gen = Generation(self, request_id, [len(p) for p in prompts], arrival)
         for ids, plist in zip(prompts, params):
             for p in plist:
                 index = len(gen.choices)
@@ -243,6 +246,7 @@ class Frontend:
         for ch in list(self._choices.values()):
             del self._choices[ch.engine_id]
             self._send(("abort", ch.engine_id))
+            self.metrics.finished("abort")
             ch.gen.queue.put_nowait((ch.index, ch.state.abort()))
 
     async def call(self, name: str):
@@ -290,9 +294,10 @@ class Frontend:
             if ch is None:
                 continue  # aborted here while the step ran
             ro = ch.state.process(_Out(ids, lps and [Logprob(*x) for x in lps], finished, reason))
-            if ch.last_at is None:
+            if ch.gen.first_at is None:  # once per request (n choices share one arrival)
+                ch.gen.first_at = now
                 m.ttft.observe(now - ch.gen.arrival)
-            else:
+            if ch.last_at is not None:
                 m.itl.observe(now - ch.last_at)
             ch.last_at = now
             if ro.finished:

@@ -13,7 +13,8 @@ _LENIENT = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 PositiveInt = Annotated[int, Field(ge=1)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-Stop = str | list[str] | None
+MAX_STOP = 32  # OpenAI allows 4; vLLM clients send more. Each is matched against every new token's text.
+Stop = str | Annotated[list[str], Field(max_length=MAX_STOP)] | None
 
 
 class StreamOptions(BaseModel):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -130,6 +131,7 @@ def _completion_logprobs(fe: Frontend, lps, offset: int) -> dict:
 
 
 async def create_completion(fe: Frontend, req: p.CompletionRequest, request: Request) -> Response:
+    arrival = time.monotonic()
     fe.check_available()
     fe.check_model(req.model)
     if req.best_of is not None and req.best_of != req.n:
@@ -147,7 +149,7 @@ async def create_completion(fe: Frontend, req: p.CompletionRequest, request: Req
         fe.check_prompt(ids, req.max_tokens, "prompt")
     fe.admit(len(prompts) * req.n)
     rid, model = f"cmpl-{uuid.uuid4().hex}", fe.model_name
-    gen = fe.submit(rid, prompts, [params] * len(prompts))
+    gen = fe.submit(rid, prompts, [params] * len(prompts), arrival)
     echo = [fe.decode(prompts[i // req.n]) for i in range(len(gen.choices))] if req.echo else None
 
     if req.stream:
@@ -195,6 +197,7 @@ def _chat_logprobs(fe: Frontend, lps) -> list[dict]:
 
 
 async def create_chat_completion(fe: Frontend, req: p.ChatCompletionRequest, request: Request) -> Response:
+    arrival = time.monotonic()
     fe.check_available()
     fe.check_model(req.model)
     if req.tools:
@@ -212,7 +215,7 @@ async def create_chat_completion(fe: Frontend, req: p.ChatCompletionRequest, req
     fe.check_prompt(ids, max_tokens, "messages")
     fe.admit(req.n)
     rid, model = f"chatcmpl-{uuid.uuid4().hex}", fe.model_name
-    gen = fe.submit(rid, [ids], [params])
+    gen = fe.submit(rid, [ids], [params], arrival)
 
     if req.stream:
         head = {"id": rid, "object": "chat.completion.chunk", "created": gen.created, "model": model}

@@ -60,14 +60,15 @@ def test_plan_replica_then_engine_death_gives_503_and_a_nonzero_exit(tiny_model,
         s.close()
 
 
-async def _drain_scenario(s: LiveServer, terminate) -> tuple[list, int, int, int]:
+async def _drain_scenario(s: LiveServer, terminate) -> tuple[list, int, int, int, list[int]]:
     body = {"prompt": "Hello", "max_tokens": 600, "ignore_eos": True, "stream": True, "temperature": 0}
 
     async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
         started = [asyncio.Event(), asyncio.Event()]
+        received: list[list[str]] = [[], []]
 
         async def stream(i: int) -> list[str]:
-            lines = []
+            lines = received[i]
             async with c.stream("POST", "/v1/completions", json=body) as r:
                 async for line in r.aiter_lines():
                     if line.startswith("data: "):
@@ -79,11 +80,12 @@ async def _drain_scenario(s: LiveServer, terminate) -> tuple[list, int, int, int
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
         full = await c.post("/v1/completions", json={**body, "stream": False})
         assert full.headers.get("retry-after")
+        at_signal = [len(x) for x in received]
         terminate()
         await asyncio.sleep(0.3)
         late = await c.post("/v1/completions", json={**body, "stream": False})
         health = await c.get("/health")
-        return await asyncio.gather(*streams), full.status_code, late.status_code, health.status_code
+        return await asyncio.gather(*streams), full.status_code, late.status_code, health.status_code, at_signal
 
 
 @pytest.mark.parametrize("group", [False, True], ids=["to-the-server", "to-its-process-group"])
@@ -95,10 +97,11 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tiny_model, group):
         s.wait_ready()
         terminate = ((lambda: os.killpg(s.proc.pid, signal.SIGTERM)) if group
                      else (lambda: s.proc.send_signal(signal.SIGTERM)))
-        streams, full, late, health = asyncio.run(_drain_scenario(s, terminate))
+        streams, full, late, health, at_signal = asyncio.run(_drain_scenario(s, terminate))
         assert (full, late, health) == (429, 503, 503)
-        for lines in streams:
+        for lines, before in zip(streams, at_signal):
             assert lines[-1] == "[DONE]"
+            assert len(lines) - before > 100  # much of each answer was generated after the signal
             chunks = [json.loads(x) for x in lines[:-1]]
             assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert s.proc.wait(timeout=60) == 0

@@ -42,6 +42,7 @@ replace qwen-0
     --label deploykit.deployment=qwen \
     --label deploykit.replica=0 \
     --restart unless-stopped \
+    --stop-timeout 50 \
     --cpuset-cpus 0-1 \
     --cpuset-mems 0 \
     --memory 2152541888 \

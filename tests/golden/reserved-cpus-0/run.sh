@@ -44,6 +44,7 @@ replace qwen-0
     --label deploykit.deployment=qwen \
     --label deploykit.replica=0 \
     --restart unless-stopped \
+    --stop-timeout 50 \
     --network qwen \
     --cpuset-cpus 0 \
     --cpuset-mems 0 \
@@ -74,6 +75,7 @@ replace qwen-1
     --label deploykit.deployment=qwen \
     --label deploykit.replica=1 \
     --restart unless-stopped \
+    --stop-timeout 50 \
     --network qwen \
     --cpuset-cpus 1 \
     --cpuset-mems 0 \

@@ -46,6 +46,7 @@ replace qwen-0
     --label deploykit.deployment=qwen \
     --label deploykit.replica=0 \
     --restart unless-stopped \
+    --stop-timeout 50 \
     --network qwen \
     --cpuset-cpus 0-95,287 \
     --cpuset-mems 0 \
@@ -77,6 +78,7 @@ replace qwen-1
     --label deploykit.deployment=qwen \
     --label deploykit.replica=1 \
     --restart unless-stopped \
+    --stop-timeout 50 \
     --network qwen \
     --cpuset-cpus 96-191,383 \
     --cpuset-mems 1 \

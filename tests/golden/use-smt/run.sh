@@ -44,6 +44,7 @@ replace qwen-0
     --label deploykit.deployment=qwen \
     --label deploykit.replica=0 \
     --restart unless-stopped \
+    --stop-timeout 50 \
     --network qwen \
     --cpuset-cpus 0-27,112-139 \
     --cpuset-mems 0 \
@@ -74,6 +75,7 @@ replace qwen-1
     --label deploykit.deployment=qwen \
     --label deploykit.replica=1 \
     --restart unless-stopped \
+    --stop-timeout 50 \
     --network qwen \
     --cpuset-cpus 28-55,140-167 \
     --cpuset-mems 1 \
@@ -104,6 +106,7 @@ replace qwen-2
     --label deploykit.deployment=qwen \
     --label deploykit.replica=2 \
     --restart unless-stopped \
+    --stop-timeout 50 \
     --network qwen \
     --cpuset-cpus 56-83,168-195 \
     --cpuset-mems 2 \
@@ -134,6 +137,7 @@ replace qwen-3
     --label deploykit.deployment=qwen \
     --label deploykit.replica=3 \
     --restart unless-stopped \
+    --stop-timeout 50 \
     --network qwen \
     --cpuset-cpus 84-111,196-223 \
     --cpuset-mems 3 \
