@@ -73,6 +73,7 @@ class EngineCore:
                  spec.architecture, "native" if is_native(spec) else "transformers", str(self.dtype)[6:],
                  self.max_model_len, num_blocks, config.block_size, num_blocks * config.block_size
                  * bytes_per_token / 2**20)
+        _log_kernels(self.dtype)
 
     def _context_len(self, config: EngineConfig) -> int:
         limit = self.spec.max_position_embeddings
@@ -166,3 +167,15 @@ class EngineCore:
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.allocator.usage(),
                            self._prompt_tokens, self._generation_tokens, self.scheduler.num_preemptions)
+
+
+def _log_kernels(dtype: torch.dtype) -> None:
+    """Say which matmul path runs: a missing or stale kernel library must not slow bf16 decode down silently."""
+    from engine import kernels
+    st = kernels.status()
+    if dtype != torch.bfloat16:
+        log.info("matmul path: PyTorch (%s weights; the native kernels serve bf16)", str(dtype)[6:])
+    elif st["path"] == "fallback" and "engine.kernels build" in st["reason"]:  # fixable: not built or stale
+        log.warning("matmul path: PyTorch fallback, bf16 decode runs ~2x slower: %s", st["reason"])
+    else:
+        log.info("matmul path: %s (%s)", st["path"], st["reason"])

@@ -5,10 +5,7 @@ import asyncio
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import AsyncEngine, Engine
-from engine.errors import RequestError
-from engine.sampling import SamplingParams
+from engine import AsyncEngine, Engine, EngineConfig, RequestError, SamplingParams  # the documented public API
 
 PROMPTS = ["Hello, world!", "Café 日本語 🚀", "The key-value cache stores attention keys"]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

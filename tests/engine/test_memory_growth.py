@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.sampling import SamplingParams
@@ -12,9 +14,10 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def test_rss_is_stable_over_1000_short_requests(tiny_model):
-    core = EngineCore(EngineConfig(tiny_model("qwen2"), dtype="float32", max_model_len=128, max_num_seqs=16,
-                                   kv_cache_bytes=8 << 20))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: the native kernels' allocations too
+def test_rss_is_stable_over_1000_short_requests(tiny_model, dtype):
+    core = EngineCore(EngineConfig(tiny_model("qwen2", hidden=128, heads=4, intermediate=256), dtype=dtype,
+                                   max_model_len=128, max_num_seqs=16, kv_cache_bytes=8 << 20))
     rng = random.Random(0)
     vocab = core.spec.vocab_size
 
