@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from importlib import resources
 from collections.abc import Callable, Iterable
 from functools import cache
 
@@ -19,7 +20,10 @@ from .output import File
 
 @cache
 def _env() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.PackageLoader("deploykit.render", "templates"),
+    # render/templates: run.sh, compose, nginx, NOTES; images/ (deploykit.images): the engine image's files.
+    loader = jinja2.ChoiceLoader([jinja2.PackageLoader("deploykit.render", "templates"),
+                                  jinja2.FileSystemLoader(str(resources.files("deploykit.images")))])
+    env = jinja2.Environment(loader=loader,
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=True,
                              lstrip_blocks=True, autoescape=False)
     env.filters["sh"] = lambda v: shlex.quote(str(v))

@@ -23,8 +23,10 @@ from deploykit import cpulist
 
 try:
     from . import render_image
+    from .conftest import unavailable
 except ImportError:
     import render_image
+    from conftest import unavailable
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -92,6 +94,34 @@ def _wait_healthy(url: str, what: str, logs) -> None:
     pytest.fail(f"{what}: {url} not 200 within {READY_TIMEOUT_S}s\n{logs()}")
 
 
+def _stream(port: int) -> list[str]:
+    """A streamed completion through `port`: the SSE `data:` payloads as they arrive (nginx must not buffer)."""
+    body = json.dumps({"model": NAME, "prompt": "Hello", "max_tokens": 12, "temperature": 0, "stream": True,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.headers.get_content_type() == "text/event-stream"
+        return [line[6:].decode().strip() for line in r if line.startswith(b"data: ")]
+
+
+def _check_replicas_bound_their_memory(plan: dict) -> None:
+    """Each engine's binding report: its plan's CPUs, memory bound to the plan's nodes, no refused call. Under
+    compose this is the only memory binding (compose has no cpuset-mems)."""
+    for r in plan["replicas"]:
+        rep = json.loads(_get(f"http://127.0.0.1:{r['port']}/debug/binding")[1])["engine"]
+        assert rep["planned_cpus"] == r["cpus_list"] and rep["planned_mems"] == r["mems_list"], rep
+        assert rep["memory_policy"]["nodes"] == r["mems_list"], rep["memory_policy"]
+        assert rep["memory_policy"]["mode"] in ("bind", "interleave"), rep["memory_policy"]
+        assert rep["warnings"] == [], rep["warnings"]
+
+
+def _check_streaming_through_the_lb(port: int) -> None:
+    events = _stream(port)
+    assert events[-1] == "[DONE]" and len(events) >= 3, events
+    assert all(json.loads(e)["object"] == "text_completion" for e in events[:-1])
+
+
 def _complete(port: int) -> dict:
     body = json.dumps({"model": NAME, "prompt": "Hello, world", "max_tokens": 8, "temperature": 0}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
@@ -122,10 +152,10 @@ def deployment(docker, base_image, tmp_path_factory):
     """(rendered dir, plan, model dir, image ref) for two replicas on this host's first two CPUs."""
     why = _engine_serves()
     if why:
-        pytest.skip(why)
+        unavailable(why)
     port = next((p for p in PORTS if all(_free(p + i) for i in range(3))), None)
     if port is None:
-        pytest.skip(f"ports {PORTS} (+1, +2) are all taken on 127.0.0.1")
+        unavailable(f"ports {PORTS} (+1, +2) are all taken on 127.0.0.1")
     base = tmp_path_factory.mktemp("e2e")
     model = base / "model"
     subprocess.run([sys.executable, "-m", "engine", "tiny-model", str(model)], check=True, capture_output=True,
@@ -134,7 +164,7 @@ def deployment(docker, base_image, tmp_path_factory):
         f.chmod(0o644)
     allowed = cpulist.parse(Path("/proc/self/status").read_text().split("Cpus_allowed_list:")[1].split()[0])
     if len(allowed) < 2:
-        pytest.skip("needs two CPUs for two replicas")
+        unavailable("two replicas need two CPUs")
     name, tag = RUN_IMAGE.split(":")
     spec = {"apiVersion": "deploykit/v1", "kind": "Deployment", "name": NAME,
             "model": {"source": str(model), "max_model_len": 512},
@@ -179,6 +209,8 @@ def test_run_sh_serves_through_nginx(deployment):
             _wait_healthy(f"http://127.0.0.1:{r['port']}/health", r["name"], _logs(r["name"]))
         reply = _complete(port)
         assert reply["choices"] and isinstance(reply["choices"][0]["text"], str)
+        _check_streaming_through_the_lb(port)
+        _check_replicas_bound_their_memory(plan)
         for r in plan["replicas"]:
             seen = json.loads(_docker("exec", "-i", r["name"], "python", "-", input_=INSIDE))
             assert seen["cpuset"] == r["cpuset"]
@@ -219,5 +251,7 @@ def test_compose_up_serves_through_nginx(deployment, compose_cli):
         for r in plan["replicas"]:
             _wait_healthy(f"http://127.0.0.1:{r['port']}/health", r["name"], logs)
         assert _complete(port)["choices"]
+        _check_streaming_through_the_lb(port)
+        _check_replicas_bound_their_memory(plan)
     finally:
         subprocess.run([*cmd, "down", "--remove-orphans"], env=env, capture_output=True, timeout=180, cwd=out)

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.docker
 PROBE = (Path(__file__).parent / "numa_probe.py").read_text()
 NUMA_CALLS = ("get_mempolicy", "set_mempolicy", "mbind", "migrate_pages", "move_pages")
 DENIED_CALLS = ("mount", "unshare", "ptrace", "kexec_load", "bpf")
+MARK = errno.ENOSYS
 HARDENED = ("--cap-drop", "ALL", "--cap-add", "SYS_NICE", "--security-opt", "no-new-privileges",
             "--user", "10001", "--read-only", "--network", "none")
 
@@ -27,7 +28,11 @@ def profiles(tmp_path_factory) -> dict[str, str]:
     docker_form.write_bytes(seccomp.dumps(seccomp.profile()))
     flat = out / "least-privilege.oci.json"
     flat.write_bytes(seccomp.dumps(seccomp.flatten_for_oci(seccomp.profile(), arch=os.uname().machine)))
-    return {"docker": str(docker_form), "flat": str(flat)}
+    # The same rules with a default action that no kernel check imitates: SCMP_ACT_TRACE without a tracer
+    # fails the call with ENOSYS, which these (existing) syscalls never return on their own.
+    marked = out / "least-privilege.marked.json"
+    marked.write_bytes(seccomp.dumps({**seccomp.profile(), "defaultAction": "SCMP_ACT_TRACE"}))
+    return {"docker": str(docker_form), "flat": str(flat), "marked": str(marked)}
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +76,14 @@ def test_probe_reaches_the_kernel_when_unconfined(probe):
 def test_escape_hatches_denied_by_seccomp(probe):
     calls = probe("docker")["syscalls"]
     assert {n: calls[n] for n in DENIED_CALLS} == {n: errno.EPERM for n in DENIED_CALLS}
+
+
+def test_escape_hatches_are_denied_by_our_filter_not_only_by_missing_caps(probe):
+    """kexec_load and bpf would return EPERM anyway without CAP_SYS_BOOT / CAP_BPF; with the profile's default
+    action made distinguishable, every one of them returns MARK: the filter itself stops them."""
+    calls = probe("marked")["syscalls"]
+    assert {n: calls[n] for n in DENIED_CALLS} == {n: MARK for n in DENIED_CALLS}
+    assert {n: calls[n] for n in NUMA_CALLS} == {n: 0 for n in NUMA_CALLS}
 
 
 def test_flattened_profile_behaves_the_same_under_a_plain_runtime(probe):
