@@ -80,8 +80,7 @@ class Ours:
                 "stream_probe": "native avx512 stream_read" if native else "torch.sum (compute-bound, understates)"}
 
     def matmul_peak(self) -> dict:
-        """Seconds per [512, K] x [K, N] matmul for the model's fused layer shapes, per implementation (bf16, and
-        fp32 as an upper bound where it is faster)."""
+        """Seconds per [512, K] x [K, N] matmul for the model's fused layer shapes, per implementation."""
         torch, kernels, s = self.torch, self.kernels, self.core.spec
         if self.mats is None:
             shapes = {"qkv": ((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.hidden_size),
@@ -95,8 +94,7 @@ class Ours:
                     "torch F.linear": partial(torch.nn.functional.linear, x, w),
                     f"engine kernels.linear ({kernels.status()['path']})": partial(kernels.linear, x, wp),
                     "oneDNN prepacked": partial(torch.ops.mkldnn._linear_pointwise, x, wd, None, "none", [], ""),
-                    # The fp32 GEMM (MKL) is in the peak too: on a CPU without BF16 units it is the real ceiling,
-                    # and the peak must never be only our own kernel.
+                    # Without BF16 units MKL's fp32 GEMM is the real ceiling (and the peak is never just ours).
                     "MKL fp32 F.linear": partial(torch.nn.functional.linear, x.float(), w.float())})
         return {"shapes": {name: {"flop": flop, "seconds": {i: best_time(fn, 5) for i, fn in fns.items()}}
                            for name, (flop, fns) in self.mats.items()}}
@@ -343,8 +341,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per decode measurement")
     ap.add_argument("--threads", type=int, default=None, help="default: one per core, as `serve --binding auto`")
     ap.add_argument("--quick", action="store_true", help="smoke run: one round of 8-token decodes")
-    ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--skip-llamacpp", action="store_true")
+    for flag in ("--skip-transformers", "--skip-llamacpp"):
+        ap.add_argument(flag, action="store_true")
     for hidden in ("--worker", "--cpus", "--gguf"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -394,8 +392,8 @@ def main() -> None:
 
 
 METHOD = ("roofline = best bandwidth / bytes a decode step reads (all weights but the embedding table); prefill "
-          "TFLOP/s = 2 * decoder-layer matmul params * 512 / TTFT; matmul peak = bf16 [512,K]x[K,N] on one layer's "
-          "shapes (FLOP-weighted), each on its fastest implementation")
+          "TFLOP/s = 2 * decoder-layer matmul params * 512 / TTFT; matmul peak = [512,K]x[K,N] on one layer's "
+          "shapes (FLOP-weighted), each on its fastest implementation (bf16 ones, or MKL fp32 where faster)")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -55,10 +56,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def one_stream(port: int, prompt: list[int], max_tokens: int) -> tuple[float, int]:
-    """(time to first token, SSE events before [DONE]) over one raw HTTP/1.1 connection."""
+async def one_stream(port: int, prompt: list[int], max_tokens: int) -> tuple[float, int, int]:
+    """(time to first token, SSE events before [DONE], completion tokens from the usage chunk) over one raw
+    HTTP/1.1 connection."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                       "stream": True}).encode()
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
     t0 = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -72,9 +74,12 @@ async def one_stream(port: int, prompt: list[int], max_tokens: int) -> tuple[flo
         if ttft is None and b"data: {" in data:
             ttft = time.perf_counter() - t0
         events += data.count(b"data: {")
-        buf = buf[-16:] + data
+        buf = buf[-4096:] + data
     writer.close()
-    return ttft or 0.0, events
+    usage = re.findall(rb'"completion_tokens":\s*(\d+)', buf)
+    if not usage:
+        raise RuntimeError(f"no usage chunk before [DONE]: {buf[-300:]!r}")
+    return ttft or 0.0, events - 1, int(usage[-1])  # the usage chunk is an event too
 
 
 async def http_round(port: int, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -82,7 +87,7 @@ async def http_round(port: int, prompts: list[list[int]], max_tokens: int) -> di
     results = await asyncio.gather(*(one_stream(port, p, max_tokens) for p in prompts))
     wall = time.perf_counter() - t0
     ttfts = sorted(r[0] for r in results)
-    return {"wall_s": wall, "tokens": max_tokens * len(prompts), "events": sum(r[1] for r in results),
+    return {"wall_s": wall, "tokens": sum(r[2] for r in results), "events": sum(r[1] for r in results),
             "ttft_p50_s": ttfts[len(ttfts) // 2]}
 
 
@@ -165,6 +170,9 @@ def main() -> None:
         "overhead_pct_median": round(100 * (median(r["wall_s"] for r in http_rounds)
                                             / median(r["wall_s"] for r in direct_rounds) - 1), 2),
         "target_overhead_pct": 5.0,
+        "meets_target": 100 * (1 - h_tps / d_tps) < 5.0,
+        "tokens_checked": {"direct": best_direct["tokens"], "http_usage": best_http["tokens"],
+                           "expected": a.streams * a.max_tokens},
     }, indent=2))
 
 
