@@ -80,13 +80,7 @@ class EngineCore:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ModelLoadError(f"max_model_len={config.max_model_len} exceeds the model's "
                                  f"max_position_embeddings={limit} (config.json); lower max_model_len")
-        n = config.max_model_len or limit
-        if self.spec.sliding_window is not None and self.spec.sliding_window < n:
-            # Within the window, sliding-window attention equals full attention, which is what we compute.
-            log.warning("model uses sliding-window attention (window %d); capping max_model_len to it",
-                        self.spec.sliding_window)
-            n = self.spec.sliding_window
-        return n
+        return config.max_model_len or limit
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:

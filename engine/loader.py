@@ -31,6 +31,7 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()     # layers that attend only to the last sliding_window tokens
     eos_token_ids: tuple[int, ...] = ()
 
     @property
@@ -95,16 +96,15 @@ def load_spec(model_dir: str) -> ModelSpec:
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    window = cfg.get("sliding_window")
-    if cfg.get("use_sliding_window") is False or not isinstance(window, int):
-        window = None
+    layers = int(_require(cfg, "num_hidden_layers", path))
+    window, sliding = _sliding(cfg, layers)
     return ModelSpec(
         path=model_dir,
         architecture=archs[0] if archs else "",
         model_type=str(cfg.get("model_type", "")),
         vocab_size=int(_require(cfg, "vocab_size", path)),
         hidden_size=hidden,
-        num_layers=int(_require(cfg, "num_hidden_layers", path)),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -116,8 +116,25 @@ def load_spec(model_dir: str) -> ModelSpec:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         hidden_act=str(cfg.get("hidden_act") or cfg.get("activation_function") or "silu"),
         sliding_window=window,
+        sliding_layers=sliding,
         eos_token_ids=_eos_ids(model_dir, cfg),
     )
+
+
+def _sliding(cfg: dict, layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(window, the layers using it), as transformers decides: `layer_types` when the config lists them, else
+    Qwen2's use_sliding_window from layer max_window_layers on, else (Mistral) every layer."""
+    window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") is False or not isinstance(window, int) or window <= 0:
+        return None, ()
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    elif cfg.get("use_sliding_window"):
+        sliding = tuple(range(int(cfg.get("max_window_layers") or 0), layers))
+    else:
+        sliding = tuple(range(layers))
+    return (window, sliding) if sliding else (None, ())
 
 
 class CheckpointReader:

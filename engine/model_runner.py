@@ -14,6 +14,7 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.block_size = block_size
+        self.window = (model.spec.sliding_window or 0) if model.native else 0  # 0: no sliding-window layers
 
     def release(self, seq: Sequence) -> None:
         if not self.model.native:
@@ -38,6 +39,14 @@ class ModelRunner:
         """Bool mask -> 0 / -inf in the model dtype, once per step (SDPA would convert a bool mask per layer)."""
         return torch.zeros(allowed.shape, dtype=self.model.dtype).masked_fill_(~allowed, float("-inf"))
 
+    def _window_mask(self, start: int, end: int) -> torch.Tensor | None:
+        """Queries at positions [start, end) over keys [0, end): causal and within the sliding window; None when the
+        window hides no key from these queries (plain causal attention is then the same)."""
+        if not self.window or end - self.window <= 0:
+            return None
+        q, k = torch.arange(start, end)[:, None], torch.arange(end)[None, :]
+        return self._additive((k <= q) & (k > q - self.window))                  # [end - start, end]
+
     def _prepare(self, order: list[tuple[Sequence, int]]):
         bs = self.block_size
         ids: list[int] = []
@@ -59,22 +68,25 @@ class ModelRunner:
                 dec_tables.append(bt[:nblocks])
                 dec_ctx.append(end)
             elif c == 0:
-                prefills.append(PrefillChunk(row, n, None, end, None))
+                prefills.append(PrefillChunk(row, n, None, end, None, self._window_mask(0, end)))
             else:
                 # Later chunk of a long prompt: attend to the cached prefix plus itself, causally.
                 mask = self._additive(torch.arange(end)[None, :] <= torch.arange(c, end)[:, None])  # [n, end]
-                prefills.append(PrefillChunk(row, n, _blocks(bt[:nblocks]), end, mask))
+                prefills.append(PrefillChunk(row, n, _blocks(bt[:nblocks]), end, mask, self._window_mask(c, end)))
             if end == seq.num_tokens:
                 sampled.append(seq)
                 rows.append(row + n - 1)
-        tables = mask = None
+        tables = mask = window_mask = None
         if len(dec_tables) == 1:
             tables = _blocks(dec_tables[0])
         elif dec_tables:
             width = max(len(t) for t in dec_tables)
             tables = torch.tensor([b for t in dec_tables for b in t + [0] * (width - len(t))])  # [B * max_blocks]
             ctx = torch.tensor(dec_ctx)
-            mask = self._additive(torch.arange(width * bs)[None, :] < ctx[:, None])[:, None, None]  # [B, 1, 1, T]
+            keys = torch.arange(width * bs)[None, :]
+            mask = self._additive(keys < ctx[:, None])[:, None, None]  # [B, 1, 1, T]
+            if self.window:
+                window_mask = self._additive((keys < ctx[:, None]) & (keys >= ctx[:, None] - self.window))[:, None, None]
         dec_tables_2d = dec_lens = None
         if dec_tables:
             width = max(len(t) for t in dec_tables)
@@ -83,7 +95,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots), num_decode=len(dec_tables), decode_blocks=tables,
             decode_mask=mask, decode_context_len=dec_ctx[0] if dec_ctx else 0, prefills=prefills,
-            decode_tables=dec_tables_2d, decode_lens=dec_lens)
+            decode_tables=dec_tables_2d, decode_lens=dec_lens, decode_window_mask=window_mask)
         return torch.tensor(ids), torch.tensor(pos), meta, sampled, rows
 
 

@@ -135,10 +135,11 @@ def decode_attention_supported(q: torch.Tensor) -> bool:
 
 
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, window: int = 0) -> torch.Tensor:
     """One query per sequence against its cached context, read in place from the paged cache.
-    q [B, Hq, D], kv_layer [blocks, block_size, 2, Hkv, D], tables int32 [B, W], lens int32 [B] -> [B, Hq, D]."""
-    return _decode_attention(q, kv_layer, tables, lens, scale)
+    q [B, Hq, D], kv_layer [blocks, block_size, 2, Hkv, D], tables int32 [B, W], lens int32 [B] -> [B, Hq, D].
+    window > 0: only the last `window` tokens of each context (sliding-window attention)."""
+    return _decode_attention(q, kv_layer, tables, lens, scale, window)
 
 
 def fallback_add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:

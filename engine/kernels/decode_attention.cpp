@@ -32,9 +32,10 @@ constexpr int64_t MAX_HEAD_DIM = 256;
 
 // q [B, Hq, D] (rows may be strided, heads D apart), kv [NB, bs, 2, Hkv, D] contiguous, tables int32
 // [B, W] (block ids, padded with anything), lens int32 [B] (context length including this token, <= W * bs)
-// -> [B, Hq, D] bf16.
+// -> [B, Hq, D] bf16. window > 0: attend only to the last `window` tokens (sliding-window attention, as
+// Mistral's: key j is visible to query i when i - window < j <= i).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
-                            const at::Tensor& lens, double scale) {
+                            const at::Tensor& lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be a bf16 [B, Hq, D] tensor with contiguous heads");
   TORCH_CHECK(kv.dim() == 5 && kv.size(2) == 2 && kv.scalar_type() == at::kBFloat16 && kv.is_contiguous(),
@@ -71,10 +72,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
     std::vector<float> scores;
     std::vector<float> acc(G * D), inv(G);
     for (int64_t task = i0; task < i1; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv, T = lp[b];
+      const int64_t b = task / Hkv, h = task % Hkv, end = lp[b];
+      const int64_t t0 = window > 0 ? std::max<int64_t>(0, end - window) : 0, T = end - t0;  // visible keys
       const bf16* qh = qp + b * qs0 + h * G * D;  // G query heads, D apart
       const int32_t* tbl = tp + b * W;
-      auto token = [&](int64_t t) { return kvp + ((int64_t)tbl[t / bs] * bs + t % bs) * row + h * D; };
+      auto token = [&](int64_t i) {
+        const int64_t t = t0 + i;
+        return kvp + ((int64_t)tbl[t / bs] * bs + t % bs) * row + h * D;
+      };
       scores.resize(G * T);
       // scores[g, t]: K row in registers, the G query rows from L1.
       for (int64_t t = 0; t < T; ++t) {
@@ -130,7 +135,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
 }
 
 TORCH_LIBRARY_FRAGMENT(deploykit, m) {
-  m.def("decode_attention(Tensor q, Tensor kv, Tensor tables, Tensor lens, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor kv, Tensor tables, Tensor lens, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deploykit, CPU, m) {

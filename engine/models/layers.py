@@ -117,7 +117,8 @@ class PrefillChunk:
     length: int                         # query tokens in the chunk
     blocks: Blocks | None               # the sequence's blocks when earlier tokens are cached; None if fresh
     context_len: int                    # cached + new tokens the queries attend to
-    mask: torch.Tensor | None           # [length, context_len] bool, causal aligned to the end
+    mask: torch.Tensor | None           # [length, context_len] additive, causal aligned to the end
+    window_mask: torch.Tensor | None = None  # the same, also hiding keys >= window behind each query
 
 
 @dataclass(slots=True)
@@ -131,6 +132,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     decode_tables: torch.Tensor | None = None   # int32 [num_decode, max_blocks] (for the native kernel)
     decode_lens: torch.Tensor | None = None     # int32 [num_decode] context lengths incl. the new token
+    decode_window_mask: torch.Tensor | None = None  # decode_mask for sliding-window layers (several sequences)
 
 
 def _context(kv_layer: torch.Tensor, blocks: Blocks) -> torch.Tensor:
@@ -142,8 +144,9 @@ def _context(kv_layer: torch.Tensor, blocks: Blocks) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """q [N, Hq, D], kv_new [N, 2, Hkv, D] (this step's K and V), kv_layer [NB, bs, 2, Hkv, D] -> [N, Hq, D]."""
+                    scale: float, window: int = 0) -> torch.Tensor:
+    """q [N, Hq, D], kv_new [N, 2, Hkv, D] (this step's K and V), kv_layer [NB, bs, 2, Hkv, D] -> [N, Hq, D].
+    window > 0: a sliding-window layer, each query sees only the last `window` keys (itself included)."""
     n_tok, n_heads, head_dim = q.shape
     n_kv = kv_new.shape[2]
     kv_layer.view(-1, 2, n_kv, head_dim).index_copy_(0, meta.slot_mapping, kv_new)
@@ -152,14 +155,16 @@ def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_layer: torch.Tenso
     if nd:
         # One query per sequence: fold the query heads sharing a KV head into the query-length axis (GQA).
         if meta.decode_tables is not None and kernels.decode_attention_supported(q):
-            o = kernels.decode_attention(q[:nd], kv_layer, meta.decode_tables, meta.decode_lens, scale)
+            o = kernels.decode_attention(q[:nd], kv_layer, meta.decode_tables, meta.decode_lens, scale, window)
         else:
             qd = q[:nd].view(nd, n_kv, n_heads // n_kv, head_dim)               # [B, Hkv, G, D]
             ctx = _context(kv_layer, meta.decode_blocks)                         # [B * T, 2, Hkv, D]
+            mask = meta.decode_window_mask if window and meta.decode_mask is not None else meta.decode_mask
             if meta.decode_mask is None:
-                ctx = ctx[:meta.decode_context_len]
+                t = meta.decode_context_len
+                ctx = ctx[max(0, t - window) if window else 0:t]
             ctx = ctx.view(nd, -1, 2, n_kv, head_dim).permute(2, 0, 3, 1, 4)    # [2, B, Hkv, T, D]
-            o = F.scaled_dot_product_attention(qd, ctx[0], ctx[1], attn_mask=meta.decode_mask, scale=scale)
+            o = F.scaled_dot_product_attention(qd, ctx[0], ctx[1], attn_mask=mask, scale=scale)
         o = o.view(nd, n_heads, head_dim)
         if not meta.prefills:
             return o
@@ -169,13 +174,16 @@ def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_layer: torch.Tenso
         out = q.new_empty(q.shape)
     for c in meta.prefills:
         qp = q[c.start:c.start + c.length].transpose(0, 1).unsqueeze(0)          # [1, Hq, L, D]
+        wmask = c.window_mask if window else None   # None: the window hides nothing in this chunk
         if c.blocks is None:
             ctx = kv_new[c.start:c.start + c.length]                             # [L, 2, Hkv, D]
             ctx = ctx.permute(1, 2, 0, 3).unsqueeze(1)                           # [2, 1, Hkv, L, D]
-            o = F.scaled_dot_product_attention(qp, ctx[0], ctx[1], is_causal=True, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qp, ctx[0], ctx[1], is_causal=wmask is None, attn_mask=wmask,
+                                               scale=scale, enable_gqa=True)
         else:
             ctx = _context(kv_layer, c.blocks)[:c.context_len].permute(1, 2, 0, 3).unsqueeze(1)  # [2,1,Hkv,C,D]
-            o = F.scaled_dot_product_attention(qp, ctx[0], ctx[1], attn_mask=c.mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qp, ctx[0], ctx[1], attn_mask=c.mask if wmask is None else wmask,
+                                               scale=scale, enable_gqa=True)
         o = o[0].transpose(0, 1)                                                 # [L, Hq, D]
         if out is None:
             return o

@@ -49,6 +49,8 @@ class LlamaModel:
         self.act = ACTIVATIONS[spec.hidden_act]
         self.act_fused = spec.hidden_act in ("silu", "swish")
         self.scale = spec.head_dim ** -0.5
+        # Per layer: 0 = full causal attention, W = only the last W tokens (Mistral's sliding window).
+        self.windows = [spec.sliding_window if i in spec.sliding_layers else 0 for i in range(spec.num_layers)]
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_len, dtype)
@@ -132,7 +134,8 @@ class LlamaModel:
             if L.qk_norm is not None:
                 torch.mul(rms_norm(qk, None, s.rms_norm_eps), L.qk_norm, out=qk)
             rotate_(qk, cos, sin)
-            o = paged_attention(qkv[:, :nh], qkv[:, nh:].view(n, 2, nkv, hd), kv.layers[i], meta, self.scale)
+            o = paged_attention(qkv[:, :nh], qkv[:, nh:].view(n, 2, nkv, hd), kv.layers[i], meta, self.scale,
+                                self.windows[i])
             x = L.ln2(h, linear(o.reshape(n, nh * hd), L.o, L.o_bias))            # h += o_proj; norm
             if self.act_fused:
                 y = silu_and_mul(linear(x, L.gate_up, L.gate_up_bias))            # [N, I]

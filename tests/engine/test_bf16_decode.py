@@ -18,7 +18,7 @@ PROMPTS = [list(range(40, 77)), [500 + i for i in range(17)], [3, 1000, 20, 50, 
 SHAPE = {"hidden": 128, "heads": 4, "intermediate": 256, "init_std": 0.1}
 VARIANTS = {
     "llama3-rope": {"arch": "llama", "rope_scaling": "llama3", "max_position_embeddings": 4096},
-    "mistral": {"arch": "mistral", "kv_heads": 2},
+    "mistral-window": {"arch": "mistral", "kv_heads": 2, "extra_config": {"sliding_window": 10}},
     "qwen2-biases": {"arch": "qwen2", "kv_heads": 1},
     "qwen3-qk-norm": {"arch": "qwen3"},
 }

@@ -315,12 +315,14 @@ def test_rotary_in_place_on_a_strided_qkv_view(kernels, m, heads, d):
     assert torch.allclose(native[:, :heads].double(), exact, rtol=2 ** -7, atol=2 ** -6)
 
 
-def _attention_reference(q, kv, tables, lens, scale):
-    """fp64 softmax(q k^T * scale) v per sequence, gathering each token's K/V through its block table."""
+def _attention_reference(q, kv, tables, lens, scale, window=0):
+    """fp64 softmax(q k^T * scale) v per sequence, gathering each token's K/V through its block table (only the
+    last `window` tokens when window > 0)."""
     bs, group = kv.shape[1], q.shape[1] // kv.shape[3]
     out = []
     for b, n in enumerate(lens.tolist()):
-        ctx = torch.stack([kv[tables[b, t // bs], t % bs] for t in range(n)]).double()  # [T, 2, Hkv, D]
+        first = max(0, n - window) if window else 0
+        ctx = torch.stack([kv[tables[b, t // bs], t % bs] for t in range(first, n)]).double()  # [T, 2, Hkv, D]
         k, v = (ctx[:, i].repeat_interleave(group, dim=1) for i in (0, 1))              # [T, Hq, D]
         p = (torch.einsum("hd,thd->ht", q[b].double(), k) * scale).softmax(-1)
         out.append(torch.einsum("ht,thd->hd", p, v))
@@ -342,6 +344,10 @@ def test_decode_attention_reads_scattered_blocks_in_place(kernels, heads, kv_hea
     exact = _attention_reference(q, kv, tables, lens_t, d ** -0.5)
     assert out.shape == (len(lens), heads, d)
     assert torch.allclose(out.double(), exact, rtol=2 ** -7, atol=2 ** -7)
+    for window in (1, 7, 64):  # sliding window: shorter than some contexts, longer than others
+        out = kernels.decode_attention(q, kv, tables, lens_t, d ** -0.5, window)
+        exact = _attention_reference(q, kv, tables, lens_t, d ** -0.5, window)
+        assert torch.allclose(out.double(), exact, rtol=2 ** -7, atol=2 ** -7), window
 
 
 @needs_bf16

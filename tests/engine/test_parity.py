@@ -18,6 +18,8 @@ ARCHS = {
     "llama3-rope": {"arch": "llama", "rope_scaling": "llama3", "max_position_embeddings": 4096},
     "llama-biases": {"arch": "llama", "extra_config": {"attention_bias": True, "mlp_bias": True}},
     "mistral": {"arch": "mistral", "heads": 8, "kv_heads": 2},
+    # Mistral v0.1's sliding window, shorter than most prompts + 40 tokens and than the prefill chunks.
+    "mistral-window": {"arch": "mistral", "heads": 8, "kv_heads": 2, "extra_config": {"sliding_window": 12}},
     "qwen2": {"arch": "qwen2", "kv_heads": 1},
     "qwen3": {"arch": "qwen3", "head_dim": 32},
     "qwen2-tied": {"arch": "qwen2", "tie_word_embeddings": True},   # bf16: lm_head packed, embeddings read from it
