@@ -199,11 +199,10 @@ def _nodes(r: _Reader, online: tuple[int, ...]) -> tuple[Node, ...]:
         # One memory node owns all memory; some VMs (hot-plugged memory) under-report it in nodeN/meminfo.
         nodes = [Node(n.id, n.cpus, max(n.memory_bytes, total), n.distances) if n in with_mem else n for n in nodes]
     elif not with_mem and total:
-        # No per-node meminfo at all (a trimmed snapshot): share MemTotal among the CPU nodes rather than
-        # count it once per node. Memory-only nodes stay unknown (0) and are never used.
-        cpu_nodes = [n for n in nodes if n.cpus] or nodes
-        share = total // len(cpu_nodes)
-        nodes = [Node(n.id, n.cpus, share, n.distances) if n in cpu_nodes else n for n in nodes]
+        # No per-node meminfo at all (a trimmed snapshot): an equal share of MemTotal per node, memory-only nodes
+        # included, rather than MemTotal once per node (which would let KV auto-sizing overcommit N times).
+        share = total // len(nodes)
+        nodes = [Node(n.id, n.cpus, share, n.distances) for n in nodes]
     orphans = set(online) - {c for n in nodes for c in n.cpus}
     if orphans and nodes:  # CPUs no node claims (odd firmware): attach to the first node rather than lose them
         first = nodes[0]

@@ -122,9 +122,11 @@ def load_spec(model_dir: str) -> ModelSpec:
 
 
 def _sliding(cfg: dict, layers: int) -> tuple[int | None, tuple[int, ...]]:
-    """(window, the layers using it), as transformers decides: `layer_types` when the config lists them, else
-    Qwen2's use_sliding_window from layer max_window_layers on, else (Mistral) every layer."""
-    window = cfg.get("sliding_window")
+    """(window, the layers using it), with transformers' defaults: `layer_types` when the config lists them;
+    else Qwen2-style `use_sliding_window` (absent = off) from layer `max_window_layers` on; else Mistral, whose
+    every layer slides and whose window is 4096 when the key is absent (an explicit null turns it off)."""
+    mistral = cfg.get("model_type") == "mistral"
+    window = cfg.get("sliding_window", 4096 if mistral else None)
     if cfg.get("use_sliding_window") is False or not isinstance(window, int) or window <= 0:
         return None, ()
     types = cfg.get("layer_types")
@@ -133,7 +135,7 @@ def _sliding(cfg: dict, layers: int) -> tuple[int | None, tuple[int, ...]]:
     elif cfg.get("use_sliding_window"):
         sliding = tuple(range(int(cfg.get("max_window_layers") or 0), layers))
     else:
-        sliding = tuple(range(layers))
+        sliding = tuple(range(layers)) if mistral else ()
     return (window, sliding) if sliding else (None, ())
 
 

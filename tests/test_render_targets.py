@@ -125,3 +125,17 @@ def test_api_key_from_a_kubernetes_secret_still_protects_docker_targets(tmp_path
     spec = specfile.from_data(make_spec(serving={"api_key": {"secret": "llm-key"}}))
     plan = planner.make_plan(spec, topology.read(sysroots["two-cpu"]), memory.shape(spec.model))
     assert plan.serving.api_key_env == "DEPLOYKIT_API_KEY" and plan.serving.api_key_secret == ("llm-key", "api-key")
+
+
+def test_stopping_gives_engines_time_to_drain_and_nginx_a_graceful_quit(tmp_path, sysroots):
+    """SIGTERM drains in-flight requests for up to 30 s; Docker's default 10 s before SIGKILL would cut them."""
+    out, plan = rendered("two-replicas-2socket", tmp_path, sysroots)
+    runs = docker_runs(out, tmp_path)
+    services = yaml.safe_load((out / "compose.yaml").read_text())["services"]
+    lb = f"{plan['name']}-lb"
+    for name, argv in runs.items():
+        assert values(argv, "--stop-timeout") == ["50"] and services[name]["stop_grace_period"] == "50s"
+        want = ["SIGQUIT"] if name == lb else []  # nginx's graceful stop finishes the streams it proxies
+        assert values(argv, "--stop-signal") == want and services[name].get("stop_signal") == (want or [None])[0]
+    text = (out / "run.sh").read_text()
+    assert '"$DOCKER" stop $ids' in text and '"$DOCKER" stop "$1"' in text  # down / re-run: stop, then remove

@@ -10,6 +10,7 @@ import shlex
 from importlib import resources
 from collections.abc import Callable, Iterable
 from functools import cache
+from pathlib import Path
 
 import jinja2
 
@@ -22,7 +23,7 @@ from .output import File
 def _env() -> jinja2.Environment:
     # render/templates: run.sh, compose, nginx, NOTES; images/ (deploykit.images): the engine image's files.
     loader = jinja2.ChoiceLoader([jinja2.PackageLoader("deploykit.render", "templates"),
-                                  jinja2.FileSystemLoader(str(resources.files("deploykit.images")))])
+                                  jinja2.FileSystemLoader(str(_images_dir()))])
     env = jinja2.Environment(loader=loader,
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=True,
                              lstrip_blocks=True, autoescape=False)
@@ -30,6 +31,14 @@ def _env() -> jinja2.Environment:
     env.filters["dq"] = dq
     env.filters["json"] = lambda v: json.dumps(v)  # not jinja's tojson: that HTML-escapes quotes
     return env
+
+
+def _images_dir() -> Path:
+    """Installed: the deploykit.images package; a plain checkout on PYTHONPATH: <repo>/images."""
+    try:
+        return Path(str(resources.files("deploykit.images")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "images"
 
 
 def dq(text: object) -> str:

@@ -57,6 +57,8 @@ def _service(plan: Plan, c: Container, model_src: str) -> dict:
         s["entrypoint"] = list(c.entrypoint)
     if c.stop_seconds is not None:
         s["stop_grace_period"] = f"{c.stop_seconds}s"
+    if c.stop_signal is not None:
+        s["stop_signal"] = c.stop_signal
     if c.depends_on:
         s["depends_on"] = {name: {"condition": "service_started"} for name in c.depends_on}
     return s

@@ -59,6 +59,7 @@ class Container:
     entrypoint: tuple[str, ...] = ()  # () = the image's own
     depends_on: tuple[str, ...] = ()
     stop_seconds: int | None = None  # None = the runtime's default (10 s)
+    stop_signal: str | None = None  # None = SIGTERM
 
     @property
     def labels(self) -> tuple[tuple[str, str], ...]:
@@ -107,7 +108,9 @@ def containers(plan: Plan) -> tuple[Container, ...]:
             mounts=(Mount("nginx.conf", NGINX_CONF),), publish=f"{plan.serving.publish_address}:{port}:{port}",
             caps_add=(), seccomp=sec, user=user, read_only=True, tmpfs=LB_TMPFS, shm_size=None,
             entrypoint=("/usr/sbin/nginx", "-e", "stderr", "-c", NGINX_CONF),
-            depends_on=tuple(r.name for r in plan.replicas)))
+            depends_on=tuple(r.name for r in plan.replicas),
+            # SIGQUIT is nginx's graceful stop: open streams run to the end while the replicas drain.
+            stop_seconds=ENGINE_STOP_SECONDS, stop_signal="SIGQUIT"))
     return tuple(out)
 
 
@@ -199,6 +202,8 @@ class _RunArgs:
         a = [f"--name {q(c.name)}", *(f"--label {q(f'{k}={v}')}" for k, v in c.labels), "--restart unless-stopped"]
         if c.stop_seconds is not None:
             a.append(f"--stop-timeout {c.stop_seconds}")
+        if c.stop_signal is not None:
+            a.append(f"--stop-signal {c.stop_signal}")
         if self.network:
             a.append(f"--network {q(self.network)}")
         if c.cpuset:

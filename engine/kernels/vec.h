@@ -23,7 +23,8 @@ inline __m512 load16_masked(const bf16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
-// 16 fp32 -> 16 bf16, round to nearest even (NaN stays a quiet NaN), as vcvtneps2bf16.
+// 16 fp32 -> 16 bf16 as vcvtneps2bf16 does it: round to nearest even, NaN stays a quiet NaN, denormal inputs
+// become a signed zero.
 inline __m256i to_bf16(__m512 v) {
 #ifdef __AVX512BF16__
   return (__m256i)_mm512_cvtneps_pbh(v);
@@ -32,11 +33,14 @@ inline __m256i to_bf16(__m512 v) {
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+  const __mmask16 tiny = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7F800000));  // zero exponent
+  r = _mm512_mask_mov_epi32(r, tiny, _mm512_and_si512(u, _mm512_set1_epi32((int)0x80000000u)));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 #endif
 }
 
-// acc[i] += a[2i] * b[2i] + a[2i+1] * b[2i+1]: a and b hold 32 bf16 each, i.e. 16 (even, odd) pairs.
+// acc[i] += a[2i+1] * b[2i+1] + a[2i] * b[2i]: a and b hold 32 bf16 each, i.e. 16 (even, odd) pairs; the odd
+// product first, as vdpbf16ps adds them (which also treats denormal inputs as zero; here they count, at ~1e-38).
 // The plain build CSEs the widening of an operand that is reused across calls (a broadcast x pair, a
 // weight line used for several rows), so the inner loops pay it once per load.
 inline __m512 dot2(__m512 acc, __m512i a, __m512i b) {
@@ -44,8 +48,8 @@ inline __m512 dot2(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 #else
   const __m512i odd = _mm512_set1_epi32((int)0xFFFF0000u);
-  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
-  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, odd)), _mm512_castsi512_ps(_mm512_and_si512(b, odd)), acc);
+  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, odd)), _mm512_castsi512_ps(_mm512_and_si512(b, odd)), acc);
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
 #endif
 }
 

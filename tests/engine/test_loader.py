@@ -93,3 +93,15 @@ def test_checkpoint_with_tensors_the_model_would_ignore_is_refused(tiny_model, t
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="extra_gate"):
         EngineCore(EngineConfig(d))
+
+
+def test_sliding_window_defaults_follow_transformers():
+    from engine.loader import _sliding
+    assert _sliding({"model_type": "mistral"}, 4) == (4096, (0, 1, 2, 3))  # MistralConfig's default window
+    assert _sliding({"model_type": "mistral", "sliding_window": None}, 4) == (None, ())  # v0.2+: off
+    assert _sliding({"model_type": "qwen2", "sliding_window": 4096}, 4) == (None, ())  # use_sliding_window absent
+    assert _sliding({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True,
+                     "max_window_layers": 2}, 4) == (64, (2, 3))
+    types = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    assert _sliding({"model_type": "qwen3", "sliding_window": 32, "layer_types": types}, 4) == (32, (1, 3))
+    assert _sliding({"model_type": "llama"}, 4) == (None, ())

@@ -52,6 +52,19 @@ def test_chunked_prefill_gives_the_same_tokens_as_whole_prompt_prefill(tiny_mode
     assert chunked == whole
 
 
+@pytest.mark.parametrize("prompts", [PROMPTS[1:2], PROMPTS[:4]], ids=["one-sequence", "batch"])
+def test_sliding_window_with_chunked_prefill_matches_transformers(tiny_model, hf_greedy, run_core, prompts):
+    """Window 12 < prompts: prefill chunks of 5 attend to cached keys partly behind the window, and decode
+    runs alone (the one-sequence slice) or batched (the padded mask)."""
+    kwargs = dict(ARCHS["mistral-window"])
+    model_dir = tiny_model(kwargs.pop("arch"), **kwargs)
+    expected = hf_greedy(model_dir, prompts, 24)
+    core = EngineCore(EngineConfig(model_dir, dtype="float32", max_num_batched_tokens=5))
+    assert core.spec.sliding_window == 12 and len(core.spec.sliding_layers) == core.spec.num_layers
+    got = run_core(core, _greedy_requests(prompts, 24))
+    assert [got[f"r{i}"] for i in range(len(prompts))] == expected
+
+
 def test_sharded_checkpoint_with_tied_embeddings_loads_and_matches(tiny_model, hf_greedy, run_core):
     model_dir = tiny_model("qwen2", tie_word_embeddings=True, max_shard_size="100KB")
     import os

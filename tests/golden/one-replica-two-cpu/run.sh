@@ -21,13 +21,16 @@ replace() {
             echo "run.sh: a container named $1 exists and does not belong to deployment $DEPLOYMENT" >&2
             exit 1
         fi
+        "$DOCKER" stop "$1" >/dev/null  # SIGTERM, then the container's own stop timeout: in-flight requests finish
         "$DOCKER" rm -f "$1" >/dev/null
     fi
 }
 
 if [ "${1:-up}" = down ]; then
     ids="$("$DOCKER" ps -aq --filter "label=deploykit.deployment=$DEPLOYMENT")"
-    [ -z "$ids" ] || "$DOCKER" rm -f $ids >/dev/null
+    # docker stop, not rm -f: each container gets its stop signal and grace period (engines drain, nginx
+    # finishes the streams it proxies), all at once.
+    [ -z "$ids" ] || { "$DOCKER" stop $ids >/dev/null; "$DOCKER" rm -f $ids >/dev/null; }
     exit 0
 fi
 MODEL_DIR="${MODEL_DIR:?set MODEL_DIR to the model directory on this host (nothing is downloaded at run time)}"
