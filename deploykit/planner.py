@@ -213,16 +213,15 @@ def _mems(spec: Spec, topo: Topology, nodes: tuple[int, ...], label: str) -> tup
             near = _nearest(topo, n, allowed)
             if near is not None:
                 mems.add(near)
+    memory_only = (cpulist.format(x.id for x in topo.nodes if x.memory_bytes and not x.cpus)
+                   or "none (this machine has no memory-only nodes)")
     for m in spec.placement.memory_nodes:
         if m not in {x.id for x in topo.nodes} or topo.node(m).memory_bytes == 0:
             raise PlanError(f"NUMA node {m} has no memory", path="placement.memory_nodes", value=m,
-                            allowed=cpulist.format(x.id for x in topo.nodes if x.memory_bytes and not x.cpus)
-                            or "none (this machine has no memory-only nodes)")
+                            allowed=memory_only)
         if topo.node(m).cpus:
             raise PlanError(f"NUMA node {m} has CPUs: memory_nodes is for memory-only (CXL, HBM) nodes",
-                            path="placement.memory_nodes", value=m,
-                            allowed=cpulist.format(x.id for x in topo.nodes if x.memory_bytes and not x.cpus)
-                            or "none (this machine has no memory-only nodes)",
+                            path="placement.memory_nodes", value=m, allowed=memory_only,
                             hint="choose CPU nodes with placement.numa_nodes, or strategy per-socket / single")
         if m not in allowed:
             raise PlanError(f"NUMA node {m} is outside this process's allowed memory nodes",

@@ -84,9 +84,10 @@ class ModelRunner:
             tables = torch.tensor([b for t in dec_tables for b in t + [0] * (width - len(t))])  # [B * max_blocks]
             ctx = torch.tensor(dec_ctx)
             keys = torch.arange(width * bs)[None, :]
-            mask = self._additive(keys < ctx[:, None])[:, None, None]  # [B, 1, 1, T]
+            visible = keys < ctx[:, None]                                                  # [B, T]
+            mask = self._additive(visible)[:, None, None]                                  # [B, 1, 1, T]
             if self.window:
-                window_mask = self._additive((keys < ctx[:, None]) & (keys >= ctx[:, None] - self.window))[:, None, None]
+                window_mask = self._additive(visible & (keys >= ctx[:, None] - self.window))[:, None, None]
         dec_tables_2d = dec_lens = None
         if dec_tables:
             width = max(len(t) for t in dec_tables)

@@ -176,8 +176,8 @@ def _truncate(vals: torch.Tensor, params: Sequence[SamplingParams], lse_full: to
     width = vals.shape[1]
     if any(p.top_k > 0 for p in params):
         # min(): a top_k past the vocabulary (even 2**63, which no int64 holds) keeps every candidate
-        vals.masked_fill_(torch.arange(width) >= _column(params, lambda p: min(p.top_k, width) if p.top_k > 0 else width),
-                          -math.inf)
+        keep = _column(params, lambda p: min(p.top_k, width) if p.top_k > 0 else width)  # [R, 1]
+        vals.masked_fill_(torch.arange(width) >= keep, -math.inf)
     short = None
     if any(p.top_p < 1 for p in params):
         has_k = torch.tensor([p.top_k > 0 for p in params])

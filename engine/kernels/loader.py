@@ -45,6 +45,7 @@ def _isa(flags: frozenset[str]) -> str:
 
 
 AVX512_BASE = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+DISABLED = frozenset({"0", "off", "fallback", "torch"})  # DEPLOYKIT_KERNELS values that force PyTorch
 
 
 def variant_for(flags: frozenset[str]) -> str | None:
@@ -61,7 +62,7 @@ def load(flags: frozenset[str] | None = None) -> Native:
     flags = cpu_flags() if flags is None else flags
     isa = _isa(flags)
     choice = os.environ.get("DEPLOYKIT_KERNELS", "").lower()
-    if choice in {"0", "off", "fallback", "torch"}:
+    if choice in DISABLED:
         return Native(False, False, isa, "disabled by DEPLOYKIT_KERNELS", None)
     variant = variant_for(flags)
     if variant is None:

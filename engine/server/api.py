@@ -46,18 +46,18 @@ def build_app(fe: Frontend, *, api_key: str | None, max_body_bytes: int,
         body, content_type = fe.metrics.render()
         return Response(body, media_type=content_type)
 
+    def card() -> p.ModelCard:
+        return p.ModelCard(id=fe.model_name, created=started, root=fe.model_name, max_model_len=fe.max_model_len)
+
     @app.get("/v1/models", response_model=p.ModelList, responses=ERRORS)
     async def models() -> p.ModelList:
-        return p.ModelList(data=[p.ModelCard(id=fe.model_name, created=started, root=fe.model_name,
-                                             max_model_len=fe.max_model_len)])
+        return p.ModelList(data=[card()])
 
     @app.get("/v1/models/{model_id:path}", response_model=p.ModelCard, responses=ERRORS)
     async def model(model_id: str) -> p.ModelCard:
         """What the SDK's `models.retrieve(id)` calls; ids may contain '/' (hub names)."""
-        if model_id != fe.model_name:
-            raise errors.APIError(404, f"the model '{model_id}' does not exist; this server serves "
-                                       f"'{fe.model_name}'", param="model", code="model_not_found")
-        return p.ModelCard(id=fe.model_name, created=started, root=fe.model_name, max_model_len=fe.max_model_len)
+        fe.check_model(model_id)
+        return card()
 
     @app.post("/v1/completions", response_model=p.CompletionResponse, responses=ERRORS)
     async def completions(req: p.CompletionRequest, request: Request) -> Response:
