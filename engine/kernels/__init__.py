@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from engine.kernels import loader
 
-__all__ = ["add_rms_norm", "decode_attention", "decode_attention_supported", "fused", "linear", "prepare_bias",
-           "prepare_weight", "rotary_", "silu_mul", "status"]
+__all__ = ["add_rms_norm", "decode_attention", "decode_attention_supported", "decode_step_", "fused", "head_rms_norm_",
+           "linear", "prepare_bias", "prepare_weight", "rotary_", "silu_mul", "status"]
 
 _NATIVE = loader.load()
 _ops = torch.ops.deploykit if _NATIVE.loaded else None
@@ -36,6 +36,8 @@ if _ops is not None:  # resolved once: the OpOverloadPacket lookup costs microse
     _add_rms_norm = _ops.add_rms_norm.default
     _silu_mul = _ops.silu_mul.default
     _rotary = _ops.rotary_.default
+    _head_rms_norm = _ops.head_rms_norm_.default
+    _decode_step = _ops.decode_step_.default
     _decode_attention = _ops.decode_attention.default
 
 
@@ -129,6 +131,11 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     _rotary(x, cos, sin)
 
 
+def head_rms_norm_(x: torch.Tensor, w: torch.Tensor, eps: float) -> None:
+    """In place on x [M, heads, D]: each head row -> rms_norm(row) * w[head], w [heads, D]. Needs fused(x)."""
+    _head_rms_norm(x, w, eps)
+
+
 def decode_attention_supported(q: torch.Tensor) -> bool:
     """q [B, Hq, D]: the native paged decode attention handles bf16 with D a multiple of 32 up to 256."""
     return fused(q) and q.shape[-1] % 32 == 0 and q.shape[-1] <= 256
@@ -142,12 +149,27 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tens
     return _decode_attention(q, kv_layer, tables, lens, scale, window)
 
 
+def decode_step_(h: torch.Tensor, weights: list, kv: list[torch.Tensor], windows: list[int], cos: torch.Tensor,
+                 sin: torch.Tensor, position: torch.Tensor, table: torch.Tensor, length: torch.Tensor,
+                 slot: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float, scale: float) -> None:
+    """The whole forward pass for one sequence decoding one token, in one call (decode_step.cpp): h [1, H], the
+    embedding row, becomes the last residual stream; each layer's K/V are written at `slot`. weights: 11 per layer
+    (ln1, qkv, qkv_bias, qk_norm, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias), packed and prepared
+    as `linear` takes them, None where absent. Bitwise the same as the per-op native path."""
+    _decode_step(h, weights, kv, windows, cos, sin, position, table, length, slot, num_heads, num_kv_heads, eps, scale)
+
+
 def fallback_add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Reference for add_rms_norm (fp32 inside, like the native op)."""
     if delta is not None:
         h += delta
     hf = h.float()
     return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(h.dtype)
+
+
+def fallback_head_rms_norm_(x: torch.Tensor, w: torch.Tensor, eps: float) -> None:
+    xf = x.float()
+    x.copy_(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float())
 
 
 def fallback_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

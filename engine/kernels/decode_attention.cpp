@@ -2,33 +2,16 @@
 //
 // The PyTorch path gathers every sequence's blocks into a padded copy (index_select) and runs SDPA with
 // an additive mask: ~100-250 us per layer at decode sizes, mostly dispatch and copying. Here each
-// (sequence, KV head) task reads its blocks in place and computes the G = Hq / Hkv query heads that
-// share that KV head together (GQA), so every K/V row is loaded once.
-//
-// Per task: scores [G, T] = q . k * scale (vec::dot2, fp32 accumulation), an exact softmax in fp32
-// (max-subtracted, two passes over the scores), then out [G, D] = sum_t p[g, t] * v_t in fp32.
+// (sequence, KV head) task reads its blocks in place (attention.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
-#include <algorithm>
-#include <cmath>
-#include <vector>
-
-#include "vec.h"
+#include "attention.h"
 
 namespace deploykit {
-namespace {
-
 using bf16 = at::BFloat16;
-using namespace vec;
-
-constexpr int64_t MAX_HEAD_DIM = 256;
-
-
-}  // namespace
+using attention::MAX_HEAD_DIM;
 
 // q [B, Hq, D] (rows may be strided, heads D apart), kv [NB, bs, 2, Hkv, D] contiguous, tables int32
 // [B, W] (block ids, padded with anything), lens int32 [B] (context length including this token, <= W * bs)
@@ -62,73 +45,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
   }
   at::Tensor out = at::empty({B, Hq, D}, q.options());
   const bf16* qp = q.data_ptr<bf16>();
-  const bf16* kvp = kv.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
-  const int64_t qs0 = q.stride(0), row = 2 * Hkv * D;  // elements between consecutive tokens of a block
-  const int64_t chunks = D / 32;
-  const float fscale = (float)scale;
-
+  const attention::PagedKV cache{kv.data_ptr<bf16>(), bs, Hkv, D};
+  const int64_t qs0 = q.stride(0);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
-    std::vector<float> acc(G * D), inv(G);
+    attention::Scratch scratch;
     for (int64_t task = i0; task < i1; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv, end = lp[b];
-      const int64_t t0 = window > 0 ? std::max<int64_t>(0, end - window) : 0, T = end - t0;  // visible keys
-      const bf16* qh = qp + b * qs0 + h * G * D;  // G query heads, D apart
-      const int32_t* tbl = tp + b * W;
-      auto token = [&](int64_t i) {
-        const int64_t t = t0 + i;
-        return kvp + ((int64_t)tbl[t / bs] * bs + t % bs) * row + h * D;
-      };
-      scores.resize(G * T);
-      // scores[g, t]: K row in registers, the G query rows from L1.
-      for (int64_t t = 0; t < T; ++t) {
-        const bf16* k = token(t);
-        __m512i kc[MAX_HEAD_DIM / 32];
-        for (int64_t c = 0; c < chunks; ++c) kc[c] = _mm512_loadu_si512(k + 32 * c);
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 s = _mm512_setzero_ps();
-          for (int64_t c = 0; c < chunks; ++c)
-            s = vec::dot2(s, kc[c], _mm512_loadu_si512(qh + g * D + 32 * c));
-          scores[g * T + t] = _mm512_reduce_add_ps(s) * fscale;
-        }
-      }
-      // Softmax per query head: p = exp(s - max) in place, 1 / sum kept for the output.
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * T;
-        __m512 mv = _mm512_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < T; t += 16) {
-          const __mmask16 mk = tail_mask(T - t);
-          mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, sg + t));
-        }
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < T; t += 16) {
-          const __mmask16 mk = tail_mask(T - t);
-          const __m512 p = vec::exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sg + t), m));
-          _mm512_mask_storeu_ps(sg + t, mk, p);
-          sum = _mm512_mask_add_ps(sum, mk, sum, p);
-        }
-        inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
-      }
-      // out[g] = sum_t p[g, t] * v_t / sum[g]
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < T; ++t) {
-        const bf16* v = token(t) + Hkv * D;
-        for (int64_t d = 0; d < D; d += 16) {
-          const __m512 vv = load16(v + d);
-          for (int64_t g = 0; g < G; ++g) {
-            float* a = acc.data() + g * D + d;
-            _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * T + t]), vv, _mm512_loadu_ps(a)));
-          }
-        }
-      }
-      bf16* o = op + (b * Hq + h * G) * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512 iv = _mm512_set1_ps(inv[g]);
-        for (int64_t d = 0; d < D; d += 16)
-          store16(o + g * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + g * D + d), iv));
-      }
+      const int64_t b = task / Hkv, h = task % Hkv;
+      attention::attend(qp + b * qs0 + h * G * D, cache, tp + b * W, lp[b], window, h, G, (float)scale, scratch,
+                        op + (b * Hq + h * G) * D);
     }
   });
   return out;

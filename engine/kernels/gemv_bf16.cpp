@@ -16,6 +16,7 @@
 
 #include <cstring>
 
+#include "gemv.h"
 #include "vec.h"
 
 namespace deploykit {
@@ -24,12 +25,7 @@ namespace {
 using bf16 = at::BFloat16;
 using vec::dot2;
 using vec::to_bf16;
-
-inline int32_t load_pair(const bf16* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));  // x rows are only 2-byte aligned for odd row strides
-  return v;
-}
+using gemv::packed_block;
 
 // Permute indices for one halving step of a 16-way transposed reduction: with h lanes per row
 // in a and b, out lane j sums lanes (base + j%h) and (base + h + j%h) of concat(a, b).
@@ -106,39 +102,6 @@ inline void rows_single(const bf16* x, int64_t ldx, int64_t M, const bf16* w, in
   }
 }
 
-// Each of the G column-block streams is requested this far ahead: the hardware prefetcher restarts
-// at every group of blocks, which costs most on small matrices (a 2 MiB qkv is ~80 us in total).
-constexpr int64_t PACKED_PREFETCH_BYTES = 2048;
-
-// out[m, 16*(nb0+g) + j] for G column blocks of 16 and MT x rows, packed weights.
-template <int G, int MT>
-inline void packed_block(const bf16* x, int64_t ldx, const bf16* wp, int64_t Kh, int64_t nb0,
-                         const float* bias, bf16* out, int64_t ldo) {
-  __m512 acc[MT][G];
-  for (int m = 0; m < MT; ++m)
-    for (int g = 0; g < G; ++g) acc[m][g] = _mm512_setzero_ps();
-  const bf16* wb = wp + nb0 * Kh * 32;
-  for (int64_t kp = 0; kp < Kh; ++kp) {
-    __m512i wv[G];
-    for (int g = 0; g < G; ++g) {
-      const bf16* line = wb + (g * Kh + kp) * 32;
-      if (MT == 1) _mm_prefetch(reinterpret_cast<const char*>(line) + PACKED_PREFETCH_BYTES, _MM_HINT_T0);
-      wv[g] = _mm512_loadu_si512(line);
-    }
-    for (int m = 0; m < MT; ++m) {
-      __m512i xb = _mm512_set1_epi32(load_pair(x + m * ldx + 2 * kp));
-      for (int g = 0; g < G; ++g) acc[m][g] = dot2(acc[m][g], wv[g], xb);
-    }
-  }
-  for (int m = 0; m < MT; ++m)
-    for (int g = 0; g < G; ++g) {
-      __m512 v = acc[m][g];
-      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + (nb0 + g) * 16));
-      const __m256i h = to_bf16(v);
-      std::memcpy(out + m * ldo + (nb0 + g) * 16, &h, sizeof(h));
-    }
-}
-
 template <int G>
 inline void packed_all_m(const bf16* x, int64_t ldx, int64_t M, const bf16* wp, int64_t Kh,
                          int64_t nb0, const float* bias, bf16* out, int64_t ldo) {
@@ -203,16 +166,8 @@ at::Tensor linear_packed_avx512(const at::Tensor& x, const at::Tensor& wp,
   bf16* op = out.data_ptr<bf16>();
   const int64_t ldx = x.stride(0);
   if (M == 1) {
-    // One x row: 8 column-block streams at a time keep more DRAM requests in flight per core. Each thread
-    // gets an equal contiguous range of blocks (at::parallel_for splits [0, NB) evenly) and walks it 8, 4,
-    // then 1 block(s) at a time: whole 8-block groups would leave one of 2 threads a group short on the
-    // 56-block o_proj/down matrices (4 vs 3 groups, ~14 % of their time).
-    at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
-      int64_t nb = b0;
-      for (; nb + 8 <= b1; nb += 8) packed_block<8, 1>(xp, ldx, w, Kh, nb, bp, op, N);
-      for (; nb + 4 <= b1; nb += 4) packed_block<4, 1>(xp, ldx, w, Kh, nb, bp, op, N);
-      for (; nb < b1; ++nb) packed_block<1, 1>(xp, ldx, w, Kh, nb, bp, op, N);
-    });
+    // Each thread gets an equal contiguous range of blocks (at::parallel_for splits [0, NB) evenly).
+    at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) { gemv::packed_m1_range(xp, w, Kh, b0, b1, bp, op); });
     return out;
   }
   constexpr int64_t G = 4;  // 4 column blocks x 4 rows = 16 accumulators

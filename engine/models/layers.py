@@ -46,6 +46,14 @@ class RMSNorm:
         return rms_norm(x, self.weight2, self.eps)
 
 
+def head_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """Per-head RMS norm in place (Qwen3's q/k norm): x [N, heads, D], weight [heads, D]."""
+    if kernels.fused(x):
+        kernels.head_rms_norm_(x, weight, eps)
+    else:
+        torch.mul(rms_norm(x, None, eps), weight, out=x)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[N, 2I] -> silu(gate) * up [N, I]."""
     if kernels.fused(gate_up):

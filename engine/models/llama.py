@@ -5,6 +5,7 @@ import logging
 
 import torch
 
+from engine import kernels
 from engine.errors import ModelLoadError
 from engine.kv_cache import KVCache
 from engine.loader import CheckpointReader, ModelSpec
@@ -14,11 +15,11 @@ from engine.models.layers import (
     RMSNorm,
     Rotary,
     embed_rows,
+    head_norm_,
     linear,
     paged_attention,
     prepare_bias,
     prepare_weight,
-    rms_norm,
     rotate_,
     silu_and_mul,
 )
@@ -55,6 +56,7 @@ class LlamaModel:
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_len, dtype)
         self._load(reader)
+        self.step_weights = self._step_weights()  # None: batch-1 steps take the per-op path below
 
     def _load(self, r: CheckpointReader) -> None:
         s, dt = self.spec, self.dtype
@@ -117,6 +119,21 @@ class LlamaModel:
             raise ModelLoadError(f"{s.path}: the checkpoint has tensors this {s.architecture} implementation does "
                                  f"not use (e.g. {', '.join(unknown[:3])}); it is an unsupported variant")
 
+    def _step_weights(self) -> list[torch.Tensor | None] | None:
+        """kernels.decode_step_'s flat weight list, or None where it cannot run: no native kernels or not bf16,
+        an activation other than SiLU, a head size the attention kernel lacks, weights the kernels did not pack."""
+        s = self.spec
+        probe = torch.empty(1, s.num_heads, s.head_dim, dtype=self.dtype)
+        if not (self.act_fused and kernels.decode_attention_supported(probe) and s.intermediate_size % 16 == 0):
+            return None
+        weights: list[torch.Tensor | None] = []
+        for L in self.layers:
+            if not all(kernels.is_packed(w) for w in (L.qkv, L.o, L.gate_up, L.down)):
+                return None
+            weights += [L.ln1.weight, L.qkv, L.qkv_bias, L.qk_norm, L.o, L.o_bias, L.ln2.weight, L.gate_up,
+                        L.gate_up_bias, L.down, L.down_bias]
+        return weights
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: KVCache) -> torch.Tensor:
@@ -124,15 +141,21 @@ class LlamaModel:
         s = self.spec
         n = input_ids.shape[0]
         nh, nkv, hd = s.num_heads, s.num_kv_heads, s.head_dim
-        cos, sin = self.rotary.tables(positions)                       # [N, 1, D]
         h = embed_rows(self.embed if self.embed is not None else self.lm_head, input_ids)  # [N, H]
+        if n == 1 and meta.decode_tables is not None and self.step_weights is not None:
+            # Batch-1 decode, the latency path: every layer in one native call instead of ~25 ops per layer.
+            kernels.decode_step_(h, self.step_weights, kv.layers, self.windows, self.rotary.cos, self.rotary.sin,
+                                 positions, meta.decode_tables, meta.decode_lens, meta.slot_mapping, nh, nkv,
+                                 s.rms_norm_eps, self.scale)
+            return h
+        cos, sin = self.rotary.tables(positions)                       # [N, 1, D]
         last = len(self.layers) - 1
         x = self.layers[0].ln1(h)
         for i, L in enumerate(self.layers):
             qkv = linear(x, L.qkv, L.qkv_bias).view(n, nh + 2 * nkv, hd)  # [N, Hq + 2 Hkv, D]
             qk = qkv[:, :nh + nkv]                                     # q and k heads, normed/rotated in place
             if L.qk_norm is not None:
-                torch.mul(rms_norm(qk, None, s.rms_norm_eps), L.qk_norm, out=qk)
+                head_norm_(qk, L.qk_norm, s.rms_norm_eps)
             rotate_(qk, cos, sin)
             o = paged_attention(qkv[:, :nh], qkv[:, nh:].view(n, 2, nkv, hd), kv.layers[i], meta, self.scale,
                                 self.windows[i])

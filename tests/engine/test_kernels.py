@@ -258,6 +258,9 @@ def test_widening_build_matches_the_bf16_build(kernels):
         "x = torch.randn(2, 6, 64).bfloat16(); c, sn = torch.randn(2, 64).bfloat16(), torch.randn(2, 64).bfloat16()\n"
         "x2 = x.clone(); k.rotary_(x[:, :4], c, sn); k.fallback_rotary_(x2[:, :4], c, sn)\n"
         "assert torch.equal(x, x2)\n"
+        "x2 = x.clone(); k.head_rms_norm_(x[:, :4], x[0, 4:].repeat(2, 1), 1e-6)\n"
+        "k.fallback_head_rms_norm_(x2[:, :4], x2[0, 4:].repeat(2, 1), 1e-6)\n"
+        "assert torch.allclose(x.float(), x2.float(), rtol=2 ** -7, atol=1e-6)\n"
         "kv = torch.randn(40, 8, 2, 2, 64).bfloat16(); q = torch.randn(3, 8, 64).bfloat16()\n"
         "tables = torch.randperm(40)[:15].view(3, 5).int(); lens = torch.tensor([1, 19, 40], dtype=torch.int32)\n"
         "for window in (0, 7):\n"
@@ -330,6 +333,22 @@ def test_rotary_in_place_on_a_strided_qkv_view(kernels, m, heads, d):
     x, half = qkv[:, :heads].double(), d // 2
     exact = x * cos.double()[:, None] + torch.cat([x[..., half:], x[..., :half]], -1) * sin.double()[:, None]
     assert torch.allclose(native[:, :heads].double(), exact, rtol=2 ** -7, atol=2 ** -6)
+
+
+@needs_bf16
+@pytest.mark.parametrize("m,heads,d", [(1, 6, 128), (4, 18, 64), (2, 3, 40)])
+def test_head_rms_norm_in_place_on_the_q_and_k_heads_of_a_qkv_view(kernels, m, heads, d):
+    g = torch.Generator().manual_seed(heads * d + m)
+    qkv = (torch.randn(m, heads + 2, d, generator=g) * 3).bfloat16()  # q/k heads first, then 2 untouched v heads
+    w = torch.randn(heads, d, generator=g).bfloat16()                  # one weight row per head (Qwen3 q/k norm)
+    native, ref = qkv.clone(), qkv.clone()
+    kernels.head_rms_norm_(native[:, :heads], w, 1e-6)
+    kernels.fallback_head_rms_norm_(ref[:, :heads], w, 1e-6)
+    assert torch.equal(native[:, heads:], qkv[:, heads:])
+    x = qkv[:, :heads].double()
+    exact = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert torch.allclose(native[:, :heads].double(), exact, rtol=2 ** -7, atol=1e-6)
+    assert torch.allclose(native.float(), ref.float(), rtol=2 ** -7, atol=1e-6)
 
 
 def _attention_reference(q, kv, tables, lens, scale, window=0):

@@ -1,0 +1,101 @@
+// One (sequence, KV head) task of paged decode attention, shared by decode_attention.cpp and the fused batch-1
+// decode step (decode_step.cpp), so both produce bitwise the same outputs.
+//
+// The G = Hq / Hkv query heads sharing a KV head are computed together (GQA), so every K/V row is loaded once:
+// scores [G, T] = q . k * scale (vec::dot2, fp32 accumulation), an exact softmax in fp32 (max-subtracted, two
+// passes over the scores), then out [G, D] = sum_t p[g, t] * v_t in fp32.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "vec.h"
+
+namespace deploykit {
+namespace attention {
+
+using bf16 = at::BFloat16;
+using namespace vec;
+
+constexpr int64_t MAX_HEAD_DIM = 256;
+
+// Cache geometry: kv [NB, bs, 2, Hkv, D] contiguous; token t of a sequence lives in block table[t / bs].
+struct PagedKV {
+  const bf16* data;
+  int64_t block_size, kv_heads, head_dim;
+  int64_t row() const { return 2 * kv_heads * head_dim; }  // elements between consecutive tokens of a block
+};
+
+// Per-thread buffers, grown on demand and reused across tasks.
+struct Scratch {
+  std::vector<float> scores, acc, inv;
+};
+
+// q: the G query heads of KV head h (D apart); table: the sequence's block ids; end: context length including
+// this token; window > 0: only the last `window` keys. out: G rows of D, D apart.
+inline void attend(const bf16* q, const PagedKV& kv, const int32_t* table, int64_t end, int64_t window, int64_t h,
+                   int64_t G, float scale, Scratch& s, bf16* out) {
+  const int64_t D = kv.head_dim, bs = kv.block_size, row = kv.row(), chunks = D / 32;
+  const int64_t t0 = window > 0 ? std::max<int64_t>(0, end - window) : 0, T = end - t0;  // visible keys
+  auto token = [&](int64_t i) {
+    const int64_t t = t0 + i;
+    return kv.data + ((int64_t)table[t / bs] * bs + t % bs) * row + h * D;
+  };
+  s.scores.resize(G * T);
+  s.acc.assign(G * D, 0.0f);
+  s.inv.resize(G);
+  float* scores = s.scores.data();
+  // scores[g, t]: K row in registers, the G query rows from L1.
+  for (int64_t t = 0; t < T; ++t) {
+    const bf16* k = token(t);
+    __m512i kc[MAX_HEAD_DIM / 32];
+    for (int64_t c = 0; c < chunks; ++c) kc[c] = _mm512_loadu_si512(k + 32 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) acc = vec::dot2(acc, kc[c], _mm512_loadu_si512(q + g * D + 32 * c));
+      scores[g * T + t] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+  // Softmax per query head: p = exp(s - max) in place, 1 / sum kept for the output.
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * T;
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < T; t += 16) {
+      const __mmask16 mk = tail_mask(T - t);
+      mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, sg + t));
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < T; t += 16) {
+      const __mmask16 mk = tail_mask(T - t);
+      const __m512 p = vec::exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sg + t), m));
+      _mm512_mask_storeu_ps(sg + t, mk, p);
+      sum = _mm512_mask_add_ps(sum, mk, sum, p);
+    }
+    s.inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+  }
+  // out[g] = sum_t p[g, t] * v_t / sum[g]
+  float* acc = s.acc.data();
+  for (int64_t t = 0; t < T; ++t) {
+    const bf16* v = token(t) + kv.kv_heads * D;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 vv = load16(v + d);
+      for (int64_t g = 0; g < G; ++g) {
+        float* a = acc + g * D + d;
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * T + t]), vv, _mm512_loadu_ps(a)));
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 iv = _mm512_set1_ps(s.inv[g]);
+    for (int64_t d = 0; d < D; d += 16) store16(out + g * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + d), iv));
+  }
+}
+
+}  // namespace attention
+}  // namespace deploykit

@@ -1,0 +1,85 @@
+"""The fused batch-1 decode step (kernels.decode_step_, every layer in one native call) computes bitwise what the
+per-op native path computes: the same logits at every step and the same K/V in the cache. test_bf16_decode holds
+the per-op path to fp32 transformers, so this carries that guarantee over to the batch-1 latency path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import kernels
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.sampling import SamplingParams
+
+from tests.engine.test_bf16_decode import SHAPE, VARIANTS, _native_expected
+
+pytestmark = pytest.mark.skipif(not _native_expected(), reason="native kernels are not built for this CPU")
+
+LONG, SHORT = list(range(40, 77)), [3, 1000, 20, 50, 90]
+
+
+def _run(model_dir: str, fused: bool, threads: int, monkeypatch) -> tuple[list[torch.Tensor], torch.Tensor, list]:
+    """Logits of every step, the final KV cache and the block table of each step that took the fused path. A short request decodes
+    beside the long one first (two rows: the per-op path), so when the long one goes on alone its block table
+    (block_size 8) is no longer one contiguous run."""
+    core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", block_size=8, max_model_len=256))
+    model = core.model
+    assert model.step_weights is not None
+    if not fused:
+        model.step_weights = None
+    logits: list[torch.Tensor] = []
+    compute = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda hidden: logits.append(compute(hidden)) or logits[-1])
+    calls = []
+    step = kernels.decode_step_
+    monkeypatch.setattr(kernels, "decode_step_", lambda *a: calls.append(a[7][0].tolist()) or step(*a))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        core.add_request("long", LONG, SamplingParams(max_tokens=40, min_tokens=40, temperature=0.0))
+        core.add_request("short", SHORT, SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0))
+        while core.has_unfinished_requests():
+            core.step()
+    finally:
+        torch.set_num_threads(before)
+    return logits, core.runner.kv._pool.clone(), calls
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_fused_decode_step_is_bitwise_the_per_op_path(tiny_model, name, monkeypatch):
+    kw = dict(VARIANTS[name])
+    model_dir = tiny_model(kw.pop("arch"), **SHAPE, **kw)
+    ref_logits, ref_kv, ref_calls = _run(model_dir, False, 2, monkeypatch)
+    assert ref_calls == []
+    for threads in (2, 1):  # the split between threads must not change a single bit
+        logits, kv, tables = _run(model_dir, True, threads, monkeypatch)
+        assert len(tables) >= 25, "the long request's lone decode steps should take the fused path"
+        assert any(t != list(range(t[0], t[0] + len(t))) for t in tables), "no scattered block table was tested"
+        assert len(logits) == len(ref_logits)
+        for i, (a, b) in enumerate(zip(logits, ref_logits)):
+            assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max():.3g}"
+        assert torch.equal(kv, ref_kv)
+
+
+def test_fused_step_is_used_only_where_it_applies(tiny_model):
+    fp32 = EngineCore(EngineConfig(tiny_model("llama", **SHAPE), dtype="float32"))
+    assert fp32.model.step_weights is None  # fp32: the exactness path, always per-op
+    gelu = EngineCore(EngineConfig(tiny_model("llama", **SHAPE, extra_config={"hidden_act": "gelu"}),
+                                   dtype="bfloat16"))
+    assert gelu.model.step_weights is None  # the kernel fuses SiLU only
+    bf16 = EngineCore(EngineConfig(tiny_model("qwen3", **SHAPE), dtype="bfloat16"))
+    assert len(bf16.model.step_weights) == 11 * bf16.model.spec.num_layers
+
+
+def test_fused_step_rejects_a_slot_outside_the_cache(tiny_model):
+    core = EngineCore(EngineConfig(tiny_model("llama", **SHAPE), dtype="bfloat16", block_size=8, max_model_len=64))
+    m, s = core.model, core.model.spec
+    h = torch.zeros(1, s.hidden_size, dtype=torch.bfloat16)
+    i32, i64 = torch.int32, torch.int64
+    args = (m.step_weights, core.runner.kv.layers, m.windows, m.rotary.cos, m.rotary.sin, torch.tensor([0], dtype=i64),
+            torch.tensor([[0]], dtype=i32), torch.tensor([1], dtype=i32))
+    with pytest.raises(RuntimeError, match="slot"):
+        kernels.decode_step_(h, *args, torch.tensor([10 ** 9], dtype=i64), s.num_heads, s.num_kv_heads, 1e-6, 1.0)
+    with pytest.raises(RuntimeError, match="position"):
+        kernels.decode_step_(h, *args[:5], torch.tensor([10 ** 6], dtype=i64), *args[6:], torch.tensor([0], dtype=i64),
+                             s.num_heads, s.num_kv_heads, 1e-6, 1.0)
