@@ -4,7 +4,8 @@
 // per-op path adds ~25 PyTorch dispatches and OpenMP fork/joins per layer (~100 us, ~10 % of the step). Here
 // one OpenMP region runs every layer and threads meet at a barrier only where a phase needs the whole result of
 // the previous one. Every value is computed by the same code as the per-op native path (gemv.h, row_ops.h,
-// attention.h), in the same order, so the two agree bitwise; tests compare them.
+// attention.h), in the same order, so the two agree bitwise; tests compare them. (The one exception is the last
+// residual add, which the per-op path leaves to PyTorch: it keeps bf16 denormals that vec.h flushes to zero.)
 //
 // Per layer; the residual h [H] and the normed x [H] are private to each thread, which computes them itself:
 //   qkv = x W_qkv^T + b                     column blocks split between threads          | barrier
@@ -154,26 +155,39 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
 
   // Shared activations; every element has one writer per phase.
   std::vector<bf16> qkv(NQKV), o(Hq * D), d(H), gu(2 * I), act(I);
+  // Per thread: its copy of the residual stream and its norm, and attention scratch sized up front, so nothing
+  // inside the parallel region allocates (an exception there could not be caught).
+  const int max_threads = at::get_num_threads();
+  const int64_t stride = (2 * H + 31) / 32 * 32;  // a multiple of 64 bytes per thread
+  std::vector<bf16> own(stride * max_threads);
+  std::vector<attention::Scratch> scratches(max_threads);
+  for (auto& s : scratches) {
+    s.scores.reserve(G * end);
+    s.acc.reserve(G * D);
+    s.inv.reserve(G);
+  }
   bf16* hp = h.data_ptr<bf16>();
   const bf16* cr = cos.data_ptr<bf16>() + pos * D;
   const bf16* sr = sin.data_ptr<bf16>() + pos * D;
   const float fscale = (float)scale, feps = (float)eps;
   const int64_t row = 2 * Hkv * D;
 
-#pragma omp parallel num_threads(at::get_num_threads())
+#pragma omp parallel num_threads(max_threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    std::vector<bf16> res(hp, hp + H), x(H);  // this thread's copy of the residual stream and its norm
-    attention::Scratch scratch;
+    bf16* res = own.data() + stride * tid;
+    bf16* x = res + H;
+    std::copy(hp, hp + H, res);
+    attention::Scratch& scratch = scratches[tid];
     const auto [qb0, qb1] = share(NQKV / 16, tid, nt);
     const auto [ob0, ob1] = share(H / 16, tid, nt);
     const auto [jb0, jb1] = share(I / 16, tid, nt);
     const auto [kh0, kh1] = share(Hkv, tid, nt);
     const int64_t J = I / 16;
-    rows::rms_norm(res.data(), layers[0].ln1, H, feps, x.data());
+    rows::rms_norm(res, layers[0].ln1, H, feps, x);
     for (int64_t l = 0; l < L; ++l) {
       const Layer& y = layers[l];
-      gemv::packed_m1_range(x.data(), y.qkv, H / 2, qb0, qb1, y.qkv_bias, qkv.data());
+      gemv::packed_m1_range(x, y.qkv, H / 2, qb0, qb1, y.qkv_bias, qkv.data());
 #pragma omp barrier
       const attention::PagedKV cache{y.kv, bs, Hkv, D};
       for (int64_t kh = kh0; kh < kh1; ++kh) {
@@ -193,27 +207,27 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
 #pragma omp barrier
       gemv::packed_m1_range(o.data(), y.o, Hq * D / 2, ob0, ob1, y.o_bias, d.data());
 #pragma omp barrier
-      rows::add_(res.data(), d.data(), H);
-      rows::rms_norm(res.data(), y.ln2, H, feps, x.data());
+      rows::add_(res, d.data(), H);
+      rows::rms_norm(res, y.ln2, H, feps, x);
       // Gate block j and up block J + j on the same thread, so it can apply silu(gate) * up to its own columns
       // without waiting; 4 + 4 blocks at a time keep 8 weight streams in flight, as packed_m1_range does.
       int64_t j = jb0;
       for (; j + 4 <= jb1; j += 4) {
         const int64_t ids[8] = {j, j + 1, j + 2, j + 3, J + j, J + j + 1, J + j + 2, J + j + 3};
-        gemv::packed_blocks<8, 1>(x.data(), 0, y.gate_up, H / 2, ids, y.gate_up_bias, gu.data(), 0);
+        gemv::packed_blocks<8, 1>(x, 0, y.gate_up, H / 2, ids, y.gate_up_bias, gu.data(), 0);
       }
       for (; j < jb1; ++j) {
         const int64_t ids[2] = {j, J + j};
-        gemv::packed_blocks<2, 1>(x.data(), 0, y.gate_up, H / 2, ids, y.gate_up_bias, gu.data(), 0);
+        gemv::packed_blocks<2, 1>(x, 0, y.gate_up, H / 2, ids, y.gate_up_bias, gu.data(), 0);
       }
       rows::silu_mul(gu.data() + jb0 * 16, gu.data() + I + jb0 * 16, (jb1 - jb0) * 16, act.data() + jb0 * 16);
 #pragma omp barrier
       gemv::packed_m1_range(act.data(), y.down, I / 2, ob0, ob1, y.down_bias, d.data());
 #pragma omp barrier
-      rows::add_(res.data(), d.data(), H);
-      if (l + 1 < L) rows::rms_norm(res.data(), layers[l + 1].ln1, H, feps, x.data());
+      rows::add_(res, d.data(), H);
+      if (l + 1 < L) rows::rms_norm(res, layers[l + 1].ln1, H, feps, x);
     }
-    if (tid == 0) std::copy(res.begin(), res.end(), hp);
+    if (tid == 0) std::copy(res, res + H, hp);
   }
 }
 

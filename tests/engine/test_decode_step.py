@@ -16,6 +16,11 @@ from tests.engine.test_bf16_decode import SHAPE, VARIANTS, _native_expected
 pytestmark = pytest.mark.skipif(not _native_expected(), reason="native kernels are not built for this CPU")
 
 LONG, SHORT = list(range(40, 77)), [3, 1000, 20, 50, 90]
+# test_bf16_decode's four architectures, plus every bias slot (o, gate/up, down) and an intermediate size of 18
+# column blocks (9 per thread, 18 on one), so the groups of 4 gate/up block pairs leave single pairs.
+CASES = {name: {**SHAPE, **kw} for name, kw in VARIANTS.items()}
+CASES["llama-all-biases-18-blocks"] = {**SHAPE, "arch": "llama", "intermediate": 288,
+                                             "extra_config": {"attention_bias": True, "mlp_bias": True}}
 
 
 def _run(model_dir: str, fused: bool, threads: int, monkeypatch) -> tuple[list[torch.Tensor], torch.Tensor, list]:
@@ -45,10 +50,10 @@ def _run(model_dir: str, fused: bool, threads: int, monkeypatch) -> tuple[list[t
     return logits, core.runner.kv._pool.clone(), calls
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", list(CASES))
 def test_fused_decode_step_is_bitwise_the_per_op_path(tiny_model, name, monkeypatch):
-    kw = dict(VARIANTS[name])
-    model_dir = tiny_model(kw.pop("arch"), **SHAPE, **kw)
+    kw = dict(CASES[name])
+    model_dir = tiny_model(kw.pop("arch"), **kw)
     ref_logits, ref_kv, ref_calls = _run(model_dir, False, 2, monkeypatch)
     assert ref_calls == []
     for threads in (2, 1):  # the split between threads must not change a single bit
@@ -69,17 +74,31 @@ def test_fused_step_is_used_only_where_it_applies(tiny_model):
     assert gelu.model.step_weights is None  # the kernel fuses SiLU only
     bf16 = EngineCore(EngineConfig(tiny_model("qwen3", **SHAPE), dtype="bfloat16"))
     assert len(bf16.model.step_weights) == 11 * bf16.model.spec.num_layers
+    kw = dict(CASES["llama-all-biases-18-blocks"])
+    biased = EngineCore(EngineConfig(tiny_model(kw.pop("arch"), **kw), dtype="bfloat16")).model.step_weights
+    assert sum(w is None for w in biased) == len(biased) // 11  # only qk_norm absent: every bias slot is tested
 
 
-def test_fused_step_rejects_a_slot_outside_the_cache(tiny_model):
+def test_fused_step_rejects_indices_outside_the_cache_and_tables(tiny_model):
     core = EngineCore(EngineConfig(tiny_model("llama", **SHAPE), dtype="bfloat16", block_size=8, max_model_len=64))
     m, s = core.model, core.model.spec
-    h = torch.zeros(1, s.hidden_size, dtype=torch.bfloat16)
-    i32, i64 = torch.int32, torch.int64
-    args = (m.step_weights, core.runner.kv.layers, m.windows, m.rotary.cos, m.rotary.sin, torch.tensor([0], dtype=i64),
-            torch.tensor([[0]], dtype=i32), torch.tensor([1], dtype=i32))
-    with pytest.raises(RuntimeError, match="slot"):
-        kernels.decode_step_(h, *args, torch.tensor([10 ** 9], dtype=i64), s.num_heads, s.num_kv_heads, 1e-6, 1.0)
-    with pytest.raises(RuntimeError, match="position"):
-        kernels.decode_step_(h, *args[:5], torch.tensor([10 ** 6], dtype=i64), *args[6:], torch.tensor([0], dtype=i64),
-                             s.num_heads, s.num_kv_heads, 1e-6, 1.0)
+    blocks = core.runner.kv.layers[0].shape[0]
+
+    def call(position=0, table=(0,), length=1, slot=0):
+        h = torch.randn(1, s.hidden_size).bfloat16()
+        i32, i64 = torch.int32, torch.int64
+        kernels.decode_step_(h, m.step_weights, core.runner.kv.layers, m.windows, m.rotary.cos, m.rotary.sin,
+                             torch.tensor([position], dtype=i64), torch.tensor([list(table)], dtype=i32),
+                             torch.tensor([length], dtype=i32), torch.tensor([slot], dtype=i64), s.num_heads,
+                             s.num_kv_heads, s.rms_norm_eps, 1.0)
+        return h
+
+    assert call().isfinite().all()  # valid indices run
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        call(slot=blocks * 8)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        call(position=10 ** 6)
+    with pytest.raises(RuntimeError, match="context length 9 is outside"):
+        call(length=9)  # one block of 8 listed
+    with pytest.raises(RuntimeError, match="block id .* out of range"):
+        call(table=(0, blocks), length=9)
