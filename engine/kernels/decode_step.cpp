@@ -187,7 +187,7 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
     rows::rms_norm(res, layers[0].ln1, H, feps, x);
     for (int64_t l = 0; l < L; ++l) {
       const Layer& y = layers[l];
-      gemv::packed_m1_range(x, y.qkv, H / 2, qb0, qb1, y.qkv_bias, qkv.data());
+      gemv::packed_range<1>(x, 0, y.qkv, H / 2, qb0, qb1, y.qkv_bias, qkv.data(), 0);
 #pragma omp barrier
       const attention::PagedKV cache{y.kv, bs, Hkv, D};
       for (int64_t kh = kh0; kh < kh1; ++kh) {
@@ -205,12 +205,12 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
                           o.data() + kh * G * D);
       }
 #pragma omp barrier
-      gemv::packed_m1_range(o.data(), y.o, Hq * D / 2, ob0, ob1, y.o_bias, d.data());
+      gemv::packed_range<1>(o.data(), 0, y.o, Hq * D / 2, ob0, ob1, y.o_bias, d.data(), 0);
 #pragma omp barrier
       rows::add_(res, d.data(), H);
       rows::rms_norm(res, y.ln2, H, feps, x);
       // Gate block j and up block J + j on the same thread, so it can apply silu(gate) * up to its own columns
-      // without waiting; 4 + 4 blocks at a time keep 8 weight streams in flight, as packed_m1_range does.
+      // without waiting; 4 + 4 blocks at a time keep 8 weight streams in flight, as packed_range does.
       int64_t j = jb0;
       for (; j + 4 <= jb1; j += 4) {
         const int64_t ids[8] = {j, j + 1, j + 2, j + 3, J + j, J + j + 1, J + j + 2, J + j + 3};
@@ -222,7 +222,7 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
       }
       rows::silu_mul(gu.data() + jb0 * 16, gu.data() + I + jb0 * 16, (jb1 - jb0) * 16, act.data() + jb0 * 16);
 #pragma omp barrier
-      gemv::packed_m1_range(act.data(), y.down, I / 2, ob0, ob1, y.down_bias, d.data());
+      gemv::packed_range<1>(act.data(), 0, y.down, I / 2, ob0, ob1, y.down_bias, d.data(), 0);
 #pragma omp barrier
       rows::add_(res, d.data(), H);
       if (l + 1 < L) rows::rms_norm(res, layers[l + 1].ln1, H, feps, x);

@@ -29,8 +29,9 @@ inline int32_t load_pair(const bf16* p) {
 // at every group of blocks, which costs most on small matrices (a 2 MiB qkv is ~80 us in total).
 constexpr int64_t PACKED_PREFETCH_BYTES = 2048;
 
-// out[m, 16*nb[g] + j] for G column blocks of 16 (block ids nb[0..G), any order) and MT x rows.
-template <int G, int MT>
+// out[m, 16*nb[g] + j] for G column blocks of 16 (block ids nb[0..G), any order) and MT x rows. PF: prefetch
+// the weight streams ahead (off when these blocks were just read for other rows and sit in L1/L2).
+template <int G, int MT, bool PF = true>
 inline void packed_blocks(const bf16* x, int64_t ldx, const bf16* wp, int64_t Kh, const int64_t nb[G],
                           const float* bias, bf16* out, int64_t ldo) {
   __m512 acc[MT][G];
@@ -42,7 +43,7 @@ inline void packed_blocks(const bf16* x, int64_t ldx, const bf16* wp, int64_t Kh
     __m512i wv[G];
     for (int g = 0; g < G; ++g) {
       const bf16* line = wb[g] + kp * 32;
-      if (MT == 1) _mm_prefetch(reinterpret_cast<const char*>(line) + PACKED_PREFETCH_BYTES, _MM_HINT_T0);
+      if (PF) _mm_prefetch(reinterpret_cast<const char*>(line) + PACKED_PREFETCH_BYTES, _MM_HINT_T0);
       wv[g] = _mm512_loadu_si512(line);
     }
     for (int m = 0; m < MT; ++m) {
@@ -60,23 +61,26 @@ inline void packed_blocks(const bf16* x, int64_t ldx, const bf16* wp, int64_t Kh
 }
 
 // G consecutive column blocks from nb0.
-template <int G, int MT>
+template <int G, int MT, bool PF = true>
 inline void packed_block(const bf16* x, int64_t ldx, const bf16* wp, int64_t Kh, int64_t nb0, const float* bias,
                          bf16* out, int64_t ldo) {
   int64_t nb[G];
   for (int g = 0; g < G; ++g) nb[g] = nb0 + g;
-  packed_blocks<G, MT>(x, ldx, wp, Kh, nb, bias, out, ldo);
+  packed_blocks<G, MT, PF>(x, ldx, wp, Kh, nb, bias, out, ldo);
 }
 
-// One x row, column blocks [b0, b1): 8 block streams at a time keep more DRAM requests in flight per core, then
+// MT <= 4 x rows, column blocks [b0, b1), each weight line read once: 8 block streams at a time keep more DRAM
+// requests in flight per core (4 from 3 rows on, where 8 x MT accumulators would not fit the 32 registers), then
 // 4, then 1, so an equal split of blocks between threads stays equal (whole groups of 8 would leave one of 2
 // threads a group short on the 56-block o_proj/down matrices, ~14 % of their time).
-inline void packed_m1_range(const bf16* x, const bf16* wp, int64_t Kh, int64_t b0, int64_t b1, const float* bias,
-                            bf16* out) {
+template <int MT>
+inline void packed_range(const bf16* x, int64_t ldx, const bf16* wp, int64_t Kh, int64_t b0, int64_t b1,
+                         const float* bias, bf16* out, int64_t ldo) {
   int64_t nb = b0;
-  for (; nb + 8 <= b1; nb += 8) packed_block<8, 1>(x, 0, wp, Kh, nb, bias, out, 0);
-  for (; nb + 4 <= b1; nb += 4) packed_block<4, 1>(x, 0, wp, Kh, nb, bias, out, 0);
-  for (; nb < b1; ++nb) packed_block<1, 1>(x, 0, wp, Kh, nb, bias, out, 0);
+  if constexpr (MT <= 2)
+    for (; nb + 8 <= b1; nb += 8) packed_block<8, MT>(x, ldx, wp, Kh, nb, bias, out, ldo);
+  for (; nb + 4 <= b1; nb += 4) packed_block<4, MT>(x, ldx, wp, Kh, nb, bias, out, ldo);
+  for (; nb < b1; ++nb) packed_block<1, MT>(x, ldx, wp, Kh, nb, bias, out, ldo);
 }
 
 }  // namespace gemv

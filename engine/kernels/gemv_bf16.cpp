@@ -102,15 +102,18 @@ inline void rows_single(const bf16* x, int64_t ldx, int64_t M, const bf16* w, in
   }
 }
 
+// M >= 5 rows in tiles of 4 over the same G blocks: the first tile streams them from memory (prefetching ahead),
+// the later ones find them in L1/L2.
 template <int G>
 inline void packed_all_m(const bf16* x, int64_t ldx, int64_t M, const bf16* wp, int64_t Kh,
                          int64_t nb0, const float* bias, bf16* out, int64_t ldo) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) packed_block<G, 4>(x + m * ldx, ldx, wp, Kh, nb0, bias, out + m * ldo, ldo);
+  packed_block<G, 4, true>(x, ldx, wp, Kh, nb0, bias, out, ldo);
+  int64_t m = 4;
+  for (; m + 4 <= M; m += 4) packed_block<G, 4, false>(x + m * ldx, ldx, wp, Kh, nb0, bias, out + m * ldo, ldo);
   switch (M - m) {
-    case 3: packed_block<G, 3>(x + m * ldx, ldx, wp, Kh, nb0, bias, out + m * ldo, ldo); break;
-    case 2: packed_block<G, 2>(x + m * ldx, ldx, wp, Kh, nb0, bias, out + m * ldo, ldo); break;
-    case 1: packed_block<G, 1>(x + m * ldx, ldx, wp, Kh, nb0, bias, out + m * ldo, ldo); break;
+    case 3: packed_block<G, 3, false>(x + m * ldx, ldx, wp, Kh, nb0, bias, out + m * ldo, ldo); break;
+    case 2: packed_block<G, 2, false>(x + m * ldx, ldx, wp, Kh, nb0, bias, out + m * ldo, ldo); break;
+    case 1: packed_block<G, 1, false>(x + m * ldx, ldx, wp, Kh, nb0, bias, out + m * ldo, ldo); break;
     default: break;
   }
 }
@@ -165,9 +168,17 @@ at::Tensor linear_packed_avx512(const at::Tensor& x, const at::Tensor& wp,
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   bf16* op = out.data_ptr<bf16>();
   const int64_t ldx = x.stride(0);
-  if (M == 1) {
-    // Each thread gets an equal contiguous range of blocks (at::parallel_for splits [0, NB) evenly).
-    at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) { gemv::packed_m1_range(xp, w, Kh, b0, b1, bp, op); });
+  if (M <= 4) {
+    // Each weight line read once for all rows; each thread gets an equal contiguous range of blocks
+    // (at::parallel_for splits [0, NB) evenly).
+    at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
+      switch (M) {
+        case 1: gemv::packed_range<1>(xp, ldx, w, Kh, b0, b1, bp, op, N); break;
+        case 2: gemv::packed_range<2>(xp, ldx, w, Kh, b0, b1, bp, op, N); break;
+        case 3: gemv::packed_range<3>(xp, ldx, w, Kh, b0, b1, bp, op, N); break;
+        default: gemv::packed_range<4>(xp, ldx, w, Kh, b0, b1, bp, op, N); break;
+      }
+    });
     return out;
   }
   constexpr int64_t G = 4;  // 4 column blocks x 4 rows = 16 accumulators
