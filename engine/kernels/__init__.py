@@ -24,6 +24,9 @@ _amx_min_m = AMX_MIN_M if _NATIVE.amx else 1 << 62
 # bf16 matmul is ~3x slower than the row-dot kernel at every M (benchmarks/kernels.py: 2.8 vs 8.1 GB/s
 # at M=16), so the widening build keeps the rows kernel throughout.
 ROWS_MAX_M = 1
+# decode_step_ takes up to this many sequences (MAX_ROWS in decode_step.cpp): the GEMV loads each weight line once
+# for up to 4 rows, so the step stays one weight-streaming pass.
+STEP_MAX_ROWS = 4
 PLAIN_AMX_MAX_M = 64
 _rows_max_m = 1 << 62 if _NATIVE.variant == "avx512" else 4
 
@@ -150,13 +153,15 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tens
 
 
 def decode_step_(h: torch.Tensor, weights: list, kv: list[torch.Tensor], windows: list[int], cos: torch.Tensor,
-                 sin: torch.Tensor, position: torch.Tensor, table: torch.Tensor, length: torch.Tensor,
-                 slot: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float, scale: float) -> None:
-    """The whole forward pass for one sequence decoding one token, in one call (decode_step.cpp): h [1, H], the
-    embedding row, becomes the last residual stream; each layer's K/V are written at `slot`. weights: 11 per layer
-    (ln1, qkv, qkv_bias, qk_norm, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias), packed and prepared
-    as `linear` takes them, None where absent. Bitwise the same as the per-op native path."""
-    _decode_step(h, weights, kv, windows, cos, sin, position, table, length, slot, num_heads, num_kv_heads, eps, scale)
+                 sin: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                 slots: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float, scale: float) -> None:
+    """The whole forward pass of a decode step of B <= STEP_MAX_ROWS sequences, one token each, in one call
+    (decode_step.cpp): h [B, H], the embedding rows, becomes the last residual stream; each layer's K/V are written
+    at `slots`. positions, slots int64 [B]; tables int32 [B, W], lens int32 [B] as decode_attention takes them.
+    weights: 11 per layer (ln1, qkv, qkv_bias, qk_norm, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias),
+    packed and prepared as `linear` takes them, None where absent. Bitwise the same as the per-op native path."""
+    _decode_step(h, weights, kv, windows, cos, sin, positions, tables, lens, slots, num_heads, num_kv_heads, eps,
+                 scale)
 
 
 def fallback_add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,15 +1,16 @@
-// The whole forward pass of one decoding sequence (batch 1, one new token) in one native call.
+// The whole forward pass of a decode step of up to MAX_ROWS sequences (one new token each) in one native call.
 //
-// At batch 1 a step streams every weight once (~25 ms for the 717 MB benchmark model on 2 cores) and the
+// At such batches a step streams every weight once (~25 ms for the 717 MB benchmark model on 2 cores) and the
 // per-op path adds ~25 PyTorch dispatches and OpenMP fork/joins per layer (~100 us, ~10 % of the step). Here
 // one OpenMP region runs every layer and threads meet at a barrier only where a phase needs the whole result of
 // the previous one. Every value is computed by the same code as the per-op native path (gemv.h, row_ops.h,
 // attention.h), in the same order, so the two agree bitwise; tests compare them. (The one exception is the last
 // residual add, which the per-op path leaves to PyTorch: it keeps bf16 denormals that vec.h flushes to zero.)
 //
-// Per layer; the residual h [H] and the normed x [H] are private to each thread, which computes them itself:
+// Per layer, for B rows; the residual h [B, H] and the normed x [B, H] are private to each thread, which computes
+// them itself:
 //   qkv = x W_qkv^T + b                     column blocks split between threads          | barrier
-//   per KV head: q/k norm, rotary, K/V written to the cache slot, attention -> o [Hq D]  | barrier
+//   per (row, KV head): q/k norm, rotary, K/V into the row's cache slot, attention -> o  | barrier
 //   d = o W_o^T + b                         column blocks split                          | barrier
 //   h += d; x = rms_norm(h) * ln2           every thread
 //   y = silu(x W_gate^T) * (x W_up^T)       gate block j and up block j on one thread    | barrier
@@ -33,6 +34,9 @@ namespace deploykit {
 namespace {
 
 using bf16 = at::BFloat16;
+
+// Rows of one call: up to 4, each weight line is loaded once for all of them (gemv::packed_range).
+constexpr int64_t MAX_ROWS = 4;
 
 // Per-layer entries of the `weights` list, in this order (None where the model has no such tensor).
 enum Slot { LN1, QKV, QKV_BIAS, QK_NORM, O, O_BIAS, LN2, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, PER_LAYER };
@@ -70,6 +74,46 @@ const bf16* vector_ptr(const std::optional<at::Tensor>& t, int64_t n, int64_t la
   return t->data_ptr<bf16>();
 }
 
+// out[:, blocks [b0, b1)] = x [B, K] W^T + bias for B <= MAX_ROWS rows (x rows ldx apart, out rows ldo apart).
+inline void gemv_rows(int64_t B, const bf16* x, int64_t ldx, const bf16* w, int64_t Kh, int64_t b0, int64_t b1,
+                      const float* bias, bf16* out, int64_t ldo) {
+  switch (B) {
+    case 1: gemv::packed_range<1>(x, ldx, w, Kh, b0, b1, bias, out, ldo); break;
+    case 2: gemv::packed_range<2>(x, ldx, w, Kh, b0, b1, bias, out, ldo); break;
+    case 3: gemv::packed_range<3>(x, ldx, w, Kh, b0, b1, bias, out, ldo); break;
+    default: gemv::packed_range<4>(x, ldx, w, Kh, b0, b1, bias, out, ldo); break;
+  }
+}
+
+// gu[:, gate blocks j and up blocks J + j] for j in [j0, j1), on one thread so it can apply silu(gate) * up to
+// its own columns without waiting: P + P pairs at a time keep 2P weight streams in flight (P = 4, or 2 from 3 rows
+// on, as packed_range groups its blocks).
+template <int MT>
+inline void gate_up_pairs(const bf16* x, int64_t ldx, const bf16* w, int64_t Kh, int64_t J, int64_t j0, int64_t j1,
+                          const float* bias, bf16* gu, int64_t ldo) {
+  constexpr int P = MT <= 2 ? 4 : 2;
+  int64_t j = j0;
+  for (; j + P <= j1; j += P) {
+    int64_t ids[2 * P];
+    for (int p = 0; p < P; ++p) ids[p] = j + p, ids[P + p] = J + j + p;
+    gemv::packed_blocks<2 * P, MT>(x, ldx, w, Kh, ids, bias, gu, ldo);
+  }
+  for (; j < j1; ++j) {
+    const int64_t ids[2] = {j, J + j};
+    gemv::packed_blocks<2, MT>(x, ldx, w, Kh, ids, bias, gu, ldo);
+  }
+}
+
+inline void gate_up_rows(int64_t B, const bf16* x, int64_t ldx, const bf16* w, int64_t Kh, int64_t J, int64_t j0,
+                         int64_t j1, const float* bias, bf16* gu, int64_t ldo) {
+  switch (B) {
+    case 1: gate_up_pairs<1>(x, ldx, w, Kh, J, j0, j1, bias, gu, ldo); break;
+    case 2: gate_up_pairs<2>(x, ldx, w, Kh, J, j0, j1, bias, gu, ldo); break;
+    case 3: gate_up_pairs<3>(x, ldx, w, Kh, J, j0, j1, bias, gu, ldo); break;
+    default: gate_up_pairs<4>(x, ldx, w, Kh, J, j0, j1, bias, gu, ldo); break;
+  }
+}
+
 // [begin, end) of n items for thread tid of nt, contiguous and as equal as possible.
 inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt) {
   const int64_t chunk = (n + nt - 1) / nt;
@@ -78,18 +122,20 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt) {
 
 }  // namespace
 
-// h [1, H] bf16: the token's embedding in, the last layer's residual stream out (before the final norm).
-// weights: PER_LAYER entries per layer (see Slot), matrices packed as gemv.h describes, biases fp32.
-// kv: per layer [NB, bs, 2, Hkv, D]. cos, sin: the rotary tables [max_len, D] (sin signed, rotate-half).
-// position int64 [1], table int32 [1, W] block ids, length int32 [1] context incl. this token, slot int64 [1].
+// h [B, H] bf16, B <= MAX_ROWS sequences: each one's token embedding in, the last layer's residual stream out
+// (before the final norm). weights: PER_LAYER entries per layer (see Slot), matrices packed as gemv.h describes,
+// biases fp32. kv: per layer [NB, bs, 2, Hkv, D]. cos, sin: the rotary tables [max_len, D] (sin signed,
+// rotate-half). Per row: position int64 [B], table int32 [B, W] block ids (padded with anything), length int32
+// [B] context incl. this token, slot int64 [B] where this token's K/V go.
 void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tensor>>& weights,
                   const std::vector<at::Tensor>& kv, const std::vector<int64_t>& windows, const at::Tensor& cos,
                   const at::Tensor& sin, const at::Tensor& position, const at::Tensor& table,
                   const at::Tensor& length, const at::Tensor& slot, int64_t num_heads, int64_t num_kv_heads,
                   double eps, double scale) {
-  TORCH_CHECK(h.dim() == 2 && h.size(0) == 1 && h.scalar_type() == at::kBFloat16 && h.is_contiguous(),
-              "h must be a contiguous bf16 [1, H] tensor");
-  const int64_t L = (int64_t)kv.size(), H = h.size(1), Hq = num_heads, Hkv = num_kv_heads;
+  TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= MAX_ROWS && h.scalar_type() == at::kBFloat16 &&
+                  h.is_contiguous(),
+              "h must be a contiguous bf16 [B, H] tensor with 1 <= B <= ", MAX_ROWS);
+  const int64_t B = h.size(0), L = (int64_t)kv.size(), H = h.size(1), Hq = num_heads, Hkv = num_kv_heads;
   TORCH_CHECK(L > 0 && (int64_t)weights.size() == L * PER_LAYER && (int64_t)windows.size() == L,
               "expected ", PER_LAYER, " weights and one window per KV cache layer");
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of KV heads");
@@ -104,10 +150,12 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
   const int64_t I = gu0->size(0) * 8;
   TORCH_CHECK(I % 16 == 0, "intermediate size must be a multiple of 16");
   for (const at::Tensor* t : {&position, &slot})
-    TORCH_CHECK(t->numel() == 1 && t->scalar_type() == at::kLong, "position and slot must be int64 [1]");
-  TORCH_CHECK(table.dim() == 2 && table.size(0) == 1 && table.scalar_type() == at::kInt && table.is_contiguous(),
-              "table must be a contiguous int32 [1, W] tensor");
-  TORCH_CHECK(length.numel() == 1 && length.scalar_type() == at::kInt, "length must be int32 [1]");
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == B && t->scalar_type() == at::kLong && t->is_contiguous(),
+                "position and slot must be contiguous int64 [B]");
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == B && table.scalar_type() == at::kInt && table.is_contiguous(),
+              "table must be a contiguous int32 [B, W] tensor");
+  TORCH_CHECK(length.dim() == 1 && length.size(0) == B && length.scalar_type() == at::kInt && length.is_contiguous(),
+              "length must be a contiguous int32 [B] tensor");
 
   std::vector<Layer> layers(L);
   int64_t NB = -1, bs = 0;
@@ -144,31 +192,41 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
   }
   // Validate every index before the parallel region (errors cannot leave it): a bad one would read or write
   // outside the tables and the cache.
-  const int64_t pos = position.data_ptr<int64_t>()[0], dst = slot.data_ptr<int64_t>()[0];
-  const int64_t end = length.data_ptr<int32_t>()[0], W = table.size(1);
+  const int64_t* pos = position.data_ptr<int64_t>();
+  const int64_t* dst = slot.data_ptr<int64_t>();
+  const int32_t* end = length.data_ptr<int32_t>();
   const int32_t* tbl = table.data_ptr<int32_t>();
-  TORCH_CHECK(pos >= 0 && pos < cos.size(0), "position ", pos, " is outside the rotary table [0, ", cos.size(0), ")");
-  TORCH_CHECK(end >= 1 && end <= W * bs, "context length ", end, " is outside [1, ", W * bs, "]");
-  TORCH_CHECK(dst >= 0 && dst < NB * bs, "slot ", dst, " is outside the cache [0, ", NB * bs, ")");
-  for (int64_t j = 0; j < (end + bs - 1) / bs; ++j)
-    TORCH_CHECK(tbl[j] >= 0 && tbl[j] < NB, "block id ", tbl[j], " out of range");
+  const int64_t W = table.size(1);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < cos.size(0), "position ", pos[b], " of row ", b,
+                " is outside the rotary table [0, ", cos.size(0), ")");
+    TORCH_CHECK(end[b] >= 1 && end[b] <= W * bs, "context length ", end[b], " of row ", b, " is outside [1, ",
+                W * bs, "]");
+    TORCH_CHECK(dst[b] >= 0 && dst[b] < NB * bs, "slot ", dst[b], " of row ", b, " is outside the cache [0, ",
+                NB * bs, ")");
+    for (int64_t j = 0; j < (end[b] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tbl[b * W + j] >= 0 && tbl[b * W + j] < NB, "block id ", tbl[b * W + j], " of row ", b,
+                  " out of range");
+    longest = std::max<int64_t>(longest, end[b]);
+  }
 
-  // Shared activations; every element has one writer per phase.
-  std::vector<bf16> qkv(NQKV), o(Hq * D), d(H), gu(2 * I), act(I);
+  // Shared activations [B, ...]; every element has one writer per phase.
+  std::vector<bf16> qkv(B * NQKV), o(B * Hq * D), d(B * H), gu(B * 2 * I), act(B * I);
   // Per thread: its copy of the residual stream and its norm, and attention scratch sized up front, so nothing
   // inside the parallel region allocates (an exception there could not be caught).
   const int max_threads = at::get_num_threads();
-  const int64_t stride = (2 * H + 31) / 32 * 32;  // a multiple of 64 bytes per thread
+  const int64_t stride = (2 * B * H + 31) / 32 * 32;  // a multiple of 64 bytes per thread
   std::vector<bf16> own(stride * max_threads);
   std::vector<attention::Scratch> scratches(max_threads);
   for (auto& s : scratches) {
-    s.scores.reserve(G * end);
+    s.scores.reserve(G * longest);
     s.acc.reserve(G * D);
     s.inv.reserve(G);
   }
   bf16* hp = h.data_ptr<bf16>();
-  const bf16* cr = cos.data_ptr<bf16>() + pos * D;
-  const bf16* sr = sin.data_ptr<bf16>() + pos * D;
+  const bf16* cos_table = cos.data_ptr<bf16>();
+  const bf16* sin_table = sin.data_ptr<bf16>();
   const float fscale = (float)scale, feps = (float)eps;
   const int64_t row = 2 * Hkv * D;
 
@@ -176,58 +234,57 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
     bf16* res = own.data() + stride * tid;
-    bf16* x = res + H;
-    std::copy(hp, hp + H, res);
+    bf16* x = res + B * H;
+    std::copy(hp, hp + B * H, res);
     attention::Scratch& scratch = scratches[tid];
     const auto [qb0, qb1] = share(NQKV / 16, tid, nt);
     const auto [ob0, ob1] = share(H / 16, tid, nt);
     const auto [jb0, jb1] = share(I / 16, tid, nt);
-    const auto [kh0, kh1] = share(Hkv, tid, nt);
+    const auto [t0, t1] = share(B * Hkv, tid, nt);  // attention tasks: (row, KV head)
     const int64_t J = I / 16;
-    rows::rms_norm(res, layers[0].ln1, H, feps, x);
+    for (int64_t b = 0; b < B; ++b) rows::rms_norm(res + b * H, layers[0].ln1, H, feps, x + b * H);
     for (int64_t l = 0; l < L; ++l) {
       const Layer& y = layers[l];
-      gemv::packed_range<1>(x, 0, y.qkv, H / 2, qb0, qb1, y.qkv_bias, qkv.data(), 0);
+      gemv_rows(B, x, H, y.qkv, H / 2, qb0, qb1, y.qkv_bias, qkv.data(), NQKV);
 #pragma omp barrier
       const attention::PagedKV cache{y.kv, bs, Hkv, D};
-      for (int64_t kh = kh0; kh < kh1; ++kh) {
-        bf16* k = qkv.data() + (Hq + kh) * D;
-        const bf16* v = qkv.data() + (Hq + Hkv + kh) * D;
+      for (int64_t task = t0; task < t1; ++task) {
+        const int64_t b = task / Hkv, kh = task % Hkv;
+        bf16* q = qkv.data() + b * NQKV;  // this row's q heads, then k heads, then v heads
+        const bf16* c = cos_table + pos[b] * D;
+        const bf16* sn = sin_table + pos[b] * D;
         for (int64_t g = 0; g <= G; ++g) {  // the G query heads of this KV head, then the key head
           const int64_t head = g < G ? kh * G + g : Hq + kh;
-          bf16* r = qkv.data() + head * D;
+          bf16* r = q + head * D;
           if (y.qk_norm) rows::rms_norm(r, y.qk_norm + head * D, D, feps, r);
-          rows::rotary(r, cr, sr, D);
+          rows::rotary(r, c, sn, D);
         }
-        std::memcpy(y.kv + dst * row + kh * D, k, D * sizeof(bf16));
-        std::memcpy(y.kv + dst * row + (Hkv + kh) * D, v, D * sizeof(bf16));
-        attention::attend(qkv.data() + kh * G * D, cache, tbl, end, y.window, kh, G, fscale, scratch,
-                          o.data() + kh * G * D);
+        std::memcpy(y.kv + dst[b] * row + kh * D, q + (Hq + kh) * D, D * sizeof(bf16));
+        std::memcpy(y.kv + dst[b] * row + (Hkv + kh) * D, q + (Hq + Hkv + kh) * D, D * sizeof(bf16));
+        attention::attend(q + kh * G * D, cache, tbl + b * W, end[b], y.window, kh, G, fscale, scratch,
+                          o.data() + (b * Hq + kh * G) * D);
       }
 #pragma omp barrier
-      gemv::packed_range<1>(o.data(), 0, y.o, Hq * D / 2, ob0, ob1, y.o_bias, d.data(), 0);
+      gemv_rows(B, o.data(), Hq * D, y.o, Hq * D / 2, ob0, ob1, y.o_bias, d.data(), H);
 #pragma omp barrier
-      rows::add_(res, d.data(), H);
-      rows::rms_norm(res, y.ln2, H, feps, x);
-      // Gate block j and up block J + j on the same thread, so it can apply silu(gate) * up to its own columns
-      // without waiting; 4 + 4 blocks at a time keep 8 weight streams in flight, as packed_range does.
-      int64_t j = jb0;
-      for (; j + 4 <= jb1; j += 4) {
-        const int64_t ids[8] = {j, j + 1, j + 2, j + 3, J + j, J + j + 1, J + j + 2, J + j + 3};
-        gemv::packed_blocks<8, 1>(x, 0, y.gate_up, H / 2, ids, y.gate_up_bias, gu.data(), 0);
+      for (int64_t b = 0; b < B; ++b) {
+        rows::add_(res + b * H, d.data() + b * H, H);
+        rows::rms_norm(res + b * H, y.ln2, H, feps, x + b * H);
       }
-      for (; j < jb1; ++j) {
-        const int64_t ids[2] = {j, J + j};
-        gemv::packed_blocks<2, 1>(x, 0, y.gate_up, H / 2, ids, y.gate_up_bias, gu.data(), 0);
+      gate_up_rows(B, x, H, y.gate_up, H / 2, J, jb0, jb1, y.gate_up_bias, gu.data(), 2 * I);
+      for (int64_t b = 0; b < B; ++b) {
+        const bf16* g = gu.data() + b * 2 * I;
+        rows::silu_mul(g + jb0 * 16, g + I + jb0 * 16, (jb1 - jb0) * 16, act.data() + b * I + jb0 * 16);
       }
-      rows::silu_mul(gu.data() + jb0 * 16, gu.data() + I + jb0 * 16, (jb1 - jb0) * 16, act.data() + jb0 * 16);
 #pragma omp barrier
-      gemv::packed_range<1>(act.data(), 0, y.down, I / 2, ob0, ob1, y.down_bias, d.data(), 0);
+      gemv_rows(B, act.data(), I, y.down, I / 2, ob0, ob1, y.down_bias, d.data(), H);
 #pragma omp barrier
-      rows::add_(res, d.data(), H);
-      if (l + 1 < L) rows::rms_norm(res, layers[l + 1].ln1, H, feps, x);
+      for (int64_t b = 0; b < B; ++b) {
+        rows::add_(res + b * H, d.data() + b * H, H);
+        if (l + 1 < L) rows::rms_norm(res + b * H, layers[l + 1].ln1, H, feps, x + b * H);
+      }
     }
-    if (tid == 0) std::copy(res, res + H, hp);
+    if (tid == 0) std::copy(res, res + B * H, hp);
   }
 }
 

@@ -56,7 +56,7 @@ class LlamaModel:
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_len, dtype)
         self._load(reader)
-        self.step_weights = self._step_weights()  # None: batch-1 steps take the per-op path below
+        self.step_weights = self._step_weights()  # None: small decode steps take the per-op path as well
 
     def _load(self, r: CheckpointReader) -> None:
         s, dt = self.spec, self.dtype
@@ -142,8 +142,9 @@ class LlamaModel:
         n = input_ids.shape[0]
         nh, nkv, hd = s.num_heads, s.num_kv_heads, s.head_dim
         h = embed_rows(self.embed if self.embed is not None else self.lm_head, input_ids)  # [N, H]
-        if n == 1 and meta.decode_tables is not None and self.step_weights is not None:
-            # Batch-1 decode, the latency path: every layer in one native call instead of ~25 ops per layer.
+        if meta.num_decode == n <= kernels.STEP_MAX_ROWS and self.step_weights is not None:
+            # Decode of a few sequences, the latency path: every layer in one native call, not ~25 ops per layer.
+            h = h.contiguous()
             kernels.decode_step_(h, self.step_weights, kv.layers, self.windows, self.rotary.cos, self.rotary.sin,
                                  positions, meta.decode_tables, meta.decode_lens, meta.slot_mapping, nh, nkv,
                                  s.rms_norm_eps, self.scale)

@@ -1,6 +1,7 @@
-"""The fused batch-1 decode step (kernels.decode_step_, every layer in one native call) computes bitwise what the
-per-op native path computes: the same logits at every step and the same K/V in the cache. test_bf16_decode holds
-the per-op path to fp32 transformers, so this carries that guarantee over to the batch-1 latency path."""
+"""The fused decode step (kernels.decode_step_: every layer in one native call, for 1 to 4 sequences) computes
+bitwise what the per-op native path computes: the same logits at every step and the same K/V in the cache.
+test_bf16_decode holds the per-op path to fp32 transformers, so this carries that guarantee over to the latency path.
+"""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,8 @@ from tests.engine.test_bf16_decode import SHAPE, VARIANTS, _native_expected
 
 pytestmark = pytest.mark.skipif(not _native_expected(), reason="native kernels are not built for this CPU")
 
-LONG, SHORT = list(range(40, 77)), [3, 1000, 20, 50, 90]
+# (prompt, tokens to generate): they finish one after another, so decode steps have 4, 3, 2, then 1 rows.
+REQUESTS = [(list(range(40, 77)), 40), ([3, 1000, 20, 50, 90], 12), ([7, 8, 9], 20), (list(range(100, 121)), 28)]
 # test_bf16_decode's four architectures, plus every bias slot (o, gate/up, down) and an intermediate size of 18
 # column blocks (9 per thread, 18 on one), so the groups of 4 gate/up block pairs leave single pairs.
 CASES = {name: {**SHAPE, **kw} for name, kw in VARIANTS.items()}
@@ -24,9 +26,9 @@ CASES["llama-all-biases-18-blocks"] = {**SHAPE, "arch": "llama", "intermediate":
 
 
 def _run(model_dir: str, fused: bool, threads: int, monkeypatch) -> tuple[list[torch.Tensor], torch.Tensor, list]:
-    """Logits of every step, the final KV cache and the block table of each step that took the fused path. A short request decodes
-    beside the long one first (two rows: the per-op path), so when the long one goes on alone its block table
-    (block_size 8) is no longer one contiguous run."""
+    """Logits of every step, the final KV cache and (rows, block tables) of each step that took the fused path.
+    The requests decode side by side first, so when the longest goes on alone its block table (block_size 8) is no
+    longer one contiguous run."""
     core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", block_size=8, max_model_len=256))
     model = core.model
     assert model.step_weights is not None
@@ -37,12 +39,12 @@ def _run(model_dir: str, fused: bool, threads: int, monkeypatch) -> tuple[list[t
     monkeypatch.setattr(model, "compute_logits", lambda hidden: logits.append(compute(hidden)) or logits[-1])
     calls = []
     step = kernels.decode_step_
-    monkeypatch.setattr(kernels, "decode_step_", lambda *a: calls.append(a[7][0].tolist()) or step(*a))
+    monkeypatch.setattr(kernels, "decode_step_", lambda *a: calls.append((a[0].shape[0], a[7].tolist())) or step(*a))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        core.add_request("long", LONG, SamplingParams(max_tokens=40, min_tokens=40, temperature=0.0))
-        core.add_request("short", SHORT, SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0))
+        for i, (prompt, n) in enumerate(REQUESTS):
+            core.add_request(str(i), prompt, SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0))
         while core.has_unfinished_requests():
             core.step()
     finally:
@@ -57,9 +59,11 @@ def test_fused_decode_step_is_bitwise_the_per_op_path(tiny_model, name, monkeypa
     ref_logits, ref_kv, ref_calls = _run(model_dir, False, 2, monkeypatch)
     assert ref_calls == []
     for threads in (2, 1):  # the split between threads must not change a single bit
-        logits, kv, tables = _run(model_dir, True, threads, monkeypatch)
-        assert len(tables) >= 25, "the long request's lone decode steps should take the fused path"
-        assert any(t != list(range(t[0], t[0] + len(t))) for t in tables), "no scattered block table was tested"
+        logits, kv, calls = _run(model_dir, True, threads, monkeypatch)
+        assert len(calls) == len(logits) - 1, "every decode step should take the fused path (all but the prefill)"
+        assert {rows for rows, _ in calls} == {1, 2, 3, 4}
+        lone = [tables[0] for rows, tables in calls if rows == 1]
+        assert any(t != list(range(t[0], t[0] + len(t))) for t in lone), "no scattered block table was tested"
         assert len(logits) == len(ref_logits)
         for i, (a, b) in enumerate(zip(logits, ref_logits)):
             assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max():.3g}"
@@ -98,7 +102,11 @@ def test_fused_step_rejects_indices_outside_the_cache_and_tables(tiny_model):
         call(slot=blocks * 8)
     with pytest.raises(RuntimeError, match="outside the rotary table"):
         call(position=10 ** 6)
-    with pytest.raises(RuntimeError, match="context length 9 is outside"):
+    with pytest.raises(RuntimeError, match="context length 9 of row 0 is outside"):
         call(length=9)  # one block of 8 listed
     with pytest.raises(RuntimeError, match="block id .* out of range"):
         call(table=(0, blocks), length=9)
+    with pytest.raises(RuntimeError, match="1 <= B <= 4"):  # 5 rows: the per-op path's job
+        kernels.decode_step_(torch.zeros(5, s.hidden_size, dtype=torch.bfloat16), m.step_weights,
+                             core.runner.kv.layers, m.windows, m.rotary.cos, m.rotary.sin, *[torch.zeros(5)] * 4,
+                             s.num_heads, s.num_kv_heads, s.rms_norm_eps, 1.0)
