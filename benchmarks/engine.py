@@ -33,6 +33,7 @@ sys.path[0] = str(ROOT)  # not benchmarks/: this file's own name would shadow th
 SHAPE = {"arch": "qwen2", "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864}
 DEFAULT_MODEL_DIR = Path.home() / ".cache/deploykit/bench/qwen2-350m-bf16"
 PREFILL, BATCH, PROMPT, MAX_LEN = 512, 16, 16, 1024
+SMALL_BATCH = 4  # ours only: the largest decode step the fused native step (kernels.STEP_MAX_ROWS) takes
 FOREIGN_MAX, RETRIES, CLK_TCK = 0.1, 3, os.sysconf("SC_CLK_TCK")
 TARGETS = {"b1_pct_roofline": 80.0, "b1_vs_llamacpp": 1.25, "b16_vs_transformers_b16": 3.0, "prefill_pct_peak": 50.0}
 
@@ -229,6 +230,7 @@ def jobs_for(kinds: list[str], vocab: int, tokens: int) -> list[tuple[str, str, 
     p16 = [random.Random(100 + i).choices(ids, k=PROMPT) for i in range(BATCH)]
     return ([("bandwidth", "ours", "bandwidth", {})]
             + [(f"decode_b1/{k}", k, "generate", {"prompts": p1, "tokens": tokens}) for k in kinds]
+            + [(f"decode_b{SMALL_BATCH}/ours", "ours", "generate", {"prompts": p16[:SMALL_BATCH], "tokens": tokens})]
             + [(f"decode_b{BATCH}/{k}", k, "generate", {"prompts": p16, "tokens": tokens}) for k in kinds
                if k != "llamacpp"]
             + [(f"prefill/{k}", k, "generate", {"prompts": pre, "tokens": 1}) for k in kinds]
@@ -315,6 +317,7 @@ def ratios(s: dict) -> tuple[dict, dict]:
              f"b{BATCH}_vs_transformers_b{BATCH}": (d.get(f"b{BATCH}/ours"), d.get(f"b{BATCH}/transformers"), 1),
              "prefill_pct_peak": (pre.get("ours", {}).get("tflops"), peak, 100),
              "b1_vs_transformers_b1": (d.get("b1/ours"), d.get("b1/transformers"), 1),
+             f"b{SMALL_BATCH}_vs_b1": (d.get(f"b{SMALL_BATCH}/ours"), d.get("b1/ours"), 1),
              "llamacpp_b1_pct_roofline": (d.get("b1/llamacpp"), roof, 100),
              "prefill_vs_llamacpp": (pre.get("ours", {}).get("tflops"), pre.get("llamacpp", {}).get("tflops"), 1)}
     out = {k: None if a is None or b is None else {m: round(f * a[m] / b[m], 2) for m in ("best", "median")}
@@ -384,7 +387,7 @@ def main() -> None:
         "machine": {"cpus": cpulist.format(b.cpus), "threads": b.threads, "isa": kern["isa"],
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "workers": infos},
         "settings": {"rounds": a.rounds, "decode_tokens": a.tokens, "decode_prompt_tokens": PROMPT,
-                     "batch": BATCH, "prefill_tokens": PREFILL, "quick": a.quick},
+                     "batch": BATCH, "small_batch": SMALL_BATCH, "prefill_tokens": PREFILL, "quick": a.quick},
         **s, "ratios": derived, "targets": targets,
         "retried_for_foreign_load": {k: sum(x["retries"] for x in v) for k, v in samples.items()},
         "validation": {"gguf": gguf_check, "greedy_agreement": greedy_agreement(samples, a.tokens)},
