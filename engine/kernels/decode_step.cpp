@@ -23,6 +23,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -216,8 +217,9 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
   // Per thread: its copy of the residual stream and its norm, and attention scratch sized up front, so nothing
   // inside the parallel region allocates (an exception there could not be caught).
   const int max_threads = at::get_num_threads();
-  const int64_t stride = (2 * B * H + 31) / 32 * 32;  // a multiple of 64 bytes per thread
-  std::vector<bf16> own(stride * max_threads);
+  const int64_t stride = (2 * B * H + 31) / 32 * 32;  // whole 64-byte lines per thread, from a 64-byte boundary
+  std::vector<bf16> own(stride * max_threads + 32);
+  bf16* own0 = reinterpret_cast<bf16*>((reinterpret_cast<uintptr_t>(own.data()) + 63) & ~uintptr_t{63});
   std::vector<attention::Scratch> scratches(max_threads);
   for (auto& s : scratches) {
     s.scores.reserve(G * longest);
@@ -233,7 +235,7 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
 #pragma omp parallel num_threads(max_threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    bf16* res = own.data() + stride * tid;
+    bf16* res = own0 + stride * tid;
     bf16* x = res + B * H;
     std::copy(hp, hp + B * H, res);
     attention::Scratch& scratch = scratches[tid];

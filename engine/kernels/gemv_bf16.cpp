@@ -102,7 +102,7 @@ inline void rows_single(const bf16* x, int64_t ldx, int64_t M, const bf16* w, in
   }
 }
 
-// M >= 5 rows in tiles of 4 over the same G blocks: the first tile streams them from memory (prefetching ahead),
+// M >= 5 rows (fewer take packed_range) in tiles of 4 over the same G blocks: the first tile streams them from memory (prefetching ahead),
 // the later ones find them in L1/L2.
 template <int G>
 inline void packed_all_m(const bf16* x, int64_t ldx, int64_t M, const bf16* wp, int64_t Kh,
@@ -168,6 +168,7 @@ at::Tensor linear_packed_avx512(const at::Tensor& x, const at::Tensor& wp,
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   bf16* op = out.data_ptr<bf16>();
   const int64_t ldx = x.stride(0);
+  if (M == 0) return out;
   if (M <= 4) {
     // Each weight line read once for all rows; each thread gets an equal contiguous range of blocks
     // (at::parallel_for splits [0, NB) evenly).

@@ -88,12 +88,15 @@ def test_fused_step_rejects_indices_outside_the_cache_and_tables(tiny_model):
     m, s = core.model, core.model.spec
     blocks = core.runner.kv.layers[0].shape[0]
 
-    def call(position=0, table=(0,), length=1, slot=0):
-        h = torch.randn(1, s.hidden_size).bfloat16()
+    def call(position=0, table=(0,), length=1, slot=0, rows=1):
+        """One step of `rows` sequences; the last row gets the given indices, the others valid ones."""
+        h = torch.randn(rows, s.hidden_size).bfloat16()
         i32, i64 = torch.int32, torch.int64
+        ok = [(0, [b] + [0] * (len(table) - 1), 1, b * 8) for b in range(1, rows)]  # row b: own block b
+        pos, tables, lens, slots = zip(*ok, (position, list(table), length, slot))
         kernels.decode_step_(h, m.step_weights, core.runner.kv.layers, m.windows, m.rotary.cos, m.rotary.sin,
-                             torch.tensor([position], dtype=i64), torch.tensor([list(table)], dtype=i32),
-                             torch.tensor([length], dtype=i32), torch.tensor([slot], dtype=i64), s.num_heads,
+                             torch.tensor(pos, dtype=i64), torch.tensor(tables, dtype=i32),
+                             torch.tensor(lens, dtype=i32), torch.tensor(slots, dtype=i64), s.num_heads,
                              s.num_kv_heads, s.rms_norm_eps, 1.0)
         return h
 
@@ -106,7 +109,14 @@ def test_fused_step_rejects_indices_outside_the_cache_and_tables(tiny_model):
         call(length=9)  # one block of 8 listed
     with pytest.raises(RuntimeError, match="block id .* out of range"):
         call(table=(0, blocks), length=9)
-    with pytest.raises(RuntimeError, match="1 <= B <= 4"):  # 5 rows: the per-op path's job
-        kernels.decode_step_(torch.zeros(5, s.hidden_size, dtype=torch.bfloat16), m.step_weights,
-                             core.runner.kv.layers, m.windows, m.rotary.cos, m.rotary.sin, *[torch.zeros(5)] * 4,
+    assert call(rows=3).isfinite().all()
+    for bad, message in [({"slot": -1}, "slot -1 of row 2"), ({"table": (blocks,)}, f"block id {blocks} of row 2"),
+                         ({"length": 0}, "context length 0 of row 2"), ({"position": -1}, "position -1 of row 2")]:
+        with pytest.raises(RuntimeError, match=message):  # every row's indices are checked, not only the first
+            call(rows=3, **bad)
+    # One row more than the step takes is the per-op path's job; the engine routes by this same constant.
+    n = kernels.STEP_MAX_ROWS + 1
+    with pytest.raises(RuntimeError, match=f"1 <= B <= {kernels.STEP_MAX_ROWS}"):
+        kernels.decode_step_(torch.zeros(n, s.hidden_size, dtype=torch.bfloat16), m.step_weights,
+                             core.runner.kv.layers, m.windows, m.rotary.cos, m.rotary.sin, *[torch.zeros(n)] * 4,
                              s.num_heads, s.num_kv_heads, s.rms_norm_eps, 1.0)

@@ -132,6 +132,8 @@ def test_empty_batch_and_fp32_inputs_follow_f_linear(kernels):
     _, w, b = make(1, 96, 64, True)
     wp = kernels.prepare_weight(w)
     assert kernels.linear(torch.zeros(0, 96, dtype=torch.bfloat16), wp, b).shape == (0, 64)
+    empty = torch.zeros(0, 96, dtype=torch.bfloat16)
+    assert torch.ops.deploykit.linear_packed_avx512(empty, wp, b.float()).shape == (0, 64)  # the op itself, too
     x = torch.randn(3, 96)
     y = kernels.linear(x, kernels.prepare_weight(w.float()), b.float())
     torch.testing.assert_close(y, F.linear(x, w.float(), b.float()))
