@@ -73,7 +73,7 @@ class EngineCore:
                  spec.architecture, "native" if is_native(spec) else "transformers", str(self.dtype)[6:],
                  self.max_model_len, num_blocks, config.block_size, num_blocks * config.block_size
                  * bytes_per_token / 2**20)
-        _log_kernels(self.dtype)
+        _log_kernels(self.dtype, getattr(self.model, "step_weights", None) is not None)
 
     def _context_len(self, config: EngineConfig) -> int:
         limit = self.spec.max_position_embeddings
@@ -163,7 +163,7 @@ class EngineCore:
                            self._prompt_tokens, self._generation_tokens, self.scheduler.num_preemptions)
 
 
-def _log_kernels(dtype: torch.dtype) -> None:
+def _log_kernels(dtype: torch.dtype, fused_step: bool) -> None:
     """Say which matmul path runs: a missing or stale kernel library must not slow bf16 decode down silently."""
     from engine import kernels
     st = kernels.status()
@@ -173,3 +173,5 @@ def _log_kernels(dtype: torch.dtype) -> None:
         log.warning("matmul path: PyTorch fallback, bf16 decode runs ~2x slower: %s", st["reason"])
     else:
         log.info("matmul path: %s (%s)", st["path"], st["reason"])
+    if fused_step:
+        log.info("decode steps of up to %d sequences run as one fused native call", kernels.STEP_MAX_ROWS)

@@ -70,14 +70,17 @@ def test_fused_decode_step_is_bitwise_the_per_op_path(tiny_model, name, monkeypa
         assert torch.equal(kv, ref_kv)
 
 
-def test_fused_step_is_used_only_where_it_applies(tiny_model):
+def test_fused_step_is_used_only_where_it_applies(tiny_model, caplog):
+    caplog.set_level("INFO", logger="engine")
     fp32 = EngineCore(EngineConfig(tiny_model("llama", **SHAPE), dtype="float32"))
     assert fp32.model.step_weights is None  # fp32: the exactness path, always per-op
+    assert "fused native call" not in caplog.text
     gelu = EngineCore(EngineConfig(tiny_model("llama", **SHAPE, extra_config={"hidden_act": "gelu"}),
                                    dtype="bfloat16"))
     assert gelu.model.step_weights is None  # the kernel fuses SiLU only
     bf16 = EngineCore(EngineConfig(tiny_model("qwen3", **SHAPE), dtype="bfloat16"))
     assert len(bf16.model.step_weights) == 11 * bf16.model.spec.num_layers
+    assert "decode steps of up to 4 sequences run as one fused native call" in caplog.text  # said at start-up
     kw = dict(CASES["llama-all-biases-18-blocks"])
     biased = EngineCore(EngineConfig(tiny_model(kw.pop("arch"), **kw), dtype="bfloat16")).model.step_weights
     assert sum(w is None for w in biased) == len(biased) // 11  # only qk_norm absent: every bias slot is tested
