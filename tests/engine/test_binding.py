@@ -71,6 +71,50 @@ def test_refused_set_mempolicy_keeps_running_and_names_the_fix():
     assert [t["allowed_cpus"] for t in rep["threads"] if t["omp_thread"] is not None] == ["0", "1"]
 
 
+# Decode steps through the fused native step (its own OpenMP region) after binding; CPU time is counted from the
+# first decode on, so model loading does not count.
+FUSED = """
+import json
+from engine import binding
+b = binding.prepare(binding.resolve("0-1", mems="0"))
+import torch
+binding.finish(b)
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.sampling import SamplingParams
+core = EngineCore(EngineConfig({model!r}, dtype="bfloat16"))
+assert core.model.step_weights is not None
+before = {{t["tid"]: t["cpu_seconds"] for t in binding.report(b)["threads"]}}
+core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=400, min_tokens=400))
+while core.has_unfinished_requests():
+    core.step()
+rep = binding.report(b)
+for t in rep["threads"]:
+    t["cpu_seconds"] -= before.get(t["tid"], 0.0)
+print(json.dumps(rep))
+"""
+
+
+@needs_two_cpus
+def test_fused_decode_step_runs_on_the_pinned_workers(tiny_model):
+    from tests.engine.test_bf16_decode import _native_expected
+    if not _native_expected():
+        pytest.skip("native kernels are not built for this CPU: no fused decode step")
+    # ~30 MB of bf16 weights: each step streams them, so both workers get measurable CPU time.
+    model = tiny_model("qwen2", hidden=512, layers=4, heads=8, kv_heads=2, intermediate=2048)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
+    r = subprocess.run([sys.executable, "-c", FUSED.format(model=model)], capture_output=True, text=True, cwd=ROOT,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    omp = sorted((t for t in rep["threads"] if t["omp_thread"] is not None), key=lambda t: t["omp_thread"])
+    assert [(t["allowed_cpus"], t["last_cpu"]) for t in omp] == [("0", 0), ("1", 1)]
+    assert omp[1]["cpu_seconds"] >= 0.1, omp  # worker 1 shares the step's work
+    # No thread outside the two workers (e.g. a second OpenMP pool) did the work.
+    assert all(t["cpu_seconds"] < 0.05 for t in rep["threads"] if t["omp_thread"] is None), rep["threads"]
+    assert len(rep["openmp_runtimes"]) == 1
+
+
 def test_auto_uses_this_process_cpuset():
     b = binding.resolve("auto")
     assert set(b.cpus) <= os.sched_getaffinity(0) and b.threads == len(b.cpus) >= 1
