@@ -75,17 +75,6 @@ const bf16* vector_ptr(const std::optional<at::Tensor>& t, int64_t n, int64_t la
   return t->data_ptr<bf16>();
 }
 
-// out[:, blocks [b0, b1)] = x [B, K] W^T + bias for B <= MAX_ROWS rows (x rows ldx apart, out rows ldo apart).
-inline void gemv_rows(int64_t B, const bf16* x, int64_t ldx, const bf16* w, int64_t Kh, int64_t b0, int64_t b1,
-                      const float* bias, bf16* out, int64_t ldo) {
-  switch (B) {
-    case 1: gemv::packed_range<1>(x, ldx, w, Kh, b0, b1, bias, out, ldo); break;
-    case 2: gemv::packed_range<2>(x, ldx, w, Kh, b0, b1, bias, out, ldo); break;
-    case 3: gemv::packed_range<3>(x, ldx, w, Kh, b0, b1, bias, out, ldo); break;
-    default: gemv::packed_range<4>(x, ldx, w, Kh, b0, b1, bias, out, ldo); break;
-  }
-}
-
 // gu[:, gate blocks j and up blocks J + j] for j in [j0, j1), on one thread so it can apply silu(gate) * up to
 // its own columns without waiting: P + P pairs at a time keep 2P weight streams in flight (P = 4, or 2 from 3 rows
 // on, as packed_range groups its blocks).
@@ -102,16 +91,6 @@ inline void gate_up_pairs(const bf16* x, int64_t ldx, const bf16* w, int64_t Kh,
   for (; j < j1; ++j) {
     const int64_t ids[2] = {j, J + j};
     gemv::packed_blocks<2, MT>(x, ldx, w, Kh, ids, bias, gu, ldo);
-  }
-}
-
-inline void gate_up_rows(int64_t B, const bf16* x, int64_t ldx, const bf16* w, int64_t Kh, int64_t J, int64_t j0,
-                         int64_t j1, const float* bias, bf16* gu, int64_t ldo) {
-  switch (B) {
-    case 1: gate_up_pairs<1>(x, ldx, w, Kh, J, j0, j1, bias, gu, ldo); break;
-    case 2: gate_up_pairs<2>(x, ldx, w, Kh, J, j0, j1, bias, gu, ldo); break;
-    case 3: gate_up_pairs<3>(x, ldx, w, Kh, J, j0, j1, bias, gu, ldo); break;
-    default: gate_up_pairs<4>(x, ldx, w, Kh, J, j0, j1, bias, gu, ldo); break;
   }
 }
 
@@ -247,7 +226,7 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
     for (int64_t b = 0; b < B; ++b) rows::rms_norm(res + b * H, layers[0].ln1, H, feps, x + b * H);
     for (int64_t l = 0; l < L; ++l) {
       const Layer& y = layers[l];
-      gemv_rows(B, x, H, y.qkv, H / 2, qb0, qb1, y.qkv_bias, qkv.data(), NQKV);
+      gemv::packed_rows(B, x, H, y.qkv, H / 2, qb0, qb1, y.qkv_bias, qkv.data(), NQKV);
 #pragma omp barrier
       const attention::PagedKV cache{y.kv, bs, Hkv, D};
       for (int64_t task = t0; task < t1; ++task) {
@@ -267,19 +246,21 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
                           o.data() + (b * Hq + kh * G) * D);
       }
 #pragma omp barrier
-      gemv_rows(B, o.data(), Hq * D, y.o, Hq * D / 2, ob0, ob1, y.o_bias, d.data(), H);
+      gemv::packed_rows(B, o.data(), Hq * D, y.o, Hq * D / 2, ob0, ob1, y.o_bias, d.data(), H);
 #pragma omp barrier
       for (int64_t b = 0; b < B; ++b) {
         rows::add_(res + b * H, d.data() + b * H, H);
         rows::rms_norm(res + b * H, y.ln2, H, feps, x + b * H);
       }
-      gate_up_rows(B, x, H, y.gate_up, H / 2, J, jb0, jb1, y.gate_up_bias, gu.data(), 2 * I);
+      gemv::with_rows(B, [&](auto mt) {
+        gate_up_pairs<decltype(mt)::value>(x, H, y.gate_up, H / 2, J, jb0, jb1, y.gate_up_bias, gu.data(), 2 * I);
+      });
       for (int64_t b = 0; b < B; ++b) {
         const bf16* g = gu.data() + b * 2 * I;
         rows::silu_mul(g + jb0 * 16, g + I + jb0 * 16, (jb1 - jb0) * 16, act.data() + b * I + jb0 * 16);
       }
 #pragma omp barrier
-      gemv_rows(B, act.data(), I, y.down, I / 2, ob0, ob1, y.down_bias, d.data(), H);
+      gemv::packed_rows(B, act.data(), I, y.down, I / 2, ob0, ob1, y.down_bias, d.data(), H);
 #pragma omp barrier
       for (int64_t b = 0; b < B; ++b) {
         rows::add_(res + b * H, d.data() + b * H, H);

@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <type_traits>
 
 #include "vec.h"
 
@@ -81,6 +82,24 @@ inline void packed_range(const bf16* x, int64_t ldx, const bf16* wp, int64_t Kh,
     for (; nb + 8 <= b1; nb += 8) packed_block<8, MT>(x, ldx, wp, Kh, nb, bias, out, ldo);
   for (; nb + 4 <= b1; nb += 4) packed_block<4, MT>(x, ldx, wp, Kh, nb, bias, out, ldo);
   for (; nb < b1; ++nb) packed_block<1, MT>(x, ldx, wp, Kh, nb, bias, out, ldo);
+}
+
+// Runs f(std::integral_constant<int, MT>{}) for the row count M = 1..4, so a kernel templated on MT is picked once
+// per call from a runtime M.
+template <class F>
+inline void with_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// packed_range for a runtime M <= 4.
+inline void packed_rows(int64_t M, const bf16* x, int64_t ldx, const bf16* wp, int64_t Kh, int64_t b0, int64_t b1,
+                        const float* bias, bf16* out, int64_t ldo) {
+  with_rows(M, [&](auto mt) { packed_range<decltype(mt)::value>(x, ldx, wp, Kh, b0, b1, bias, out, ldo); });
 }
 
 }  // namespace gemv

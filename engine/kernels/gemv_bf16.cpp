@@ -102,8 +102,8 @@ inline void rows_single(const bf16* x, int64_t ldx, int64_t M, const bf16* w, in
   }
 }
 
-// M >= 5 rows (fewer take packed_range) in tiles of 4 over the same G blocks: the first tile streams them from memory (prefetching ahead),
-// the later ones find them in L1/L2.
+// M >= 5 rows (fewer take packed_range) in tiles of 4 over the same G blocks: the first tile streams them from
+// memory (prefetching ahead), the later ones find them in L1/L2.
 template <int G>
 inline void packed_all_m(const bf16* x, int64_t ldx, int64_t M, const bf16* wp, int64_t Kh,
                          int64_t nb0, const float* bias, bf16* out, int64_t ldo) {
@@ -172,14 +172,8 @@ at::Tensor linear_packed_avx512(const at::Tensor& x, const at::Tensor& wp,
   if (M <= 4) {
     // Each weight line read once for all rows; each thread gets an equal contiguous range of blocks
     // (at::parallel_for splits [0, NB) evenly).
-    at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
-      switch (M) {
-        case 1: gemv::packed_range<1>(xp, ldx, w, Kh, b0, b1, bp, op, N); break;
-        case 2: gemv::packed_range<2>(xp, ldx, w, Kh, b0, b1, bp, op, N); break;
-        case 3: gemv::packed_range<3>(xp, ldx, w, Kh, b0, b1, bp, op, N); break;
-        default: gemv::packed_range<4>(xp, ldx, w, Kh, b0, b1, bp, op, N); break;
-      }
-    });
+    at::parallel_for(0, NB, 8,
+                     [&](int64_t b0, int64_t b1) { gemv::packed_rows(M, xp, ldx, w, Kh, b0, b1, bp, op, N); });
     return out;
   }
   constexpr int64_t G = 4;  // 4 column blocks x 4 rows = 16 accumulators
