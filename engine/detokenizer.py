@@ -7,7 +7,7 @@ REPLACEMENT = "\ufffd"
 # Prompt tokens decoded as left context of the first output token, so that leading-space rules
 # (SentencePiece's "▁" stripped at the start of a decode) see the same neighbours as a full decode.
 PROMPT_CONTEXT = 5
-# A UTF-8 character has at most 4 bytes and a (non-special) token at least 1, so a character cut at
+# A UTF-8 character has at most 4 bytes and a (non-skipped) token at least 1, so a character cut at
 # a position is resolved (completed or invalid) within the next 3 tokens: if the text up to that
 # position survived all of them unchanged, it is final. Text held back for more than MAX_PENDING
 # tokens is released at such a position, bounding the decode window (and the work per token) even
@@ -26,9 +26,15 @@ class IncrementalDetokenizer:
         if backend is not None:
             # The Rust decoder directly: no Python-side post-processing, a fraction of the cost.
             self._decode = lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+            special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         else:
             self._decode = lambda ids: tokenizer.decode(
                 ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+            special = set(getattr(tokenizer, "all_special_ids", ()))
+        # Tokens the decode skips never enter the window: they add no bytes, so letting them count among the
+        # SETTLE_TOKENS that resolve a cut character would release it early (e.g. as U+FFFD when an end-of-text
+        # token falls between the two bytes of "¡").
+        self._skipped = frozenset(special) if skip_special_tokens else frozenset()
         # _window holds the context tokens followed by the not-yet-emitted tokens (from _read on).
         self._window: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT:])
         self._read = len(self._window)
@@ -48,6 +54,10 @@ class IncrementalDetokenizer:
         if not token_ids:
             return ""
         self.num_tokens += len(token_ids)
+        if self._skipped:
+            token_ids = [t for t in token_ids if t not in self._skipped]
+            if not token_ids:
+                return ""
         self._window.extend(token_ids)
         new_text = self._decode(self._window)
         if len(new_text) > len(self._prefix_text) and not new_text.endswith(REPLACEMENT):

@@ -87,6 +87,21 @@ def test_random_tokens_stream_to_the_full_decode(tokenizer, ids, cuts):
         assert "".join(deltas) + tail == det.text == full
 
 
+def test_skipped_special_tokens_between_the_bytes_of_a_character():
+    """Found by the property test above: seven end-of-text tokens (skipped) between the two bytes of "¡" must not
+    count as the tokens that settle the cut character, or it is released as U+FFFD."""
+    tok = byte_level_bpe()
+    lead, cont = tok.convert_tokens_to_ids("Â"), tok.convert_tokens_to_ids("¡")  # bytes 0xC2, 0xA1
+    ids = [lead] + [tok.eos_token_id] * 7 + [cont]
+    assert tok.decode(ids, skip_special_tokens=True) == "¡"
+    deltas, det = stream(tok, [], ids, list(range(len(ids) + 1)))  # one token per step
+    assert "".join(deltas) == det.text == "¡" and det.flush() == ""
+    assert det.num_tokens == len(ids)
+    # Not skipped, the special token is text of its own and settles the lone byte as U+FFFD, as a full decode does.
+    kept, det = stream(tok, [], ids, list(range(len(ids) + 1)), skip=False)
+    assert "".join(kept) + det.flush() == tok.decode(ids, skip_special_tokens=False)
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(st.characters(codec="utf-8"), max_size=60), cuts=cut_lists, prompt=st.sampled_from(CORPUS))
 def test_encoded_text_streams_back_exactly_after_a_prompt(tokenizer, text, cuts, prompt):
