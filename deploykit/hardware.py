@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import topology
+from . import isa, topology
 from .errors import TopologyError
 from .spec import InlineHardware, Spec, SysrootHardware
 from .topology import Cpu, Node, Topology
@@ -59,5 +59,5 @@ def from_inline(hw: InlineHardware) -> Topology:
                                 hint="check threads_per_core and sibling_numbering against `lscpu -e`")
     return Topology(cpus=tuple(sorted(cpus, key=lambda c: c.id)), offline=(), nodes=tuple(nodes),
                     allowed_cpus=tuple(all_cpus), allowed_mems=tuple(n.id for n in nodes if n.memory_bytes),
-                    quota_cpus=None, memory_limit_bytes=None, isa=tuple(f for f in topology.ISA_OF_INTEREST if f in hw.isa), cpu_model="",
+                    quota_cpus=None, memory_limit_bytes=None, isa=tuple(f for f in isa.OF_INTEREST if f in hw.isa), cpu_model="",
                     source="inline")

@@ -1,7 +1,8 @@
-"""Model sizing without loading the model: parameter count, weight bytes and KV bytes per token.
+"""Where a model is and how big it gets, without loading it: its location, parameter count, weight and KV bytes,
+the dtype it runs in, and how large an automatic KV cache is. Shared by the planner and the engine.
 
-Reads config.json and the safetensors headers from a local directory or the local Hugging Face cache (never
-downloads); falls back to the spec's explicit architecture numbers.
+Reads a local directory (config.json + safetensors headers), a .gguf file's header, or the local Hugging Face
+cache (never downloads); falls back to the spec's explicit architecture numbers.
 """
 
 from __future__ import annotations
@@ -13,41 +14,86 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import gguf, modelconfig
 from .errors import ModelError
 from .spec import ModelSpec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+# What users may write for a dtype (CLI flags, the spec) -> its canonical name.
+DTYPE_NAMES = {"auto": "auto", "float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
+               "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
+KV_BLOCK_TOKENS = 16  # tokens per KV cache block: the engine's paging unit; auto-sized caches are whole blocks
+HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
+    """What the planner needs to know about a model."""
+
     source: str
-    path: str | None  # local directory holding config.json, None when sized from explicit numbers
+    path: str | None  # local directory or .gguf file; None when sized from the spec's numbers
     architecture: str
     num_parameters: int
     num_hidden_layers: int
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int | None
-    counted_from: str  # "safetensors", "config.json" or "spec"
+    counted_from: str  # "safetensors", "gguf", "config.json" or "spec"
 
     def weight_bytes(self, dtype: str) -> int:
         return self.num_parameters * DTYPE_BYTES[dtype]
 
     def kv_bytes_per_token(self, dtype: str) -> int:
-        # K and V, every layer: [layers, 2, kv_heads, head_dim] elements per token.
-        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * DTYPE_BYTES[dtype]
+        return kv_bytes_per_token(self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim, dtype)
+
+
+def kv_bytes_per_token(kv_elements_per_token: int, dtype: str) -> int:
+    """Bytes of K+V cache one token takes across all layers (ModelConfig.kv_elements_per_token elements)."""
+    return kv_elements_per_token * DTYPE_BYTES[dtype]
+
+
+def canonical_dtype(name: str) -> str:
+    try:
+        return DTYPE_NAMES[name.lower()]
+    except (KeyError, AttributeError):
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {name!r}") from None
+
+
+def resolve_dtype(requested: str, has_bf16: bool) -> tuple[str, tuple[str, ...]]:
+    """The dtype weights and KV run in, and notes on why. auto: bfloat16 where the CPU computes it natively
+    (AVX512-BF16 or AMX), else float32; float16 runs as bfloat16 (same size, wider range; the kernels are bf16)."""
+    name = canonical_dtype(requested)
+    if name == "float16":
+        return "bfloat16", ("model.dtype float16 runs as bfloat16 (same size, wider range; CPU kernels are bf16)",)
+    if name == "auto":
+        return ("bfloat16" if has_bf16 else "float32"), ()
+    return name, ()
+
+
+def auto_kv_cache_bytes(per_token: int, max_model_len: int, max_num_seqs: int, available: int, *,
+                        at_least_one_sequence: bool = True) -> int:
+    """An automatic KV cache: room for every sequence slot at full length, capped by `available` bytes and
+    rounded down to whole blocks; never below one max_model_len sequence (the planner has checked it fits) or,
+    without that guarantee, one block."""
+    block = per_token * KV_BLOCK_TOKENS
+    kv = min(per_token * max_model_len * max_num_seqs, available) // block * block
+    return max(per_token * max_model_len if at_least_one_sequence else block, kv)
+
+
+def served_name(source: str) -> str:
+    """A hub id is served under its own name (as vLLM does); a local path under its last component, without .gguf."""
+    if source.startswith(("/", ".", "~")) or not HF_ID.match(source):
+        name = source.rstrip("/").rsplit("/", 1)[-1] or source
+        return name[:-5] if name.endswith(".gguf") and len(name) > 5 else name
+    return source
 
 
 def locate(source: str, revision: str | None = None) -> Path | None:
-    """A local directory with config.json, or the HF cache snapshot of a hub id; None if not on this machine."""
+    """A local model directory or .gguf file, or the HF cache snapshot of a hub id; None if not on this machine."""
     p = Path(source).expanduser()
-    if p.is_dir():
+    if p.is_dir() or (p.is_file() and p.suffix == ".gguf"):
         return p
-    if p.is_absolute() or source.startswith((".", "~")) or not _HF_ID.match(source):
+    if p.is_absolute() or source.startswith((".", "~")) or not HF_ID.match(source):
         return None
     repo = hf_cache_dir() / ("models--" + source.replace("/", "--"))
     rev = revision or "main"
@@ -70,72 +116,49 @@ def hf_cache_dir() -> Path:
     return Path(xdg) / "huggingface" / "hub"
 
 
+def read_config(path: str | Path) -> modelconfig.ModelConfig:
+    """ModelConfig of a local model: a Hugging Face directory or a .gguf file."""
+    p = Path(path)
+    if p.is_file() or p.suffix == ".gguf":
+        return modelconfig.from_gguf(gguf.read(p))
+    return modelconfig.read_dir(p)
+
+
 def shape(spec: ModelSpec) -> ModelShape:
     path = locate(spec.source, spec.revision)
     if path is not None:
-        return _from_dir(spec.source, path)
+        return _from_local(spec.source, path)
     if spec.architecture is not None:
         a = spec.architecture
         head_dim = a.head_dim or a.hidden_size // a.num_attention_heads  # type: ignore[operator]
-        params = a.num_parameters or _count(a.hidden_size, a.intermediate_size, a.vocab_size, a.num_hidden_layers,
-                                            a.num_attention_heads or a.hidden_size // head_dim,
-                                            a.num_key_value_heads, head_dim, a.tie_word_embeddings)
+        params = a.num_parameters
+        if params is None:
+            params = modelconfig.ModelConfig(
+                source=spec.source, architecture="explicit", model_type="", vocab_size=a.vocab_size,
+                hidden_size=a.hidden_size, num_layers=a.num_hidden_layers,
+                num_heads=a.num_attention_heads or a.hidden_size // head_dim, num_kv_heads=a.num_key_value_heads,
+                head_dim=head_dim, intermediate_size=a.intermediate_size, max_position_embeddings=None,
+                tie_word_embeddings=a.tie_word_embeddings).count_parameters()
         return ModelShape(spec.source, None, "explicit", params, a.num_hidden_layers, a.num_key_value_heads,
                           head_dim, a.max_position_embeddings, "spec")
-    where = f"the local Hugging Face cache ({hf_cache_dir()})" if _HF_ID.match(spec.source) else "this machine"
+    where = f"the local Hugging Face cache ({hf_cache_dir()})" if HF_ID.match(spec.source) else "this machine"
     raise ModelError(f"model not found in {where}; deploykit never downloads", path="model.source",
                      value=spec.source,
-                     hint="point model.source at a local directory with config.json, download it beforehand "
-                          "(e.g. `hf download " + spec.source + "`), or give model.architecture numbers "
+                     hint="point model.source at a local directory with config.json or a .gguf file, download it "
+                          "beforehand (e.g. `hf download " + spec.source + "`), or give model.architecture numbers "
                           "(num_hidden_layers, num_key_value_heads, head_dim, num_parameters)")
 
 
-def _from_dir(source: str, path: Path) -> ModelShape:
-    cfg_file = path / "config.json"
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except FileNotFoundError:
-        raise ModelError("config.json missing in the model directory", path=str(path),
-                         hint="a Hugging Face model directory has config.json next to its *.safetensors") from None
-    except (OSError, ValueError) as e:
-        raise ModelError(f"cannot read config.json: {e}", path=str(cfg_file)) from None
-    if not isinstance(cfg, dict):
-        raise ModelError("config.json is not a JSON object", path=str(cfg_file))
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
-    try:
-        layers = int(text["num_hidden_layers"])
-        heads = int(text["num_attention_heads"])
-        hidden = int(text["hidden_size"])
-        kv = int(text.get("num_key_value_heads") or heads)
-        head_dim = int(text.get("head_dim") or hidden // heads)
-        inter = int(text.get("intermediate_size") or text.get("ffn_dim") or 4 * hidden)
-        experts = int(text.get("num_local_experts") or text.get("num_experts") or 1)
-        vocab = int(text.get("vocab_size") or 32000)
-        max_pos = text.get("max_position_embeddings") or text.get("n_positions") or text.get("seq_length")
-        max_pos = int(max_pos) if max_pos else None
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-        raise ModelError(f"config.json lacks a usable {e} (need integer num_hidden_layers, num_attention_heads, "
-                         "hidden_size)", path=str(cfg_file)) from None
-    bad = {k: v for k, v in {"num_hidden_layers": layers, "num_attention_heads": heads, "hidden_size": hidden,
-                             "num_key_value_heads": kv, "head_dim": head_dim, "intermediate_size": inter,
-                             "vocab_size": vocab, "max_position_embeddings": max_pos or 1}.items() if v < 1}
-    if bad:
-        raise ModelError(f"config.json has non-positive sizes: {bad}", path=str(cfg_file),
-                         hint="a causal LM needs at least one layer, head and hidden unit")
-    arch = (cfg.get("architectures") or [cfg.get("model_type", "unknown")])[0]
-    params = _count_safetensors(path)
-    counted = "safetensors"
-    if params is None:
-        counted = "config.json"
-        params = _count(hidden, inter * experts, vocab, layers, heads, kv, head_dim,
-                        bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))))
-    return ModelShape(source, str(path), str(arch), params, layers, kv, head_dim, max_pos, counted)
-
-
-def _count(hidden, inter, vocab, layers, heads, kv, head_dim, tied) -> int:
-    attn = hidden * heads * head_dim * 2 + hidden * kv * head_dim * 2
-    per_layer = attn + 3 * hidden * inter + 2 * hidden
-    return layers * per_layer + vocab * hidden * (1 if tied else 2) + hidden
+def _from_local(source: str, path: Path) -> ModelShape:
+    cfg = read_config(path)
+    if path.is_file():
+        params, counted = modelconfig.parameters_in(gguf.read(path)), "gguf"
+    else:
+        params, counted = _count_safetensors(path), "safetensors"
+        if params is None:
+            params, counted = cfg.count_parameters(), "config.json"
+    return ModelShape(source, str(path), cfg.architecture, params, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                      cfg.max_position_embeddings, counted)
 
 
 def _count_safetensors(path: Path) -> int | None:

@@ -1,14 +1,25 @@
 """The Plan: everything renderers and the engine need, frozen. Renderers see only this, never the spec.
 
-`Plan.to_dict()` is the documented JSON form (`deploykit plan --format json`); keys are stable.
+`Plan.to_dict()` is the documented JSON form (`deploykit plan --format json`, plan.json); keys are stable. It is
+derived from the dataclass fields (tuples become lists; fields marked `cpulist` are written in the Linux list
+syntax, `mapping` fields as objects) plus a few derived keys, and `Plan.from_dict` reads it back: the engine gets
+its replica's placement as a typed object, whether from `deploykit serve` or from plan.json in a container.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 
 from . import cpulist
+from .errors import PlanError
+
+API_VERSION = "deploykit/v1"
+_CPULIST = {"json": "cpulist"}  # written as "0-3,8", read back to a tuple of ints
+_MAPPING = {"json": "mapping"}  # sorted (name, value) pairs, written as an object
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,23 +36,20 @@ class Replica:
     weight_bytes: int
     kv_cache_bytes: int
     memory_limit_bytes: int  # weights + KV + headroom: the container memory limit
-    env: tuple[tuple[str, str], ...]  # sorted (name, value)
+    env: tuple[tuple[str, str], ...] = field(metadata=_MAPPING)  # sorted (name, value)
 
     @property
     def cpuset(self) -> tuple[int, ...]:
         """Every CPU the replica's container may use."""
         return tuple(sorted(set(self.cpus) | set(self.frontend_cpus)))
 
+    def derived(self) -> dict:
+        """Keys of the JSON form that repeat fields in the Linux list syntax (read by shell scripts and people)."""
+        return {"cpus_list": cpulist.format(self.cpus), "frontend_cpus_list": cpulist.format(self.frontend_cpus),
+                "cpuset": cpulist.format(self.cpuset), "mems_list": cpulist.format(self.mems)}
+
     def to_dict(self) -> dict:
-        return {
-            "index": self.index, "name": self.name, "numa_nodes": list(self.numa_nodes), "cpus": list(self.cpus),
-            "cpus_list": cpulist.format(self.cpus), "frontend_cpus": list(self.frontend_cpus),
-            "frontend_cpus_list": cpulist.format(self.frontend_cpus), "cpuset": cpulist.format(self.cpuset),
-            "mems": list(self.mems), "mems_list": cpulist.format(self.mems), "omp_threads": self.omp_threads,
-            "port": self.port, "memory_bytes": self.memory_bytes, "weight_bytes": self.weight_bytes,
-            "kv_cache_bytes": self.kv_cache_bytes, "memory_limit_bytes": self.memory_limit_bytes,
-            "env": dict(self.env),
-        }
+        return _encode(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +63,12 @@ class ModelPlan:
     weight_bytes: int
     kv_bytes_per_token: int
     served_name: str
-    sized_from: str  # safetensors | config.json | spec
+    sized_from: str  # safetensors | gguf | config.json | spec
+
+    @property
+    def is_file(self) -> bool:
+        """The model is one .gguf file rather than a directory."""
+        return self.sized_from == "gguf"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +111,7 @@ class HardwareSummary:
     numa_nodes: int
     threads_per_core: int
     online_cpus: int
-    allowed_cpus: tuple[int, ...]
+    allowed_cpus: tuple[int, ...] = field(metadata=_CPULIST)
     quota_cpus: float | None
 
 
@@ -115,29 +128,89 @@ class Plan:
     warnings: tuple[str, ...] = field(default=())
 
     def to_dict(self) -> dict:
-        m, s, h = self.model, self.serving, self.hardware
-        return {
-            "apiVersion": "deploykit/v1", "kind": "Plan", "name": self.name,
-            "model": {"source": m.source, "path": m.path, "architecture": m.architecture, "dtype": m.dtype,
-                      "max_model_len": m.max_model_len, "num_parameters": m.num_parameters,
-                      "weight_bytes": m.weight_bytes, "kv_bytes_per_token": m.kv_bytes_per_token,
-                      "served_name": m.served_name, "sized_from": m.sized_from},
-            "replicas": [r.to_dict() for r in self.replicas],
-            "serving": {"port": s.port, "publish_address": s.publish_address, "max_num_seqs": s.max_num_seqs,
-                        "max_num_batched_tokens": s.max_num_batched_tokens, "api_key_env": s.api_key_env,
-                        "api_key_secret": list(s.api_key_secret) if s.api_key_secret else None,
-                        "load_balancer": s.load_balancer},
-            "image": {"name": self.image.name, "tag": self.image.tag, "base": self.image.base,
-                      "wheelhouse": self.image.wheelhouse},
-            "security": {"seccomp": self.security.seccomp, "run_as_user": self.security.run_as_user,
-                         "read_only_root": self.security.read_only_root},
-            "targets": list(self.targets),
-            "hardware": {"source": h.source, "cpu_model": h.cpu_model, "isa_tier": h.isa_tier, "isa": list(h.isa),
-                         "sockets": h.sockets, "numa_nodes": h.numa_nodes, "threads_per_core": h.threads_per_core,
-                         "online_cpus": h.online_cpus, "allowed_cpus": cpulist.format(h.allowed_cpus),
-                         "quota_cpus": h.quota_cpus},
-            "warnings": list(self.warnings),
-        }
+        return {"apiVersion": API_VERSION, "kind": "Plan", **_encode(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        """The inverse of to_dict (derived keys are ignored); PlanError names the first key that does not fit."""
+        if not isinstance(data, dict) or data.get("apiVersion") != API_VERSION or data.get("kind") != "Plan":
+            got = {k: data.get(k) for k in ("apiVersion", "kind")} if isinstance(data, dict) else type(data).__name__
+            raise PlanError("not a deploykit plan", value=got, allowed=f"apiVersion {API_VERSION}, kind Plan",
+                            hint="use the plan.json written by `deploykit render` or `deploykit plan --format json`")
+        return _decode(cls, data, "")
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            return cls.from_dict(json.loads(text))
+        except ValueError as e:
+            raise PlanError(f"not JSON: {e}") from None
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+
+def _encode(obj) -> dict:
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        kind = f.metadata.get("json")
+        out[f.name] = (cpulist.format(value) if kind == "cpulist" else dict(value) if kind == "mapping"
+                       else _plain(value))
+    return {**out, **obj.derived()} if hasattr(obj, "derived") else out
+
+
+def _plain(value):
+    if dataclasses.is_dataclass(value):
+        return _encode(value)
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _decode(cls, data: dict, where: str):
+    if not isinstance(data, dict):
+        raise PlanError("expected an object", path=where or "plan", value=data)
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        path = f"{where}.{f.name}" if where else f.name
+        if f.name not in data:
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+                continue
+            raise PlanError("missing from the plan", path=path,
+                            hint="re-render with this deploykit version: the plan format has this key")
+        kind = f.metadata.get("json")
+        try:
+            if kind == "cpulist":
+                kwargs[f.name] = cpulist.parse(data[f.name])
+            elif kind == "mapping":
+                kwargs[f.name] = tuple(sorted((str(k), str(v)) for k, v in data[f.name].items()))
+            else:
+                kwargs[f.name] = _typed(hints[f.name], data[f.name], path)
+        except (TypeError, ValueError, AttributeError) as e:
+            raise PlanError(f"does not fit {hints[f.name]}: {e}", path=path, value=data[f.name]) from None
+    return cls(**kwargs)
+
+
+def _typed(tp, value, path: str):
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        return _typed(next(a for a in args if a is not type(None)), value, path)
+    if dataclasses.is_dataclass(tp):
+        return _decode(tp, value, path)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise TypeError("expected a list")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_typed(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+        return tuple(_typed(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, str, bool, float):
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            raise TypeError(f"expected {tp.__name__}")
+        return value
+    raise TypeError(f"unsupported type {tp}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from . import cpulist, placement
+from . import cpulist, memory, placement
 from .errors import PlanError
 from .memory import ModelShape
 from .plan import HardwareSummary, ImagePlan, ModelPlan, Plan, Replica, SecurityPlan, ServingPlan
@@ -17,9 +17,6 @@ from .topology import Topology
 from .units import human
 
 GiB = 1024**3
-KV_BLOCK_TOKENS = 16  # the engine's KV block; auto-sized caches are a whole number of blocks
-
-
 API_KEY_ENV = "DEPLOYKIT_API_KEY"
 
 
@@ -34,17 +31,9 @@ def container_limit(model_bytes: int) -> int:
     return model_bytes + 2 * GiB + model_bytes // 10
 
 
-def resolve_dtype(requested: str, topo: Topology) -> tuple[str, list[str]]:
-    if requested == "float16":
-        return "bfloat16", ["model.dtype float16 runs as bfloat16 (same size, wider range; CPU kernels are bf16)"]
-    if requested == "auto":
-        return ("bfloat16" if topo.has_bf16 else "float32"), []
-    return requested, []
-
-
 def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
     warnings: list[str] = []
-    dtype, notes = resolve_dtype(spec.model.dtype, topo)
+    dtype, notes = memory.resolve_dtype(spec.model.dtype, topo.has_bf16)
     warnings += notes
     if dtype == "bfloat16" and not topo.has_bf16:
         if topo.isa_tier == "avx512":
@@ -106,28 +95,29 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
     key_env = getattr(key, "env", None) or (API_KEY_ENV if key is not None else None)
     return Plan(
         name=spec.name,
-        model=ModelPlan(shape.source, shape.path, shape.architecture, dtype, max_len, shape.num_parameters, weights,
-                        per_token, sv.served_model_name or served_name(spec.model.source), shape.counted_from),
+        model=ModelPlan(source=shape.source, path=shape.path, architecture=shape.architecture, dtype=dtype,
+                        max_model_len=max_len, num_parameters=shape.num_parameters, weight_bytes=weights,
+                        kv_bytes_per_token=per_token,
+                        served_name=sv.served_model_name or memory.served_name(spec.model.source),
+                        sized_from=shape.counted_from),
         replicas=tuple(replicas),
-        serving=ServingPlan(sv.port, sv.publish_address, sv.max_num_seqs, sv.max_num_batched_tokens, key_env,
-                            (key.secret, key.key) if key is not None and hasattr(key, "secret") else None, multi),
-        image=ImagePlan(spec.image.name, spec.image.tag, spec.image.base, spec.image.wheelhouse),
-        security=SecurityPlan(spec.security.seccomp, spec.security.run_as_user, spec.security.read_only_root),
+        serving=ServingPlan(port=sv.port, publish_address=sv.publish_address, max_num_seqs=sv.max_num_seqs,
+                            max_num_batched_tokens=sv.max_num_batched_tokens, api_key_env=key_env,
+                            api_key_secret=(key.secret, key.key) if key is not None and hasattr(key, "secret")
+                            else None, load_balancer=multi),
+        image=ImagePlan(name=spec.image.name, tag=spec.image.tag, base=spec.image.base,
+                        wheelhouse=spec.image.wheelhouse),
+        security=SecurityPlan(seccomp=spec.security.seccomp, run_as_user=spec.security.run_as_user,
+                              read_only_root=spec.security.read_only_root),
         targets=spec.targets,
         hardware=HardwareSummary(
-            "sysroot" if isinstance(spec.hardware, SysrootHardware) or topo.source not in ("/", "inline")
+            source="sysroot" if isinstance(spec.hardware, SysrootHardware) or topo.source not in ("/", "inline")
             else "inline" if isinstance(spec.hardware, InlineHardware) else "auto",
-            topo.cpu_model, topo.isa_tier, topo.isa, len(topo.sockets), len(topo.nodes), topo.threads_per_core,
-            len(topo.cpus), topo.allowed_cpus, topo.quota_cpus),
+            cpu_model=topo.cpu_model, isa_tier=topo.isa_tier, isa=topo.isa, sockets=len(topo.sockets),
+            numa_nodes=len(topo.nodes), threads_per_core=topo.threads_per_core, online_cpus=len(topo.cpus),
+            allowed_cpus=topo.allowed_cpus, quota_cpus=topo.quota_cpus),
         warnings=tuple(warnings),
     )
-
-
-def served_name(source: str) -> str:
-    """A hub id is served under its own name (as vLLM does); a local directory under its last path component."""
-    if source.startswith(("/", ".", "~")):
-        return source.rstrip("/").rsplit("/", 1)[-1] or source
-    return source
 
 
 def _max_model_len(spec: Spec, shape: ModelShape) -> int:
@@ -264,9 +254,7 @@ def _kv_bytes(spec: Spec, i: int, nodes: tuple[int, ...], mem: int, weights: int
             f"{human(one_seq)} + headroom {human(room)} = {human(weights + one_seq + room)} > {human(mem)}",
             hint="; or ".join(ways))
     if spec.serving.kv_cache == "auto":
-        want = per_token * max_len * spec.serving.max_num_seqs
-        kv = min(want, mem - weights - room)
-        return max(one_seq, kv // (per_token * KV_BLOCK_TOKENS) * per_token * KV_BLOCK_TOKENS)
+        return memory.auto_kv_cache_bytes(per_token, max_len, spec.serving.max_num_seqs, mem - weights - room)
     kv = int(spec.serving.kv_cache)
     if kv < one_seq:
         raise PlanError(f"holds {kv // per_token} tokens, less than one max_model_len sequence ({max_len})",

@@ -14,7 +14,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, S
                       field_validator, model_validator)
 
 from . import cpulist
-from .topology import ISA_OF_INTEREST as ISA_FLAGS
+from .isa import OF_INTEREST as ISA_FLAGS
 from .units import parse_size
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")

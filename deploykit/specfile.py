@@ -5,7 +5,6 @@ Each problem names the field path, the bad value, what is allowed and a did-you-
 
 from __future__ import annotations
 
-import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -14,11 +13,11 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from .errors import Problem, SpecError, did_you_mean
+from .memory import HF_ID
 from .spec import Spec
 
 # Discriminator tags pydantic puts into error paths, right after the union field they belong to.
 _TAGS = {"hardware": {"auto", "sysroot", "inline"}, "api_key": {"env", "secret"}}
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -92,7 +91,7 @@ def resolve_paths(spec: Spec, base: Path) -> Spec:
     src = spec.model.source
     # A hub id ("org/name") stays an id unless a directory of that name sits next to the spec; any other
     # relative source is a path relative to the spec file, never to the current directory.
-    if not _HUB_ID.match(src) or (base / src).exists():
+    if not HF_ID.match(src) or (base / src).exists():
         updates["model"] = spec.model.model_copy(update={"source": fix(src)})
     if not isinstance(spec.hardware, str) and hasattr(spec.hardware, "sysroot"):
         updates["hardware"] = spec.hardware.model_copy(update={"sysroot": fix(spec.hardware.sysroot)})

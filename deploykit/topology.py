@@ -14,14 +14,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import cpulist
+from . import isa as _isa
 from .errors import TopologyError
 
 CPU_DIR = "sys/devices/system/cpu"
 NODE_DIR = "sys/devices/system/node"
 CGROUP = "sys/fs/cgroup"
 TOPOLOGY_FILES = ("core_id", "physical_package_id", "thread_siblings_list")
-ISA_OF_INTEREST = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
-                   "amx_tile", "amx_bf16", "amx_int8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,18 +54,11 @@ class Topology:
 
     @property
     def isa_tier(self) -> str:
-        f = set(self.isa)
-        if {"amx_tile", "amx_bf16"} <= f:
-            return "amx"
-        if "avx512_bf16" in f:
-            return "avx512_bf16"
-        if {"avx512f", "avx512bw", "avx512vl"} <= f:
-            return "avx512"
-        return "avx2" if "avx2" in f else "baseline"
+        return _isa.tier(self.isa)
 
     @property
     def has_bf16(self) -> bool:
-        return self.isa_tier in ("amx", "avx512_bf16")
+        return _isa.has_bf16(self.isa)
 
     def cpu(self, cpu_id: int) -> Cpu:
         for c in self.cpus:
@@ -154,11 +146,12 @@ def read_with_sources(sysroot: str | Path = "/") -> tuple[Topology, tuple[str, .
         raise TopologyError("this process may run on no online CPU (cpuset and affinity do not intersect the "
                             "online CPUs)", path=str(root))
 
-    flags = set((re.search(r"^flags\s*:(.*)$", r.text("proc/cpuinfo") or "", re.M) or _EMPTY).group(1).split())
-    model = (re.search(r"^model name\s*:\s*(.*)$", r.text("proc/cpuinfo") or "", re.M) or _EMPTY).group(1)
+    cpuinfo = r.text("proc/cpuinfo") or ""
+    flags = _isa.flags_in(cpuinfo)
+    model = (re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.M) or _EMPTY).group(1)
     topo = Topology(cpus=tuple(cpus), offline=offline, nodes=nodes, allowed_cpus=tuple(sorted(allowed)),
                     allowed_mems=tuple(sorted(mems)), quota_cpus=quota, memory_limit_bytes=mem_limit,
-                    isa=tuple(f for f in ISA_OF_INTEREST if f in flags), cpu_model=model.strip(),
+                    isa=tuple(f for f in _isa.OF_INTEREST if f in flags), cpu_model=model.strip(),
                     source=str(root))
     return topo, tuple(sorted(r.seen))
 

@@ -4,7 +4,7 @@ Importing `engine` must not import torch: the engine process binds OpenMP thread
 before torch loads its OpenMP runtime. Public names are resolved lazily.
 """
 
-_EXPORTS = {"Engine": "engine.engine", "AsyncEngine": "engine.engine", "EngineConfig": "engine.config",
+_EXPORTS = {"Engine": "engine.engine", "EngineConfig": "engine.config",
             "SamplingParams": "engine.params", "EngineError": "engine.errors", "ModelLoadError": "engine.errors",
             "RequestError": "engine.errors"}
 __all__ = sorted(_EXPORTS)

@@ -3,52 +3,39 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig, resolve_dtype
+from deploykit import memory
+from engine.config import EngineConfig, dtype_name, mem_available_bytes
 from engine.errors import ModelLoadError, RequestError
-from engine.kv_cache import BlockAllocator, KVCache, default_kv_cache_bytes
-from engine.loader import load_spec
+from engine.kv_cache import BlockAllocator, KVCache
+from engine.loader import load_config
+from engine.messages import EngineStats, TokenOutput
 from engine.model_runner import ModelRunner
 from engine.models import build_model, is_native
-from engine.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
+from engine.params import check_prompt
+from engine.sampling import Sampler, SamplingParams, SamplingState
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
 log = logging.getLogger("engine")
-
-
-@dataclass(frozen=True, slots=True)
-class TokenOutput:
-    request_id: str
-    new_token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None     # one entry per new token when the request asked for logprobs
-    finished: bool
-    finish_reason: str | None                # "stop" | "length" | "abort"
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float                    # fraction of KV blocks in use, 0..1
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    num_preemptions: int
+# Without a planned KV budget the cache takes at most this share of the memory free at start-up.
+DEFAULT_KV_SHARE = 4
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         torch.manual_seed(config.seed)
-        self.dtype = resolve_dtype(config.dtype)
-        self.spec = spec = load_spec(config.model)
+        self.dtype_name = dtype_name(config.dtype)  # "bfloat16" | "float32"
+        self.dtype = getattr(torch, self.dtype_name)
+        self.spec = spec = load_config(config.model)
         self.max_model_len = self._context_len(config)
-        bytes_per_token = spec.kv_bytes_per_token * self.dtype.itemsize
-        budget = config.kv_cache_bytes or default_kv_cache_bytes(
-            bytes_per_token, config.max_num_seqs, self.max_model_len)
+        bytes_per_token = memory.kv_bytes_per_token(spec.kv_elements_per_token, self.dtype_name)
+        budget = config.kv_cache_bytes or memory.auto_kv_cache_bytes(
+            bytes_per_token, self.max_model_len, config.max_num_seqs, mem_available_bytes() // DEFAULT_KV_SHARE,
+            at_least_one_sequence=False)
         num_blocks = budget // (bytes_per_token * config.block_size)
         if num_blocks < 1:
             raise ModelLoadError(f"kv_cache_bytes={budget} is too small: one block of {config.block_size} tokens "
@@ -70,13 +57,18 @@ class EngineCore:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         log.info("engine core: %s (%s, %s), max_model_len=%d, KV cache %d blocks x %d tokens (%.1f MiB)",
-                 spec.architecture, "native" if is_native(spec) else "transformers", str(self.dtype)[6:],
+                 spec.architecture, "native" if is_native(spec) else "transformers", self.dtype_name,
                  self.max_model_len, num_blocks, config.block_size, num_blocks * config.block_size
                  * bytes_per_token / 2**20)
         _log_kernels(self.dtype, getattr(self.model, "step_weights", None) is not None)
 
     def _context_len(self, config: EngineConfig) -> int:
         limit = self.spec.max_position_embeddings
+        if limit is None:
+            if config.max_model_len is None:
+                raise ModelLoadError(f"{self.spec.source}: the model does not state its context length "
+                                     "(max_position_embeddings); set max_model_len")
+            return config.max_model_len
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ModelLoadError(f"max_model_len={config.max_model_len} exceeds the model's "
                                  f"max_position_embeddings={limit} (config.json); lower max_model_len")
@@ -85,25 +77,10 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise RequestError("prompt is empty; it must contain at least one token")
         vocab = self.spec.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        if params.max_tokens is None:
-            max_tokens = self.max_model_len - n
-            if max_tokens < 1:
-                raise RequestError(f"prompt has {n} tokens, leaving no room to generate within "
-                                   f"max_model_len {self.max_model_len}")
-        else:
-            max_tokens = params.max_tokens
-            if max_tokens < 1:
-                raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
-            if n + max_tokens > self.max_model_len:
-                raise RequestError(f"prompt has {n} tokens and max_tokens is {max_tokens}: together "
-                                   f"{n + max_tokens} exceed max_model_len {self.max_model_len}")
+        max_tokens = check_prompt(prompt_token_ids, params.max_tokens, vocab_size=vocab,
+                                  max_model_len=self.max_model_len)
+        n = len(prompt_token_ids)
         state = SamplingState(params, prompt_token_ids, self.eos_token_ids, vocab)
         seq = Sequence(request_id, list(prompt_token_ids), n, max_tokens, state, next(self._arrivals))
         self._requests[request_id] = seq
@@ -145,7 +122,7 @@ class EngineCore:
                 del self._requests[seq.request_id]
                 self.scheduler.finish(seq, reason)
                 self.runner.release(seq)
-            outputs.append(TokenOutput(seq.request_id, [token], None if lp is None else [lp],
+            outputs.append(TokenOutput(seq.request_id, (token,), None if lp is None else (lp,),
                                        reason is not None, reason))
         return outputs
 
@@ -159,8 +136,10 @@ class EngineCore:
         return None
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.allocator.usage(),
-                           self._prompt_tokens, self._generation_tokens, self.scheduler.num_preemptions)
+        return EngineStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                           kv_cache_usage=self.allocator.usage(), prompt_tokens_total=self._prompt_tokens,
+                           generation_tokens_total=self._generation_tokens,
+                           num_preemptions=self.scheduler.num_preemptions)
 
 
 def _log_kernels(dtype: torch.dtype, fused_step: bool) -> None:

@@ -1,19 +1,7 @@
 """Paged KV cache: per-layer K/V block pools preallocated from a byte budget, and the block allocator."""
 from __future__ import annotations
 
-import logging
-
 import torch
-
-from engine.config import mem_available_bytes
-
-log = logging.getLogger("engine")
-
-
-def default_kv_cache_bytes(bytes_per_token: int, max_num_seqs: int, max_model_len: int) -> int:
-    """Enough for every sequence slot at full length, but never more than a quarter of free memory."""
-    want = bytes_per_token * max_num_seqs * max_model_len
-    return max(bytes_per_token, min(want, mem_available_bytes() // 4))
 
 
 class BlockAllocator:

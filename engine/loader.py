@@ -1,43 +1,45 @@
-"""Reading a Hugging Face model directory: config.json -> ModelSpec, and named tensors from (sharded) safetensors."""
+"""Reading a model for the engine: its ModelConfig (deploykit.modelconfig, shared with the planner) and its named
+tensors, from (sharded) safetensors or, dequantized, from a GGUF file (engine/gguf_weights.py)."""
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 
 import torch
 from safetensors import safe_open
 
+from deploykit import memory
+from deploykit.errors import DeploykitError
+from deploykit.modelconfig import ModelConfig
 from engine.errors import ModelLoadError
 
+__all__ = ["CheckpointReader", "ModelConfig", "is_gguf", "load_config", "open_checkpoint"]
 
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """The fields of a HF config.json that the engine needs, normalised across transformers versions."""
-    path: str
-    architecture: str
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = field(default=None, hash=False, compare=False)
-    tie_word_embeddings: bool = False
-    hidden_act: str = "silu"
-    sliding_window: int | None = None
-    sliding_layers: tuple[int, ...] = ()     # layers that attend only to the last sliding_window tokens
-    eos_token_ids: tuple[int, ...] = ()
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K+V cache one token occupies across all layers, per byte of element size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+def is_gguf(model: str) -> bool:
+    return os.path.isfile(model) and model.endswith(".gguf")
+
+
+def load_config(model: str) -> ModelConfig:
+    """The model's configuration: config.json of a Hugging Face directory, or a .gguf file's header."""
+    if not os.path.exists(model):
+        raise ModelLoadError(f"model {model!r} does not exist; pass a local Hugging Face model directory or a .gguf "
+                             "file (create a test one with `python -m engine tiny-model DIR`)")
+    if os.path.isfile(model) and not model.endswith(".gguf"):
+        raise ModelLoadError(f"{model} is a file but not a .gguf file; pass a Hugging Face model directory or a "
+                             ".gguf file")
+    try:
+        return memory.read_config(model)
+    except DeploykitError as e:  # the shared reader's error, re-raised in the engine's family
+        raise ModelLoadError(str(e)) from None
+
+
+def open_checkpoint(config: ModelConfig):
+    """Named tensors (Hugging Face names) of the model `config` was read from."""
+    if is_gguf(config.source):
+        from engine.gguf_weights import GGUFCheckpoint
+        return GGUFCheckpoint(config)
+    return CheckpointReader(config.source)
 
 
 def _load_json(path: str) -> dict:
@@ -46,97 +48,6 @@ def _load_json(path: str) -> dict:
             return json.load(f)
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
-
-
-def read_hf_config(model_dir: str) -> dict:
-    if not os.path.isdir(model_dir):
-        raise ModelLoadError(f"model directory {model_dir!r} does not exist; pass a local Hugging Face model "
-                             "directory (create a test one with `python -m engine tiny-model DIR`)")
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise ModelLoadError(f"{path} not found: the model directory must contain a Hugging Face config.json "
-                             "(save the model with save_pretrained)")
-    return _load_json(path)
-
-
-def _eos_ids(model_dir: str, cfg: dict) -> tuple[int, ...]:
-    ids: list[int] = []
-    sources = [cfg]
-    gen_path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(gen_path):
-        sources.append(_load_json(gen_path))
-    for src in sources:
-        eos = src.get("eos_token_id")
-        for i in (eos if isinstance(eos, list) else [eos]):
-            if isinstance(i, int) and i not in ids:
-                ids.append(i)
-    return tuple(ids)
-
-
-def _require(cfg: dict, key: str, path: str):
-    if cfg.get(key) is None:
-        raise ModelLoadError(f"{path}: field {key!r} is missing; it is required to build the model")
-    return cfg[key]
-
-
-def load_spec(model_dir: str) -> ModelSpec:
-    cfg = read_hf_config(model_dir)
-    path = os.path.join(model_dir, "config.json")
-    if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
-        cfg = {**cfg, **cfg["text_config"]}  # multimodal wrappers keep the language model's fields nested
-    archs = cfg.get("architectures") or []
-    hidden = int(_require(cfg, "hidden_size", path))
-    heads = int(_require(cfg, "num_attention_heads", path))
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    if heads % kv_heads:
-        raise ModelLoadError(f"{path}: num_attention_heads={heads} is not a multiple of "
-                             f"num_key_value_heads={kv_heads}; this attention layout is unsupported")
-    # transformers >= 5 nests rope settings in rope_parameters; older checkpoints use rope_theta + rope_scaling.
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    layers = int(_require(cfg, "num_hidden_layers", path))
-    window, sliding = _sliding(cfg, layers)
-    return ModelSpec(
-        path=model_dir,
-        architecture=archs[0] if archs else "",
-        model_type=str(cfg.get("model_type", "")),
-        vocab_size=int(_require(cfg, "vocab_size", path)),
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate_size=int(cfg.get("intermediate_size") or cfg.get("ffn_dim") or 4 * hidden),
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
-        rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
-        rope_theta=theta,
-        rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        hidden_act=str(cfg.get("hidden_act") or cfg.get("activation_function") or "silu"),
-        sliding_window=window,
-        sliding_layers=sliding,
-        eos_token_ids=_eos_ids(model_dir, cfg),
-    )
-
-
-def _sliding(cfg: dict, layers: int) -> tuple[int | None, tuple[int, ...]]:
-    """(window, the layers using it), with transformers' defaults: `layer_types` when the config lists them;
-    else Qwen2-style `use_sliding_window` (absent = off) from layer `max_window_layers` on; else Mistral, whose
-    every layer slides and whose window is 4096 when the key is absent (an explicit null turns it off)."""
-    mistral = cfg.get("model_type") == "mistral"
-    window = cfg.get("sliding_window", 4096 if mistral else None)
-    if cfg.get("use_sliding_window") is False or not isinstance(window, int) or window <= 0:
-        return None, ()
-    types = cfg.get("layer_types")
-    if isinstance(types, list) and len(types) == layers:
-        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    elif cfg.get("use_sliding_window"):
-        sliding = tuple(range(int(cfg.get("max_window_layers") or 0), layers))
-    else:
-        sliding = tuple(range(layers)) if mistral else ()
-    return (window, sliding) if sliding else (None, ())
 
 
 class CheckpointReader:

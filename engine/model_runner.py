@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.kv_cache import KVCache
-from engine.models.layers import AttentionMetadata, Blocks, PrefillChunk
+from engine.models.layers import AttentionMetadata, PrefillChunk, additive, contiguous_blocks
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
@@ -35,17 +35,13 @@ class ModelRunner:
             hidden = hidden[torch.tensor(rows)]
         return sampled, self.model.compute_logits(hidden)
 
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        """Bool mask -> 0 / -inf in the model dtype, once per step (SDPA would convert a bool mask per layer)."""
-        return torch.zeros(allowed.shape, dtype=self.model.dtype).masked_fill_(~allowed, float("-inf"))
-
     def _window_mask(self, start: int, end: int) -> torch.Tensor | None:
         """Queries at positions [start, end) over keys [0, end): causal and within the sliding window; None when the
         window hides no key from these queries (plain causal attention is then the same)."""
         if not self.window or end - self.window <= 0:
             return None
         q, k = torch.arange(start, end)[:, None], torch.arange(end)[None, :]
-        return self._additive((k <= q) & (k > q - self.window))                  # [end - start, end]
+        return additive((k <= q) & (k > q - self.window), self.model.dtype)      # [end - start, end]
 
     def _prepare(self, order: list[tuple[Sequence, int]]):
         bs = self.block_size
@@ -71,38 +67,18 @@ class ModelRunner:
                 prefills.append(PrefillChunk(row, n, None, end, None, self._window_mask(0, end)))
             else:
                 # Later chunk of a long prompt: attend to the cached prefix plus itself, causally.
-                mask = self._additive(torch.arange(end)[None, :] <= torch.arange(c, end)[:, None])  # [n, end]
-                prefills.append(PrefillChunk(row, n, _blocks(bt[:nblocks]), end, mask, self._window_mask(c, end)))
+                mask = additive(torch.arange(end)[None, :] <= torch.arange(c, end)[:, None], self.model.dtype)
+                prefills.append(PrefillChunk(row, n, contiguous_blocks(bt[:nblocks]), end, mask,   # [n, end]
+                                             self._window_mask(c, end)))
             if end == seq.num_tokens:
                 sampled.append(seq)
                 rows.append(row + n - 1)
-        tables = mask = window_mask = None
-        if len(dec_tables) == 1:
-            tables = _blocks(dec_tables[0])
-        elif dec_tables:
-            width = max(len(t) for t in dec_tables)
-            tables = torch.tensor([b for t in dec_tables for b in t + [0] * (width - len(t))])  # [B * max_blocks]
-            ctx = torch.tensor(dec_ctx)
-            keys = torch.arange(width * bs)[None, :]
-            visible = keys < ctx[:, None]                                                  # [B, T]
-            mask = self._additive(visible)[:, None, None]                                  # [B, 1, 1, T]
-            if self.window:
-                window_mask = self._additive(visible & (keys >= ctx[:, None] - self.window))[:, None, None]
-        dec_tables_2d = dec_lens = None
+        tables = lens = None
         if dec_tables:
             width = max(len(t) for t in dec_tables)
-            dec_tables_2d = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.int32)
-            dec_lens = torch.tensor(dec_ctx, dtype=torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots), num_decode=len(dec_tables), decode_blocks=tables,
-            decode_mask=mask, decode_context_len=dec_ctx[0] if dec_ctx else 0, prefills=prefills,
-            decode_tables=dec_tables_2d, decode_lens=dec_lens, decode_window_mask=window_mask)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.int32)  # [B, W]
+            lens = torch.tensor(dec_ctx, dtype=torch.int32)                                             # [B]
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decode=len(dec_tables), decode_tables=tables,
+                                 decode_lens=lens, prefills=prefills, block_size=bs, window=self.window,
+                                 mask_dtype=self.model.dtype)
         return torch.tensor(ids), torch.tensor(pos), meta, sampled, rows
-
-
-def _blocks(table: list[int]) -> Blocks:
-    """A contiguous run of blocks is passed as a slice, so attention reads it in place instead of gathering."""
-    first = table[0]
-    if table[-1] - first == len(table) - 1 and all(b == first + i for i, b in enumerate(table)):
-        return slice(first, first + len(table))
-    return torch.tensor(table)

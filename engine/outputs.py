@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.params import SamplingParams, TokenLogprobs
 
-if TYPE_CHECKING:  # the HTTP front end uses this module and must not import torch (engine.core does)
-    from engine.core import TokenOutput
+if TYPE_CHECKING:
+    from engine.messages import TokenOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,7 @@ class RequestState:
         self.finish_reason: str | None = None
 
     def process(self, out: TokenOutput) -> RequestOutput:
-        """Fold one core output in; a stop-string hit finishes the request here (the caller aborts it in the core)."""
+        """Fold one core output in; a stop-string hit finishes the request here (see `fold`)."""
         text = self.detok.add(out.new_token_ids)
         finished, reason = out.finished, out.finish_reason
         if finished:
@@ -71,9 +71,16 @@ class RequestState:
         if self.logprobs is not None and logprobs:
             self.logprobs += logprobs
         self.finished, self.finish_reason = finished, reason
-        return RequestOutput(self.request_id, text, token_ids, logprobs, finished, reason,
-                             len(self.prompt_token_ids), len(self.token_ids))
+        return RequestOutput(self.request_id, text, list(token_ids), None if logprobs is None else list(logprobs),
+                             finished, reason, len(self.prompt_token_ids), len(self.token_ids))
 
     def completion(self) -> Completion:
         return Completion(self.request_id, self.prompt_token_ids, "".join(self.text_parts), self.token_ids,
                           self.finish_reason, self.logprobs)
+
+
+def fold(state: RequestState, out: TokenOutput) -> tuple[RequestOutput, bool]:
+    """One core output through the text layer: (the request's output, whether the caller must abort it in the
+    core). The second is true when a stop string ended the request while the core still holds it (and its KV)."""
+    ro = state.process(out)
+    return ro, ro.finished and not out.finished

@@ -1,21 +1,65 @@
-"""Per-request sampling parameters and logprob records: plain data, importable without torch (the HTTP front
-end validates requests with them in a process that never loads torch)."""
+"""What a request may ask for, checked in one place: SamplingParams with its value ranges (RANGES, which the HTTP
+request models reuse as pydantic bounds), and the prompt checks both the front end and the core run.
+
+Plain data, importable without torch: the HTTP front end validates requests with it in a process that never
+loads torch. Every failure is a RequestError carrying the parameter's name as data.
+"""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+from engine.errors import RequestError
+
 MAX_LOGPROBS = 20
+MAX_STOP = 32  # OpenAI allows 4; vLLM clients send more. Each is matched against every new token's text.
 # Temperatures below this are treated as greedy (as vLLM does): dividing logits by ~0 overflows.
 GREEDY_TEMPERATURE = 1e-5
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+@dataclass(frozen=True, slots=True)
+class Range:
+    """Bounds of one numeric parameter; `bounds` is what pydantic's Field takes."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    integer: bool = False
+    optional: bool = False  # None is allowed too
+
+    @property
+    def bounds(self) -> dict:
+        return {k: v for k, v in (("ge", self.ge), ("gt", self.gt), ("le", self.le)) if v is not None}
+
+    def holds(self, v: object) -> bool:
+        if v is None:
+            return self.optional
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (self.integer and not isinstance(v, int)):
+            return False
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        return ((self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
+                and (self.le is None or v <= self.le))
+
+    def describe(self) -> str:
+        low = f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}" if self.gt is not None else "(-inf"
+        high = f"{self.le:g}]" if self.le is not None else "inf)"
+        what = f"an integer in {low}, {high}" if self.integer else f"a number in {low}, {high}"
+        return what + (" or null" if self.optional else "")
 
 
-def _is_real(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+RANGES: dict[str, Range] = {
+    "max_tokens": Range(ge=1, integer=True, optional=True),  # None = up to the end of the context window
+    "temperature": Range(ge=0),
+    "top_p": Range(gt=0, le=1),
+    "top_k": Range(ge=-1, integer=True),  # 0 or -1 = off
+    "min_p": Range(ge=0, le=1),
+    "repetition_penalty": Range(gt=0),
+    "presence_penalty": Range(ge=-2, le=2),
+    "frequency_penalty": Range(ge=-2, le=2),
+    "min_tokens": Range(ge=0, integer=True),
+    "logprobs": Range(ge=0, le=MAX_LOGPROBS, integer=True, optional=True),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,29 +85,21 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        mt, n, lp, real = self.max_tokens, self.min_tokens, self.logprobs, _is_real
-        checks = (
-            ("max_tokens", mt is None or (_is_int(mt) and mt >= 1), "an integer >= 1 or None"),
-            ("temperature", real(self.temperature) and self.temperature >= 0, ">= 0"),
-            ("top_p", real(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", _is_int(self.top_k) and self.top_k >= -1, "-1 or 0 (disabled) or an integer >= 1"),
-            ("min_p", real(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
-            ("repetition_penalty", real(self.repetition_penalty) and self.repetition_penalty > 0, "> 0"),
-            ("presence_penalty", real(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
-            ("frequency_penalty", real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
-            ("seed", self.seed is None or _is_int(self.seed), "an integer or None"),
-            ("stop", isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
-             "a list of non-empty strings"),
+        for name, r in RANGES.items():
+            if not r.holds(getattr(self, name)):
+                raise RequestError(f"{name} must be {r.describe()}, got {getattr(self, name)!r}", param=name)
+        others = (
+            ("seed", self.seed is None or _is_int(self.seed), "an integer or null"),
+            ("stop", isinstance(self.stop, tuple) and len(self.stop) <= MAX_STOP
+             and all(isinstance(s, str) and s for s in self.stop), f"at most {MAX_STOP} non-empty strings"),
             ("stop_token_ids", isinstance(self.stop_token_ids, tuple)
              and all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "a list of integers >= 0"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "a bool"),
-            ("min_tokens", _is_int(n) and n >= 0 and (mt is None or n <= mt), "an integer >= 0 and <= max_tokens"),
-            ("logprobs", lp is None or (_is_int(lp) and 0 <= lp <= MAX_LOGPROBS),
-             f"an integer in [0, {MAX_LOGPROBS}] or None"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens, "<= max_tokens"),
         )
-        for name, ok, allowed in checks:
+        for name, ok, allowed in others:
             if not ok:
-                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+                raise RequestError(f"{name} must be {allowed}, got {getattr(self, name)!r}", param=name)
 
     @property
     def is_greedy(self) -> bool:
@@ -75,6 +111,10 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
     """Log-probabilities under the model's raw distribution: log_softmax of the logits before penalties,
@@ -82,3 +122,34 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
+
+
+def check_prompt(ids: list[int], max_tokens: int | None, *, vocab_size: int, max_model_len: int,
+                 param: str = "prompt") -> int:
+    """The prompt fits the model: non-empty, every id in the vocabulary, prompt + completion within the context.
+    Returns the completion budget (max_tokens, or what the context leaves when it is None)."""
+    if not ids:
+        raise RequestError("the prompt is empty; it must contain at least one token", param=param)
+    bad = next((t for t in ids if not _is_int(t) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
+    n = len(ids)
+    if max_tokens is None:
+        if n >= max_model_len:
+            raise RequestError(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                               f"has {n} tokens, leaving no room for the completion. Please reduce the prompt.",
+                               param=param, code="context_length_exceeded")
+        return max_model_len - n
+    if n + max_tokens > max_model_len:
+        raise RequestError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                           f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
+                           "Please reduce the prompt or max_tokens.", param="max_tokens",
+                           code="context_length_exceeded")
+    return max_tokens
+
+
+def check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise RequestError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})",
+                           param="stop_token_ids")

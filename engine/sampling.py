@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from engine.params import GREEDY_TEMPERATURE, MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from engine.params import GREEDY_TEMPERATURE, MAX_LOGPROBS, SamplingParams, TokenLogprobs, check_stop_token_ids
 
 __all__ = ["GREEDY_TEMPERATURE", "MAX_LOGPROBS", "SamplerOutput", "Sampler", "SamplingParams", "SamplingState",
            "TokenLogprobs", "apply_bans", "apply_penalties"]
@@ -36,8 +36,7 @@ class SamplingState:
 
     def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int], eos_token_ids: Sequence[int],
                  vocab_size: int):
-        if any(t >= vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be < vocab size {vocab_size}, got {list(params.stop_token_ids)}")
+        check_stop_token_ids(params, vocab_size)  # they index the logits
         self.params = params
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)

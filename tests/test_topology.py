@@ -101,3 +101,15 @@ def test_not_a_sysroot_is_a_clear_error(tmp_path):
     (tmp_path / "x.tar.gz").write_bytes(b"not a tar")
     with pytest.raises(TopologyError, match="archive"):
         topology.read(tmp_path / "x.tar.gz")
+
+
+def test_cpu_flags_and_tiers_have_one_reader(tmp_path):
+    """The topology reader, the engine's dtype choice and the kernel loader all read flags through deploykit.isa."""
+    from deploykit import isa
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_tile\n\nprocessor\t: 1\n")
+    assert isa.cpu_flags(info) == frozenset({"fpu", "avx512f", "avx512_bf16", "amx_tile"})
+    assert isa.cpu_flags(tmp_path / "absent") == frozenset()
+    assert isa.tier({"amx_tile", "amx_bf16", "avx512_bf16"}) == "amx" and isa.has_bf16({"avx512_bf16"})
+    assert isa.tier({"avx512f", "avx512bw", "avx512vl"}) == "avx512" and not isa.has_bf16({"avx512f"})
+    assert isa.tier({"avx2"}) == "avx2" and isa.tier(set()) == "baseline"

@@ -5,22 +5,24 @@ from __future__ import annotations
 import yaml
 
 from ..plan import Plan
-from . import docker, template
-from .docker import Container
+from .container import Container, containers, healthcheck, model_mount
+from .image import image_files
 from .output import File
+from .templating import template
 
 
 def files(plan: Plan) -> list[File]:
-    return [*docker.image_files(plan), File("compose.yaml", compose_yaml(plan).encode())]
+    return [*image_files(plan), File("compose.yaml", compose_yaml(plan).encode())]
 
 
 def compose_yaml(plan: Plan) -> str:
-    model = plan.model.path
-    model_src = ("${MODEL_DIR:-" + model.replace("$", "$$") + "}" if model else
-                 "${MODEL_DIR:?set MODEL_DIR to the model directory on this host (nothing is downloaded at run time)}")
-    services = {c.name: _service(plan, c, model_src) for c in docker.containers(plan)}
+    model, mm = plan.model.path, model_mount(plan)
+    model_src = ("${" + mm.variable + ":-" + model.replace("$", "$$") + "}" if model else
+                 "${" + mm.variable + f":?set {mm.variable} to the model {mm.what} on this host (nothing is downloaded "
+                 "at run time)}")
+    services = {c.name: _service(plan, c, model_src) for c in containers(plan)}
     body = yaml.safe_dump({"services": services}, sort_keys=True, default_flow_style=False, width=120)
-    return template("compose-header.j2", plan=plan, lb=plan.serving.load_balancer) + body
+    return template("compose-header.j2", plan=plan, lb=plan.serving.load_balancer, model=mm) + body
 
 
 def _service(plan: Plan, c: Container, model_src: str) -> dict:
@@ -37,7 +39,7 @@ def _service(plan: Plan, c: Container, model_src: str) -> dict:
         "security_opt": ["no-new-privileges:true"],
         "ports": [c.publish],
         "volumes": [f"{model_src if m.source == 'model' else './' + m.source}:{m.target}:ro" for m in c.mounts],
-        "healthcheck": {"test": ["CMD", *docker.healthcheck(plan.serving.port)], "interval": "10s",
+        "healthcheck": {"test": ["CMD", *healthcheck(plan.serving.port)], "interval": "10s",
                         "timeout": "5s", "retries": 3, "start_period": "600s"},
     }
     if c.cpuset:

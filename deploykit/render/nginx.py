@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..plan import Plan
-from . import template
 from .output import File
+from .templating import template
 
 # A replica that fails this many requests in FAIL_TIMEOUT is skipped for FAIL_TIMEOUT (passive health checks:
 # open-source nginx has no active ones).

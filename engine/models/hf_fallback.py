@@ -6,7 +6,7 @@ import logging
 import torch
 
 from engine.errors import ModelLoadError
-from engine.loader import ModelSpec
+from engine.loader import ModelConfig
 from engine.sequence import Sequence
 
 log = logging.getLogger("engine")
@@ -20,7 +20,7 @@ class HFCausalLM:
     """
     native = False
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype):
+    def __init__(self, spec: ModelConfig, dtype: torch.dtype):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -28,9 +28,9 @@ class HFCausalLM:
         log.info("architecture %s has no native implementation; running it through transformers "
                  "(slower: no batching across sequences)", spec.architecture or spec.model_type)
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype).eval()
+            self.model = AutoModelForCausalLM.from_pretrained(spec.source, dtype=dtype).eval()
         except (OSError, ValueError, KeyError) as e:
-            raise ModelLoadError(f"transformers cannot load {spec.path}: {e}") from e
+            raise ModelLoadError(f"transformers cannot load {spec.source}: {e}") from e
         self.spec = spec
         self._caches: dict[str, tuple[object, int]] = {}   # request_id -> (cache, tokens it holds)
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -96,8 +96,15 @@ class Rotary:
     """Full-width tables [max_len, head_dim] precomputed once, for HF's rotate-half layout:
     out = x * [cos, cos] + roll(x, D/2) * [-sin, sin]."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_len: int, dtype: torch.dtype):
-        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * rope_inv_freq(head_dim, theta, scaling)
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_len: int, dtype: torch.dtype,
+                 freq_factors: tuple[float, ...] | None = None):
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)                       # [D/2]
+        if freq_factors is not None:  # a GGUF's rope_freqs: llama3-style scaling baked into per-frequency divisors
+            if len(freq_factors) != head_dim // 2:
+                raise ModelLoadError(f"rope_freqs has {len(freq_factors)} factors, head_dim {head_dim} needs "
+                                     f"{head_dim // 2}")
+            inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
+        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq
         cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
         self.cos = torch.cat([cos, cos], -1)
         self.sin = torch.cat([-sin, sin], -1)
@@ -129,18 +136,59 @@ class PrefillChunk:
     window_mask: torch.Tensor | None = None  # the same, also hiding keys >= window behind each query
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class DecodeLayout:
+    """The decode rows' tables as the PyTorch attention path reads them (the native kernel reads the tables)."""
+    blocks: Blocks                      # [B * max_blocks] row-major tables, or a slice for one contiguous sequence
+    mask: torch.Tensor | None           # [B, 1, 1, max_blocks * block_size] additive; None for one sequence
+    window_mask: torch.Tensor | None    # the same, hiding keys behind the sliding window too
+    context_len: int                    # exact context length when there is one sequence
+
+
+@dataclass(eq=False)
 class AttentionMetadata:
     """Per-step attention layout, built once by the model runner and shared by every layer."""
     slot_mapping: torch.Tensor          # [N] flat cache slot of each token's K/V
     num_decode: int                     # rows [0, num_decode) are single-token decodes, one per sequence
-    decode_blocks: Blocks | None        # [num_decode * max_blocks] row-major tables padded with block 0
-    decode_mask: torch.Tensor | None    # [num_decode, 1, 1, max_blocks * block_size]; None for one sequence
-    decode_context_len: int             # exact context length when num_decode == 1
+    decode_tables: torch.Tensor | None  # int32 [num_decode, max_blocks], padded with block 0
+    decode_lens: torch.Tensor | None    # int32 [num_decode] context lengths incl. the new token
     prefills: list[PrefillChunk]
-    decode_tables: torch.Tensor | None = None   # int32 [num_decode, max_blocks] (for the native kernel)
-    decode_lens: torch.Tensor | None = None     # int32 [num_decode] context lengths incl. the new token
-    decode_window_mask: torch.Tensor | None = None  # decode_mask for sliding-window layers (several sequences)
+    block_size: int = 16
+    window: int = 0                     # the model's sliding window (0: none)
+    mask_dtype: torch.dtype = torch.float32
+    _layout: DecodeLayout | None = field(default=None, repr=False)
+
+    def decode_layout(self) -> DecodeLayout:
+        """Derived from decode_tables/decode_lens on first use in a step (only the PyTorch path needs it)."""
+        if self._layout is None:
+            self._layout = self._derive()
+        return self._layout
+
+    def _derive(self) -> DecodeLayout:
+        bs, lens = self.block_size, self.decode_lens.tolist()
+        if self.num_decode == 1:
+            table = self.decode_tables[0, :-(-lens[0] // bs)].tolist()
+            return DecodeLayout(contiguous_blocks(table), None, None, lens[0])
+        keys = torch.arange(self.decode_tables.shape[1] * bs)[None, :]
+        ctx = self.decode_lens.long()[:, None]
+        visible = keys < ctx                                                            # [B, T]
+        window = additive(visible & (keys >= ctx - self.window), self.mask_dtype)[:, None, None] \
+            if self.window else None
+        return DecodeLayout(self.decode_tables.flatten().long(), additive(visible, self.mask_dtype)[:, None, None],
+                            window, 0)
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask -> 0 / -inf in the model dtype (SDPA would convert a bool mask per layer)."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+
+
+def contiguous_blocks(table: list[int]) -> Blocks:
+    """A contiguous run of blocks is passed as a slice, so attention reads it in place instead of gathering."""
+    first = table[0]
+    if table[-1] - first == len(table) - 1 and all(b == first + i for i, b in enumerate(table)):
+        return slice(first, first + len(table))
+    return torch.tensor(table)
 
 
 def _context(kv_layer: torch.Tensor, blocks: Blocks) -> torch.Tensor:
@@ -165,11 +213,12 @@ def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_layer: torch.Tenso
         if meta.decode_tables is not None and kernels.decode_attention_supported(q):
             o = kernels.decode_attention(q[:nd], kv_layer, meta.decode_tables, meta.decode_lens, scale, window)
         else:
+            lay = meta.decode_layout()
             qd = q[:nd].view(nd, n_kv, n_heads // n_kv, head_dim)               # [B, Hkv, G, D]
-            ctx = _context(kv_layer, meta.decode_blocks)                         # [B * T, 2, Hkv, D]
-            mask = meta.decode_window_mask if window and meta.decode_mask is not None else meta.decode_mask
-            if meta.decode_mask is None:
-                t = meta.decode_context_len
+            ctx = _context(kv_layer, lay.blocks)                                 # [B * T, 2, Hkv, D]
+            mask = lay.window_mask if window and lay.mask is not None else lay.mask
+            if lay.mask is None:
+                t = lay.context_len
                 ctx = ctx[max(0, t - window) if window else 0:t]
             ctx = ctx.view(nd, -1, 2, n_kv, head_dim).permute(2, 0, 3, 1, 4)    # [2, B, Hkv, T, D]
             o = F.scaled_dot_product_attention(qd, ctx[0], ctx[1], attn_mask=mask, scale=scale)

@@ -8,7 +8,7 @@ import torch
 from engine import kernels
 from engine.errors import ModelLoadError
 from engine.kv_cache import KVCache
-from engine.loader import CheckpointReader, ModelSpec
+from engine.loader import ModelConfig
 from engine.models.layers import (
     ACTIVATIONS,
     AttentionMetadata,
@@ -39,12 +39,12 @@ class LlamaModel:
     """Plain tensors + functional ops; no nn.Module, so each layer is a short, fixed list of kernel calls."""
     native = True
 
-    def __init__(self, spec: ModelSpec, reader: CheckpointReader, dtype: torch.dtype, max_len: int):
+    def __init__(self, spec: ModelConfig, reader, dtype: torch.dtype, max_len: int):
         if spec.hidden_act not in ACTIVATIONS:
-            raise ModelLoadError(f"{spec.path}/config.json: hidden_act {spec.hidden_act!r} is not supported "
+            raise ModelLoadError(f"{spec.source}: hidden_act {spec.hidden_act!r} is not supported "
                                  f"(supported: {', '.join(ACTIVATIONS)})")
         if spec.head_dim % 2:
-            raise ModelLoadError(f"{spec.path}/config.json: head_dim {spec.head_dim} must be even for rotary")
+            raise ModelLoadError(f"{spec.source}: head_dim {spec.head_dim} must be even for rotary")
         self.spec = spec
         self.dtype = dtype
         self.act = ACTIVATIONS[spec.hidden_act]
@@ -54,11 +54,11 @@ class LlamaModel:
         self.windows = [spec.sliding_window if i in spec.sliding_layers else 0 for i in range(spec.num_layers)]
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_len, dtype)
+        self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_len, dtype, spec.rope_freq_factors)
         self._load(reader)
         self.step_weights = self._step_weights()  # None: small decode steps take the per-op path as well
 
-    def _load(self, r: CheckpointReader) -> None:
+    def _load(self, r) -> None:
         s, dt = self.spec, self.dtype
         used: set[str] = set()
 
@@ -73,7 +73,7 @@ class LlamaModel:
             # One GEMM per projection group; the parts are freed as soon as the fused copy exists.
             w = torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
             if tuple(w.shape) != (rows, cols):
-                raise ModelLoadError(f"{s.path}: {' + '.join(names)} has shape {tuple(w.shape)}, config.json "
+                raise ModelLoadError(f"{s.source}: {' + '.join(names)} has shape {tuple(w.shape)}, config.json "
                                      f"implies {(rows, cols)}; the config does not match the weights")
             return prepare_weight(w)
 
@@ -83,7 +83,7 @@ class LlamaModel:
         hidden, inter = s.hidden_size, s.intermediate_size
         self.embed = get("model.embed_tokens.weight")
         if tuple(self.embed.shape) != (s.vocab_size, hidden):
-            raise ModelLoadError(f"{s.path}: model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
+            raise ModelLoadError(f"{s.source}: model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
                                  f"config.json implies {(s.vocab_size, hidden)}; the config does not match the weights")
         self.layers: list[_Layer] = []
         for i in range(s.num_layers):
@@ -116,7 +116,7 @@ class LlamaModel:
                 self.embed = None
         unknown = sorted(n for n in r.names() if n not in used and not n.endswith("rotary_emb.inv_freq"))
         if unknown:
-            raise ModelLoadError(f"{s.path}: the checkpoint has tensors this {s.architecture} implementation does "
+            raise ModelLoadError(f"{s.source}: the checkpoint has tensors this {s.architecture} implementation does "
                                  f"not use (e.g. {', '.join(unknown[:3])}); it is an unsupported variant")
 
     def _step_weights(self) -> list[torch.Tensor | None] | None:

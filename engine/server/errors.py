@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
+from engine.errors import RequestError
+
 log = logging.getLogger("engine.server")
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -43,11 +45,9 @@ def unavailable(message: str, retry_after: int | None = None) -> APIError:
     return APIError(503, message, headers={"Retry-After": str(retry_after)} if retry_after else None)
 
 
-def from_sampling_error(e: ValueError) -> APIError:
-    """SamplingParams raises "<field> must be ..."; the field is the OpenAI parameter of the same name."""
-    msg = str(e)
-    first = msg.split(" ", 1)[0]
-    return bad_request(msg, param=first if first.isidentifier() else None)
+def from_request_error(e: RequestError) -> APIError:
+    """The engine's request errors carry the OpenAI parameter and code as data."""
+    return APIError(400, e.message, param=e.param, code=e.code)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -9,12 +9,14 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import NamedTuple
 
-from engine.outputs import RequestOutput, RequestState
-from engine.params import SamplingParams
-from engine.server.errors import APIError, bad_request, unavailable
-from engine.server.metrics import CoreStats, Metrics
+from engine import tokenizer as tokenizers
+from engine.errors import RequestError
+from engine.messages import (AbortRequest, AddRequest, Call, EngineStats, Fatal, Op, Ready, Rejected, StepResult)
+from engine.outputs import RequestOutput, RequestState, fold
+from engine.params import SamplingParams, check_prompt, check_stop_token_ids
+from engine.server.errors import APIError, from_request_error, unavailable
+from engine.server.metrics import Metrics
 from engine.server.worker import EngineProcess
 
 log = logging.getLogger("engine.server")
@@ -27,44 +29,6 @@ class State(enum.Enum):
     READY = "ready"
     DRAINING = "draining"
     DEAD = "dead"
-
-
-@functools.cache
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of the GPT-2 byte-level alphabet: printable stand-ins for the 256 byte values."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-class _Out(NamedTuple):  # what RequestState.process reads of engine.core.TokenOutput
-    new_token_ids: list[int]
-    logprobs: list | None
-    finished: bool
-    finish_reason: str | None
-
-
-class Logprob(NamedTuple):  # engine.sampling.TokenLogprobs as it crosses the process boundary
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-def load_tokenizer(model_dir: str):
-    """PreTrainedTokenizerFast does not import torch (AutoTokenizer does); fall back only without tokenizer.json."""
-    import os
-
-    from transformers import PreTrainedTokenizerFast
-    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
-        return PreTrainedTokenizerFast.from_pretrained(model_dir)
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 class Choice:
@@ -109,19 +73,19 @@ class Frontend:
         self.model_name = model_name
         self.capacity = max_num_seqs + max_waiting
         self.state = State.LOADING
-        self.info: dict = {}
-        self.stats = CoreStats()
+        self.info: Ready | None = None
+        self.stats = EngineStats()
         self.metrics = Metrics(model_name, lambda: self.stats, lambda: self.state is State.READY)
         self.on_engine_exit: Callable[[int | None], None] = lambda code: None
         self._choices: dict[str, Choice] = {}
-        self._ops: list[tuple] = []
+        self._ops: list[Op] = []
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def max_model_len(self) -> int | None:
-        return self.info.get("max_model_len")
+        return self.info.max_model_len if self.info else None
 
     @property
     def num_inflight(self) -> int:
@@ -158,27 +122,18 @@ class Frontend:
                            f"{self.capacity}); retry later", code="queue_full", headers={"Retry-After": "1"})
 
     def check_stop_tokens(self, params: SamplingParams) -> None:
-        vocab = self.info["vocab_size"]
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise bad_request(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab})", "stop_token_ids")
+        try:
+            check_stop_token_ids(params, self.info.vocab_size)
+        except RequestError as e:
+            raise from_request_error(e) from None
 
     def check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> None:
-        if not ids:
-            raise bad_request("the prompt is empty; it must contain at least one token", param)
-        vocab = self.info["vocab_size"]
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
-        limit, n = self.max_model_len, len(ids)
-        if max_tokens is None and n >= limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                              f"{n} tokens, leaving no room for the completion. Please reduce the prompt.",
-                              param, code="context_length_exceeded")
-        if max_tokens is not None and n + max_tokens > limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
-                              f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
-                              "Please reduce the prompt or max_tokens.", "max_tokens", code="context_length_exceeded")
+        """Before anything is sent: a streaming request's 400 must come before its 200 and first chunk."""
+        try:
+            check_prompt(ids, max_tokens, vocab_size=self.info.vocab_size, max_model_len=self.info.max_model_len,
+                         param=param)
+        except RequestError as e:
+            raise from_request_error(e) from None
 
     # ---- tokenizer ----
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -204,17 +159,7 @@ class Frontend:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes a token stands for (a byte-level BPE piece may be part of a UTF-8 character, whose
-        decoded text is only U+FFFD): GPT-2 byte alphabet, or SentencePiece's <0xNN> byte-fallback pieces."""
-        piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        if piece is None:
-            return b""
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            return bytes([int(piece[3:5], 16)])
-        table = _byte_decoder()
-        if all(ch in table for ch in piece):
-            return bytes(table[ch] for ch in piece)
-        return self.token_text(token_id).encode()
+        return tokenizers.token_bytes(self.tokenizer, token_id)
 
     # ---- requests ----
     def submit(self, request_id: str, prompts: list[list[int]], params: list[list[SamplingParams]],
@@ -229,13 +174,13 @@ class Frontend:
                 ch = Choice(eid, index, gen, RequestState(eid, ids, p, self.tokenizer))
                 gen.choices.append(ch)
                 self._choices[eid] = ch
-                self._send(("add", eid, ids, p))
+                self._send(AddRequest(eid, tuple(ids), p))
         return gen
 
     def drop(self, gen: Generation, error: APIError | None) -> None:
         for ch in gen.choices:
             if self._choices.pop(ch.engine_id, None) is not None:
-                self._send(("abort", ch.engine_id))
+                self._send(AbortRequest(ch.engine_id))
                 if error is None:  # the client went away
                     self.metrics.finished("abort")
         if error is not None:
@@ -245,7 +190,7 @@ class Frontend:
         """Finish every request now with finish_reason "abort" (shutdown grace period over)."""
         for ch in list(self._choices.values()):
             del self._choices[ch.engine_id]
-            self._send(("abort", ch.engine_id))
+            self._send(AbortRequest(ch.engine_id))
             self.metrics.finished("abort")
             ch.gen.queue.put_nowait((ch.index, ch.state.abort()))
 
@@ -253,7 +198,7 @@ class Frontend:
         fut = self._loop.create_future()
         cid = next(self._ids)
         self._calls[cid] = fut
-        self._send(("call", cid, name))
+        self._send(Call(cid, name))
         try:
             return await asyncio.wait_for(fut, RPC_TIMEOUT)
         except asyncio.TimeoutError:
@@ -261,7 +206,7 @@ class Frontend:
         finally:
             self._calls.pop(cid, None)
 
-    def _send(self, op: tuple) -> None:
+    def _send(self, op: Op) -> None:
         # Everything queued during one event-loop iteration goes out as one message.
         if not self._ops:
             self._loop.call_soon(self._flush)
@@ -273,48 +218,47 @@ class Frontend:
             self.engine.send(ops)
 
     # ---- engine process events (event-loop thread) ----
-    def _on_message(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "step":
-            self._on_step(*msg[1:])
-        elif kind == "ready":
-            self.info = msg[1]
+    def _on_message(self, msg: StepResult | Ready | Fatal) -> None:
+        if isinstance(msg, StepResult):
+            self._on_step(msg)
+        elif isinstance(msg, Ready):
+            self.info = msg
             if self.state is State.LOADING:
                 self.state = State.READY
-            log.info("engine ready: pid %d, max_model_len %d", self.info["pid"], self.info["max_model_len"])
-        elif kind == "fatal":
-            log.error("%s", msg[1])
+            log.info("engine ready: pid %d, max_model_len %d", msg.pid, msg.max_model_len)
+        elif isinstance(msg, Fatal):
+            log.error("%s", msg.message)
 
-    def _on_step(self, outputs: list, rejects: list, stats: tuple, replies: list) -> None:
-        self.stats = CoreStats(*stats)
+    def _on_step(self, step: StepResult) -> None:
+        self.stats = step.stats
         now = time.monotonic()
         m = self.metrics
-        for rid, ids, lps, finished, reason in outputs:
-            ch = self._choices.get(rid)
+        for out in step.outputs:
+            ch = self._choices.get(out.request_id)
             if ch is None:
                 continue  # aborted here while the step ran
-            ro = ch.state.process(_Out(ids, lps and [Logprob(*x) for x in lps], finished, reason))
+            ro, abort = fold(ch.state, out)
             if ch.gen.first_at is None:  # once per request (n choices share one arrival)
                 ch.gen.first_at = now
                 m.ttft.observe(now - ch.gen.arrival)
             if ch.last_at is not None:
                 m.itl.observe(now - ch.last_at)
             ch.last_at = now
+            if abort:
+                self._send(AbortRequest(out.request_id))
             if ro.finished:
-                del self._choices[rid]
-                if not finished:  # a stop string ended it; the core still holds its KV
-                    self._send(("abort", rid))
+                del self._choices[out.request_id]
                 m.e2e.observe(now - ch.gen.arrival)
                 m.finished(ro.finish_reason)
             ch.gen.queue.put_nowait((ch.index, ro))
-        for rid, status, message in rejects:
-            ch = self._choices.get(rid)
+        for r in step.rejected:
+            ch = self._choices.get(r.request_id)
             if ch is not None:
-                self.drop(ch.gen, APIError(status, message))
-        for cid, result in replies:
-            fut = self._calls.get(cid)
+                self.drop(ch.gen, _rejection(r))
+        for reply in step.replies:
+            fut = self._calls.get(reply.call_id)
             if fut is not None and not fut.done():
-                fut.set_result(result)
+                fut.set_result(reply.result)
 
     def _on_exit(self, code: int | None) -> None:
         if self.engine.stopping:
@@ -329,3 +273,7 @@ class Frontend:
             if not fut.done():
                 fut.set_exception(dead)
         self.on_engine_exit(code)
+
+
+def _rejection(r: Rejected) -> APIError:
+    return APIError(r.status, r.message, param=r.param, code=r.code)

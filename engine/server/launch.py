@@ -10,24 +10,28 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import signal
 import socket
 from dataclasses import dataclass, field
 
-from deploykit import cpulist
+from deploykit import cpulist, memory
+from deploykit.errors import DeploykitError
+from deploykit.plan import Plan
 from deploykit.units import parse_size
+from engine import tokenizer as tokenizers
+from engine.config import EngineConfig
+from engine.errors import EXIT_STARTUP, EXIT_USAGE, EngineError, ModelLoadError, OptionsError, exit_code
 
 log = logging.getLogger("engine.server")
-EXIT_OK, EXIT_ENGINE_DIED, EXIT_USAGE, EXIT_STARTUP = 0, 1, 2, 3
+EXIT_OK, EXIT_ENGINE_DIED = 0, 1
 DEATH_LINGER = 1.0  # seconds /health answers 503 after the engine died, so probes record it, before exiting
 
 
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
-    model: str
+    model: str  # a Hugging Face model directory or a .gguf file
     host: str = "0.0.0.0"
     port: int = 8000
     dtype: str = "auto"
@@ -49,17 +53,16 @@ class ServeOptions:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
+        return self.served_model_name or memory.served_name(self.model)
 
-    def engine_config(self) -> dict:
-        """EngineConfig keyword arguments; the engine process builds the config (it owns torch)."""
-        return {"model": self.model, "dtype": self.dtype, "max_model_len": self.max_model_len,
-                "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
-                "kv_cache_bytes": self.kv_cache_bytes, "seed": self.seed, "served_model_name": self.model_name}
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
+                            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                            kv_cache_bytes=self.kv_cache_bytes, seed=self.seed, served_model_name=self.model_name)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="Hugging Face model directory")
+    p.add_argument("model", help="Hugging Face model directory or .gguf file")
     p.add_argument("--host", default=None, help="listen address (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=None, help="listen port (default 8000; 0 = any free port)")
     p.add_argument("--dtype", default=None, help="auto | bfloat16 | float32 (default: plan, else auto)")
@@ -84,94 +87,98 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-access-log", action="store_true")
 
 
-class OptionsError(ValueError):
-    pass
-
-
-DTYPES = ("auto", "bfloat16", "float32", "float16")
-
-
-def _check_ranges(a: argparse.Namespace) -> None:
+def _check_ranges(flags: dict) -> None:
     """Usage errors, reported before any process starts or any model byte is read."""
-    checks = [("--port", a.port, 0, 65535), ("--max-model-len", a.max_model_len, 1, None),
-              ("--max-num-seqs", a.max_num_seqs, 1, None),
-              ("--max-num-batched-tokens", a.max_num_batched_tokens, 1, None),
-              ("--max-waiting", a.max_waiting, 0, None), ("--replica", a.replica, 0, None),
-              ("--shutdown-timeout", a.shutdown_timeout, 0, None)]
-    for flag, value, lo, hi in checks:
+    checks = [("port", 0, 65535), ("max_model_len", 1, None), ("max_num_seqs", 1, None),
+              ("max_num_batched_tokens", 1, None), ("max_waiting", 0, None), ("shutdown_timeout", 0, None)]
+    for name, lo, hi in checks:
+        value = flags.get(name)
         if value is not None and (value < lo or (hi is not None and value > hi)):
             allowed = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
-            raise OptionsError(f"{flag} must be {allowed}, got {value}")
-    if a.dtype is not None and a.dtype not in DTYPES:
-        raise OptionsError(f"--dtype must be one of {', '.join(DTYPES)}, got {a.dtype!r}")
+            raise OptionsError(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
+    if flags.get("dtype") is not None:
+        try:
+            memory.canonical_dtype(flags["dtype"])
+        except ValueError as e:
+            raise OptionsError(f"--{e}") from None
 
 
 def missing_model_files(model: str) -> str | None:
-    """What a servable Hugging Face model directory lacks, or None."""
+    """What a servable model (Hugging Face directory or .gguf file) lacks, or None."""
+    if os.path.isfile(model):
+        return None if model.endswith(".gguf") else f"{model} is a file but not a .gguf file"
     if not os.path.isdir(model):
-        return f"model directory {model} does not exist (a local Hugging Face model directory is required)"
+        return f"model {model} does not exist (a local Hugging Face model directory or .gguf file is required)"
     names = set(os.listdir(model))
     lacks = []
     if "config.json" not in names:
         lacks.append("config.json")
     if not any(n.endswith((".safetensors", ".bin")) for n in names):
         lacks.append("weights (*.safetensors)")
-    if not names & {"tokenizer.json", "tokenizer.model", "vocab.json"}:
-        lacks.append("a tokenizer (tokenizer.json)")
+    if tokenizers.missing(model):
+        lacks.append(tokenizers.missing(model))
     return f"model directory {model} lacks {', '.join(lacks)}" if lacks else None
 
 
-def options_from_args(a: argparse.Namespace, environ: dict | None = None) -> ServeOptions:
-    """Explicit flags win, then the plan's replica, then DEPLOYKIT_* environment variables, then defaults."""
+def options(model: str, *, plan: Plan | None = None, replica: int = 0, environ: dict | None = None,
+            **flags) -> ServeOptions:
+    """Explicit flags (None = not given) win, then the plan's replica, then DEPLOYKIT_* environment variables,
+    then defaults. `deploykit serve` calls this with a Plan object; `python -m engine serve` with plan.json."""
     env = os.environ if environ is None else environ
-    _check_ranges(a)
-    plan: dict = {}
-    replica: dict = {}
+    _check_ranges(flags)
+    if replica < 0 or (plan is not None and replica >= len(plan.replicas)):
+        n = len(plan.replicas) if plan is not None else 0
+        raise OptionsError(f"the plan has {n} replica(s); --replica {replica} does not exist")
+    given: dict = {"api_key": env.get("DEPLOYKIT_API_KEY") or None}
+    if plan is not None:
+        r, sv = plan.replicas[replica], plan.serving
+        given |= {"dtype": plan.model.dtype, "max_model_len": plan.model.max_model_len,
+                  "max_num_seqs": sv.max_num_seqs, "max_num_batched_tokens": sv.max_num_batched_tokens,
+                  "kv_cache_bytes": r.kv_cache_bytes, "binding": cpulist.format(r.cpus), "binding_source": "plan",
+                  "frontend_cpus": cpulist.format(r.frontend_cpus), "mems": cpulist.format(r.mems),
+                  "served_model_name": plan.model.served_name}
+        if sv.api_key_env:
+            key = env.get(sv.api_key_env)
+            if not key:
+                raise OptionsError(f"the plan requires an API key in ${sv.api_key_env}, which is not set")
+            given["api_key"] = key
+    else:
+        from_env = {"binding": env.get("DEPLOYKIT_CPUS"), "frontend_cpus": env.get("DEPLOYKIT_FRONTEND_CPUS"),
+                    "mems": env.get("DEPLOYKIT_MEMS")}
+        given |= {k: v for k, v in from_env.items() if v}
+        if given.get("binding"):
+            given["binding_source"] = "env"
+    given = {k: v for k, v in given.items() if v is not None}
+    explicit = {k: v for k, v in flags.items() if v is not None}
+    if explicit.get("binding") not in (None, "auto", "none"):
+        explicit["binding_source"] = "explicit"
+    elif "binding" in explicit:
+        given.pop("binding_source", None)
+    return ServeOptions(model, **(given | explicit))
+
+
+def options_from_args(a: argparse.Namespace, environ: dict | None = None) -> ServeOptions:
+    """`python -m engine serve` flags (sizes as text, the plan as a file) -> ServeOptions."""
+    plan = None
     if a.plan:
         try:
             with open(a.plan) as f:
-                plan = json.load(f)
-            replica = plan["replicas"][a.replica]
-        except (OSError, ValueError) as e:
-            raise OptionsError(f"cannot read plan {a.plan}: {e}") from None
-        except (KeyError, IndexError, TypeError):
-            n = len(plan.get("replicas", [])) if isinstance(plan, dict) else 0
-            raise OptionsError(f"plan {a.plan} has {n} replica(s); --replica {a.replica} does not exist") from None
-    model, serving = plan.get("model") or {}, plan.get("serving") or {}
-
-    def first(*values):
-        return next((v for v in values if v is not None), None)
-
-    def cpus(key: str, env_key: str) -> str | None:
-        return first(cpulist.format(replica[key]) if key in replica else None, env.get(env_key) or None)
-
-    binding, source = a.binding, "explicit" if a.binding not in (None, "auto", "none") else None
-    if binding is None and "cpus" in replica:
-        binding, source = cpulist.format(replica["cpus"]), "plan"
-    elif binding is None and env.get("DEPLOYKIT_CPUS"):
-        binding, source = env["DEPLOYKIT_CPUS"], "env"
-    key = a.api_key
-    if key is None and serving.get("api_key_env"):
-        key = env.get(serving["api_key_env"])
-        if not key:
-            raise OptionsError(f"the plan requires an API key in ${serving['api_key_env']}, which is not set")
+                plan = Plan.from_json(f.read())
+        except OSError as e:
+            raise OptionsError(f"cannot read plan {a.plan}: {e.strerror or e}") from None
+        except DeploykitError as e:
+            raise OptionsError(f"plan {a.plan}: " + str(e).replace("\n", "; ")) from None
     try:
-        kv = first(parse_size(a.kv_cache) if a.kv_cache is not None else None, replica.get("kv_cache_bytes"))
+        kv = parse_size(a.kv_cache) if a.kv_cache is not None else None
         body = parse_size(a.max_body) if a.max_body is not None else None
     except ValueError as e:
         raise OptionsError(str(e)) from None
-    given = {
-        "host": a.host, "port": a.port, "dtype": first(a.dtype, model.get("dtype")),
-        "max_model_len": first(a.max_model_len, model.get("max_model_len")),
-        "max_num_seqs": first(a.max_num_seqs, serving.get("max_num_seqs")),
-        "max_num_batched_tokens": first(a.max_num_batched_tokens, serving.get("max_num_batched_tokens")),
-        "kv_cache_bytes": kv, "binding": binding, "binding_source": source,
-        "frontend_cpus": first(a.frontend_cpus, cpus("frontend_cpus", "DEPLOYKIT_FRONTEND_CPUS")),
-        "mems": first(a.mems, cpus("mems", "DEPLOYKIT_MEMS")), "api_key": first(key, env.get("DEPLOYKIT_API_KEY")),
-        "served_model_name": first(a.served_model_name, model.get("served_name")), "max_waiting": a.max_waiting,
-        "max_body_bytes": body, "shutdown_timeout": a.shutdown_timeout, "seed": a.seed,
-    }
-    return ServeOptions(a.model, access_log=not a.no_access_log, **{k: v for k, v in given.items() if v is not None})
+    return options(a.model, plan=plan, replica=a.replica, environ=environ, host=a.host, port=a.port, dtype=a.dtype,
+                   max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+                   max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_bytes=kv, binding=a.binding,
+                   frontend_cpus=a.frontend_cpus, mems=a.mems, api_key=a.api_key,
+                   served_model_name=a.served_model_name, max_waiting=a.max_waiting, max_body_bytes=body,
+                   shutdown_timeout=a.shutdown_timeout, seed=a.seed, access_log=False if a.no_access_log else None)
 
 
 def resolve_binding(o: ServeOptions):
@@ -196,7 +203,7 @@ def serve(o: ServeOptions) -> int:
         return EXIT_STARTUP
     try:
         b = resolve_binding(o)
-    except ValueError as e:
+    except (ValueError, DeploykitError) as e:
         log.error("%s", e)
         return EXIT_USAGE
     try:
@@ -223,22 +230,22 @@ def _run(o: ServeOptions, b, engine, sock: socket.socket) -> int:
     import uvicorn
 
     from engine.server.api import build_app
-    from engine.server.frontend import Frontend, State, load_tokenizer
+    from engine.server.frontend import Frontend, State
     try:
-        tokenizer = load_tokenizer(o.model)
-    except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, JSON and tokenizers errors
-        log.error("cannot load the tokenizer from %s: %s", o.model, e)
+        tokenizer = tokenizers.load(o.model)
+    except ModelLoadError as e:
+        log.error("%s", e)
         return EXIT_STARTUP
     fe = Frontend(tokenizer, engine, o.model_name, max_num_seqs=o.max_num_seqs, max_waiting=o.max_waiting)
     app = build_app(fe, api_key=o.api_key, max_body_bytes=o.max_body_bytes,
                     on_shutdown=lambda: engine.stop(timeout=0 if fe.state is State.LOADING else 10.0))
     config = uvicorn.Config(app, log_level="info", access_log=o.access_log, timeout_graceful_shutdown=5)
     server = _server_class(uvicorn)(config)
-    exit_code = EXIT_OK
+    result = EXIT_OK
 
     def engine_exited(code: int | None) -> None:
-        nonlocal exit_code
-        exit_code = EXIT_STARTUP if not fe.info else EXIT_ENGINE_DIED
+        nonlocal result
+        result = EXIT_STARTUP if not fe.info else EXIT_ENGINE_DIED
         asyncio.get_running_loop().call_later(DEATH_LINGER, setattr, server, "should_exit", True)
 
     fe.on_engine_exit = engine_exited
@@ -249,7 +256,7 @@ def _run(o: ServeOptions, b, engine, sock: socket.socket) -> int:
              cpulist.format(b.cpus) or "unpinned", b.threads, cpulist.format(b.mems) or "unbound", os.getpid(),
              cpulist.format(b.frontend_cpus) or "unpinned (shares the cpuset)")
     server.run(sockets=[sock])
-    return exit_code
+    return result
 
 
 def _on_signal(server, fe, timeout: float, sig: int) -> None:
@@ -300,11 +307,11 @@ def _server_class(uvicorn):
 
 def run_args(a: argparse.Namespace) -> int:
     try:
-        options = options_from_args(a)
-    except (OptionsError, ValueError) as e:
+        o = options_from_args(a)
+    except EngineError as e:
         logging.getLogger("engine.server").error("%s", e)
-        return EXIT_USAGE
-    return serve(options)
+        return exit_code(e)
+    return serve(o)
 
 
 def main(argv: list[str] | None = None) -> int:

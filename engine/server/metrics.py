@@ -3,30 +3,21 @@ histograms observed by the front end."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.messages import EngineStats
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0)
 
 
-class CoreStats(NamedTuple):
-    """engine.core.EngineStats as it crosses the process boundary (field order = EngineStats)."""
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    num_preemptions: int = 0
-
-
 class _CoreCollector:
     """Reads the stats snapshot at scrape time, so the engine process is never asked."""
 
-    def __init__(self, model: str, stats: Callable[[], CoreStats], up: Callable[[], bool]):
+    def __init__(self, model: str, stats: Callable[[], EngineStats], up: Callable[[], bool]):
         self._model, self._stats, self._up = model, stats, up
 
     def collect(self):
@@ -49,7 +40,7 @@ class _CoreCollector:
 
 
 class Metrics:
-    def __init__(self, model: str, stats: Callable[[], CoreStats], up: Callable[[], bool]):
+    def __init__(self, model: str, stats: Callable[[], EngineStats], up: Callable[[], bool]):
         self.registry = CollectorRegistry()
         self.registry.register(_CoreCollector(model, stats, up))
         labels = ["model_name"]

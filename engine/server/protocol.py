@@ -5,15 +5,20 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from engine.params import MAX_STOP, RANGES
+
 MAX_N = 128  # OpenAI's documented limit for `n`
-MAX_TOP_LOGPROBS = 20
 
 # Unknown fields are ignored (OpenAI SDKs send extras); NaN/Infinity are rejected, not passed to the sampler.
 _LENIENT = ConfigDict(extra="ignore", allow_inf_nan=False)
 
+
+def _ranged(name: str, kind: type = float):
+    """A field bounded by params.RANGES[name]: the ranges SamplingParams checks, stated once."""
+    return Annotated[kind, Field(**RANGES[name].bounds)]
+
+
 PositiveInt = Annotated[int, Field(ge=1)]
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-MAX_STOP = 32  # OpenAI allows 4; vLLM clients send more. Each is matched against every new token's text.
 Stop = str | Annotated[list[str], Field(max_length=MAX_STOP)] | None
 
 
@@ -27,29 +32,29 @@ class SamplingFields(BaseModel):
     model_config = _LENIENT
     model: str | None = None  # None = the served model
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    max_tokens: PositiveInt | None = None  # None = the rest of the context window
-    temperature: Annotated[float, Field(ge=0.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    max_tokens: _ranged("max_tokens", int) | None = None  # None = the rest of the context window
+    temperature: _ranged("temperature") = 1.0
+    top_p: _ranged("top_p") = 1.0
     seed: int | None = None
     stop: Stop = None
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
+    presence_penalty: _ranged("presence_penalty") = 0.0
+    frequency_penalty: _ranged("frequency_penalty") = 0.0
     logit_bias: dict[str, float] | None = None  # accepted only when empty
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: Annotated[int, Field(ge=-1)] = 0
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    top_k: _ranged("top_k", int) = 0
+    min_p: _ranged("min_p") = 0.0
+    repetition_penalty: _ranged("repetition_penalty") = 1.0
+    min_tokens: _ranged("min_tokens", int) = 0
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # token ids: no true/1.0 coercion
-    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    logprobs: _ranged("logprobs", int) | None = None
     echo: bool = False
     best_of: PositiveInt | None = None  # only best_of == n is supported
     suffix: str | None = None  # not supported
@@ -77,7 +82,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    top_logprobs: _ranged("logprobs", int) | None = None
     tools: list[dict] | None = None  # accepted only when empty
     response_format: dict | None = None  # only {"type": "text"}
     add_generation_prompt: bool = True  # vLLM extension

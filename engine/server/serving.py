@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from engine.errors import RequestError
 from engine.params import SamplingParams
 from engine.server import protocol as p
-from engine.server.errors import APIError, bad_request, from_sampling_error
+from engine.server.errors import APIError, bad_request, from_request_error
 from engine.server.frontend import Frontend, Generation
 
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity; OpenAI clients expect a number
@@ -38,8 +39,8 @@ def _params(req: p.SamplingFields, max_tokens: int | None, logprobs: int | None)
         if req.seed is None:
             return [SamplingParams(**kw)] * req.n
         return [SamplingParams(**kw, seed=req.seed + i) for i in range(req.n)]
-    except ValueError as e:
-        raise from_sampling_error(e) from None
+    except RequestError as e:
+        raise from_request_error(e) from None
 
 
 def _usage(gen: Generation) -> dict:

@@ -1,22 +1,12 @@
 """The engine-core process: its step loop (child side) and the handle the front end drives it through (parent side).
 
-IPC is one private socketpair carrying pickled messages (multiprocessing.connection framing), batched:
-  parent -> child  ("init", config_kwargs, binding)  once, then ("ops", [op, ...]) with op one of
-                   ("add", request_id, prompt_token_ids, SamplingParams) | ("abort", request_id)
-                   | ("call", call_id, name) | ("shutdown",)
-  child -> parent  ("ready", info) | ("fatal", message)
-                   | ("step", outputs, rejects, stats, replies)   at most one per engine step, where
-                     outputs = [(request_id, new_token_ids, logprobs | None, finished, finish_reason)],
-                     logprobs = [(token_id, logprob, ((token_id, logprob), ...)), ...],
-                     rejects = [(request_id, http_status, message)] (refused by the core, or failed in a step),
-                     stats = CoreStats fields, replies = [(call_id, result)]
+IPC is one private socketpair carrying pickled engine.messages objects (multiprocessing.connection framing):
+Init, then Ops batches, from the front end; Ready or Fatal, then at most one StepResult per engine step, back.
 The child runs `python -m engine.server.worker FD` so that binding (OpenMP env, memory policy) happens before
 torch is imported; this module must therefore import nothing heavy at top level.
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import os
 import queue
@@ -28,6 +18,10 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+from engine.errors import EXIT_STARTUP, EngineError, RequestError
+from engine.messages import (AbortRequest, AddRequest, Call, Fatal, Init, Op, Ops, Ready, Rejected, Reply, Shutdown,
+                             StepResult)
+
 log = logging.getLogger("engine.server.worker")
 _EOF = object()
 
@@ -37,10 +31,7 @@ _EOF = object()
 def _bind(binding) -> tuple[Callable[[], object], Callable[[], dict], Callable[[], None]]:
     """Apply the binding before torch loads. Returns (finish after torch is imported, report, pin the calling
     helper thread): the only place that touches engine.binding's API."""
-    try:
-        from engine import binding as eb
-    except ImportError:
-        return (lambda: None), (lambda: {"error": "engine.binding is not available"}), (lambda: None)
+    from engine import binding as eb
     eb.prepare(binding)
     return (lambda: eb.finish(binding)), (lambda: eb.report(binding)), (lambda: eb.pin_helper_thread(binding))
 
@@ -70,18 +61,18 @@ class _Loop:
                     msgs.append(self.inbox.get_nowait())
                 except queue.Empty:
                     break
-            rejects, replies = [], []
+            rejected: list[Rejected] = []
+            replies: list[Reply] = []
             for msg in msgs:
                 if msg is _EOF:  # the front end is gone: nobody is left to serve
                     return
-                for op in msg[1]:
-                    self._apply(op, rejects, replies)
-            outputs = self._step(rejects) if self.running and core.has_unfinished_requests() else []
-            if outputs or msgs or rejects:
-                self.conn.send(("step", [_plain(o) for o in outputs], rejects,
-                                dataclasses.astuple(core.stats()), replies))
+                for op in msg.ops:
+                    self._apply(op, rejected, replies)
+            outputs = self._step(rejected) if self.running and core.has_unfinished_requests() else []
+            if outputs or msgs or rejected:
+                self.conn.send(StepResult(tuple(outputs), tuple(rejected), core.stats(), tuple(replies)))
 
-    def _step(self, rejects: list) -> list:
+    def _step(self, rejected: list[Rejected]) -> list:
         """One core step. If it raises, the requests it held are in an unknown state: abort all of them (each
         fails with a 500) and keep serving, rather than restarting and failing every client of this replica."""
         try:
@@ -89,9 +80,12 @@ class _Loop:
         except Exception as e:
             log.exception("engine step failed; aborting the %d request(s) in the engine", len(self.live))
             for rid in self.live:
-                with contextlib.suppress(Exception):
+                try:
                     self.core.abort_request(rid)
-                rejects.append((rid, 500, f"the engine failed while running this request: {type(e).__name__}: {e}"))
+                except Exception:  # noqa: BLE001 - the core is already inconsistent; fail the rest anyway
+                    pass
+                rejected.append(Rejected(rid, 500, "the engine failed while running this request: "
+                                                   f"{type(e).__name__}: {e}"))
             self.live.clear()
             return []
         for o in outputs:
@@ -99,28 +93,23 @@ class _Loop:
                 self.live.discard(o.request_id)
         return outputs
 
-    def _apply(self, op: tuple, rejects: list, replies: list) -> None:
-        kind = op[0]
-        if kind == "add":
+    def _apply(self, op: Op, rejected: list[Rejected], replies: list[Reply]) -> None:
+        if isinstance(op, AddRequest):
             try:
-                self.core.add_request(op[1], op[2], op[3])
-                self.live.add(op[1])
-            except Exception as e:  # a request the core refuses fails alone; the loop keeps serving
-                if not isinstance(e, ValueError):
-                    log.exception("add_request failed for %s", op[1])
-                rejects.append((op[1], 400 if isinstance(e, ValueError) else 500, str(e)))
-        elif kind == "abort":
-            self.core.abort_request(op[1])
-            self.live.discard(op[1])
-        elif kind == "call":
-            replies.append((op[1], self.report() if op[2] == "binding" else None))
-        elif kind == "shutdown":
+                self.core.add_request(op.request_id, list(op.prompt_token_ids), op.params)
+                self.live.add(op.request_id)
+            except RequestError as e:  # a request the core refuses fails alone; the loop keeps serving
+                rejected.append(Rejected(op.request_id, 400, e.message, e.param, e.code))
+            except Exception as e:
+                log.exception("add_request failed for %s", op.request_id)
+                rejected.append(Rejected(op.request_id, 500, f"{type(e).__name__}: {e}"))
+        elif isinstance(op, AbortRequest):
+            self.core.abort_request(op.request_id)
+            self.live.discard(op.request_id)
+        elif isinstance(op, Call):
+            replies.append(Reply(op.call_id, self.report() if op.name == "binding" else None))
+        elif isinstance(op, Shutdown):
             self.running = False
-
-
-def _plain(out) -> tuple:
-    lps = None if out.logprobs is None else [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs]
-    return out.request_id, out.new_token_ids, lps, out.finished, out.finish_reason
 
 
 def child_main(fd: int) -> int:
@@ -131,31 +120,30 @@ def child_main(fd: int) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     conn = Connection(fd)
     try:
-        _, config_kwargs, binding = conn.recv()
+        init: Init = conn.recv()
     except (EOFError, OSError):
         return 1
-    finish, report, pin = _bind(binding)
+    finish, report, pin = _bind(init.binding)
     try:
-        from engine.config import EngineConfig  # imports torch: the OpenMP runtime loads with the binding's env
+        import torch  # noqa: F401 - the OpenMP runtime loads here, with the binding's environment
         finish()  # before the model loads: the first parallel region must start the pool the binding pins
         from engine.core import EngineCore
-        core = EngineCore(EngineConfig(**config_kwargs))
+        core = EngineCore(init.config)
     except Exception as e:
-        from engine.errors import EngineError
         if not isinstance(e, EngineError):  # a known load problem is one clear line (the front end logs it)
             log.exception("engine failed to start")
-        conn.send(("fatal", f"engine failed to start: {type(e).__name__}: {e}"))
-        return 3
+        conn.send(Fatal(f"engine failed to start: {type(e).__name__}: {e}"))
+        return EXIT_STARTUP
     loop = _Loop(core, conn, report)
     threading.Thread(target=loop.receive, args=(pin,), name="ipc-recv", daemon=True).start()
-    conn.send(("ready", {"pid": os.getpid(), "max_model_len": core.max_model_len,
-                         "vocab_size": core.spec.vocab_size, "eos_token_ids": list(core.eos_token_ids)}))
+    conn.send(Ready(pid=os.getpid(), max_model_len=core.max_model_len, vocab_size=core.spec.vocab_size,
+                    eos_token_ids=tuple(core.eos_token_ids)))
     try:
         loop.run()
     except Exception as e:
         log.exception("engine step loop failed")
         try:
-            conn.send(("fatal", f"engine step loop failed: {type(e).__name__}: {e}"))
+            conn.send(Fatal(f"engine step loop failed: {type(e).__name__}: {e}"))
         except OSError:
             pass
         return 1
@@ -167,8 +155,8 @@ def child_main(fd: int) -> int:
 class EngineProcess:
     """Starts the child and moves messages; `on_message` / `on_exit` are called on the event loop's thread."""
 
-    def __init__(self, config_kwargs: dict, binding):
-        self.config_kwargs = config_kwargs
+    def __init__(self, config, binding):
+        self.config = config  # engine.config.EngineConfig
         self.binding = binding
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
@@ -187,7 +175,7 @@ class EngineProcess:
                                      pass_fds=(child.fileno(),), env=env, close_fds=True)
         child.close()
         self.conn = Connection(parent.detach())
-        self.conn.send(("init", self.config_kwargs, self.binding))
+        self.conn.send(Init(self.config, self.binding))
 
     def attach(self, loop, on_message: Callable, on_exit: Callable[[int | None], None]) -> None:
         """Read on the event loop itself (no reader thread, so no GIL hand-off per engine step)."""
@@ -210,9 +198,9 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             return None
 
-    def send(self, ops: list) -> None:
+    def send(self, ops: list[Op]) -> None:
         try:
-            self.conn.send(("ops", ops))
+            self.conn.send(Ops(tuple(ops)))
         except (OSError, ValueError):
             pass  # the child is gone; the reader thread reports the exit
 
@@ -222,7 +210,7 @@ class EngineProcess:
             return None
         self.stopping = True
         if self.proc.poll() is None:
-            self.send([("shutdown",)])
+            self.send([Shutdown()])
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:

@@ -9,6 +9,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from deploykit import isa
 from engine.kernels import build, loader
 from engine.sampling import SamplingParams
 
@@ -28,7 +29,7 @@ def _native_expected() -> bool:
     """On an AVX-512 CPU with the kernels built (scripts/test builds them), the native path must be the one tested."""
     if os.environ.get("DEPLOYKIT_KERNELS", "").lower() in loader.DISABLED:
         return False  # the PyTorch path on purpose: this test then checks that one
-    return loader.variant_for(loader.cpu_flags()) is not None and build.manifest_matches(build.default_dir())
+    return loader.variant_for(isa.cpu_flags()) is not None and build.manifest_matches(build.default_dir())
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

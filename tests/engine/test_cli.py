@@ -33,6 +33,9 @@ def test_generate_command_prints_completions(tiny_model):
     assert len(lines) == 2 and lines[0].startswith("'Hello' -> ") and "[length, 5 tokens]" in lines[0]
 
 
-def test_generate_command_reports_a_bad_model_dir(tmp_path, capsys):
-    assert main(["generate", str(tmp_path / "missing"), "hi"]) == 2
+def test_a_bad_model_dir_exits_3_from_every_command(tmp_path, capsys):
+    """One error family, one exit-code table: a model that cannot load is 3 for generate and serve alike."""
+    assert main(["generate", str(tmp_path / "missing"), "hi"]) == 3
     assert "does not exist" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path / "missing"), "--port", "0", "--host", "127.0.0.1"]) == 3
+    assert main(["serve", str(tmp_path), "--max-num-seqs", "0"]) == 2  # a usage error stays 2

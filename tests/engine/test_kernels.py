@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from deploykit import isa
 from engine.kernels import build, loader
 
 ROOT = Path(__file__).resolve().parents[2]
-VARIANT = loader.variant_for(loader.cpu_flags())
-HAS_AMX = {"amx_tile", "amx_bf16"} <= loader.cpu_flags()
+VARIANT = loader.variant_for(isa.cpu_flags())
+HAS_AMX = {"amx_tile", "amx_bf16"} <= isa.cpu_flags()
 needs_bf16 = pytest.mark.skipif(VARIANT is None, reason="CPU lacks AVX-512: native kernels never load here")
 
 
@@ -278,12 +279,6 @@ def test_widening_build_matches_the_bf16_build(kernels):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
-
-
-def test_cpuinfo_flags_are_read(tmp_path):
-    info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_tile\n\nprocessor\t: 1\n")
-    assert loader.cpu_flags(info) == frozenset({"fpu", "avx512f", "avx512_bf16", "amx_tile"})
 
 
 @needs_bf16

@@ -9,9 +9,10 @@ import shutil
 import pytest
 import torch
 
-from engine.config import EngineConfig, cpu_has_bf16, resolve_dtype
+from deploykit import isa
+from engine.config import EngineConfig, resolve_dtype
 from engine.core import EngineCore
-from engine.errors import ModelLoadError
+from engine.errors import ModelLoadError, OptionsError
 
 
 def _copy(src, dst):
@@ -75,12 +76,12 @@ def test_context_and_kv_limits(tiny_model):
 
 
 def test_dtype_resolution(caplog):
-    assert resolve_dtype("auto") == (torch.bfloat16 if cpu_has_bf16() else torch.float32)
+    assert resolve_dtype("auto") == (torch.bfloat16 if isa.has_bf16(isa.cpu_flags()) else torch.float32)
     assert resolve_dtype("float32") == torch.float32
     with caplog.at_level(logging.WARNING, logger="engine"):
         assert resolve_dtype("float16") == torch.bfloat16
     assert "bfloat16" in caplog.text
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(OptionsError, match="dtype"):
         EngineConfig("m", dtype="int8")
 
 
@@ -96,7 +97,7 @@ def test_checkpoint_with_tensors_the_model_would_ignore_is_refused(tiny_model, t
 
 
 def test_sliding_window_defaults_follow_transformers():
-    from engine.loader import _sliding
+    from deploykit.modelconfig import sliding_layers as _sliding
     assert _sliding({"model_type": "mistral"}, 4) == (4096, (0, 1, 2, 3))  # MistralConfig's default window
     assert _sliding({"model_type": "mistral", "sliding_window": None}, 4) == (None, ())  # v0.2+: off
     assert _sliding({"model_type": "qwen2", "sliding_window": 4096}, 4) == (None, ())  # use_sliding_window absent

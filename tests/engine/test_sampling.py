@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from engine.errors import RequestError
 from engine.sampling import (Sampler, SamplingParams, SamplingState, TokenLogprobs, apply_bans,
                              apply_penalties)
 
@@ -305,8 +306,9 @@ def test_sampler_does_not_advance_state():
     ({"ignore_eos": "yes"}, "ignore_eos"),
 ])
 def test_invalid_params_name_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=rf"^{field} must be .*, got "):
+    with pytest.raises(RequestError, match=rf"^{field} must be .*, got ") as e:
         SamplingParams(**kwargs)
+    assert e.value.param == field  # the parameter travels as data, for OpenAI's error body
 
 
 def test_params_normalise_sequences_and_stay_hashable():
@@ -319,8 +321,9 @@ def test_params_normalise_sequences_and_stay_hashable():
 
 
 def test_stop_token_outside_vocabulary_is_rejected():
-    with pytest.raises(ValueError, match="stop_token_ids"):
+    with pytest.raises(RequestError, match="stop_token_ids") as e:
         SamplingState(SamplingParams(stop_token_ids=(10,)), [1], [EOS], 10)
+    assert e.value.param == "stop_token_ids"
 
 
 def test_extreme_but_valid_params_never_produce_nan_or_out_of_range_tokens():

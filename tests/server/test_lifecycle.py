@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from tests import plans
 from tests.server.live import ROOT, LiveServer, clean_env, free_port
 
 needs_two_cpus = pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs CPUs 0 and 1")
@@ -25,11 +26,8 @@ def sse_lines(r: httpx.Response):
 
 @needs_two_cpus
 def test_plan_replica_then_engine_death_gives_503_and_a_nonzero_exit(tiny_model, tmp_path):
-    plan = {"model": {"dtype": "float32", "max_model_len": 2048, "served_name": "planned"},
-            "serving": {"max_num_seqs": 4, "max_num_batched_tokens": 256, "api_key_env": None},
-            "replicas": [{"cpus": [0], "frontend_cpus": [1], "mems": [0], "kv_cache_bytes": 4 << 20,
-                          "omp_threads": 1}]}
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    plan = plans.make_plan([plans.replica(0, [0], [1], [0], kv_cache_bytes=4 << 20)], model_path=tiny_model)
+    plans.write(plan, tmp_path / "plan.json")
     s = LiveServer(tiny_model, "--plan", str(tmp_path / "plan.json"), "--replica", "0", "--max-model-len", "1000")
     try:
         s.wait_ready()

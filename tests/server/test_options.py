@@ -2,18 +2,17 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 import pytest
 
-from engine.server.launch import OptionsError, ServeOptions, add_arguments, options_from_args
+from engine.errors import OptionsError
+from engine.server.launch import ServeOptions, add_arguments, options_from_args
+from tests import plans
 
-PLAN = {"model": {"dtype": "bfloat16", "max_model_len": 4096, "served_name": "Qwen/Qwen3-8B"},
-        "serving": {"max_num_seqs": 32, "max_num_batched_tokens": 4096, "api_key_env": "MY_KEY"},
-        "replicas": [{"cpus": [0, 1, 2], "frontend_cpus": [3], "mems": [0], "kv_cache_bytes": 1 << 30,
-                      "omp_threads": 3},
-                     {"cpus": [4, 5], "frontend_cpus": [], "mems": [1], "kv_cache_bytes": 2 << 30,
-                      "omp_threads": 2}]}
+PLAN = plans.make_plan([plans.replica(0, [0, 1, 2], [3], [0], kv_cache_bytes=1 << 30),
+                        plans.replica(1, [4, 5], [], [1], kv_cache_bytes=2 << 30)],
+                       dtype="bfloat16", max_model_len=4096, served_name="Qwen/Qwen3-8B", max_num_seqs=32,
+                       max_num_batched_tokens=4096, api_key_env="MY_KEY")
 
 
 def options(*argv: str, env: dict | None = None) -> ServeOptions:
@@ -24,16 +23,14 @@ def options(*argv: str, env: dict | None = None) -> ServeOptions:
 
 @pytest.fixture
 def plan(tmp_path) -> str:
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(PLAN))
-    return str(path)
+    return plans.write(PLAN, tmp_path / "plan.json")
 
 
 def test_defaults_without_plan_or_environment():
     o = options()
     assert (o.host, o.port, o.binding, o.frontend_cpus, o.api_key, o.model_name) == ("0.0.0.0", 8000, "auto", None,
                                                                                    None, "model")
-    assert o.engine_config()["max_num_seqs"] == 16
+    assert o.engine_config().max_num_seqs == 16
 
 
 def test_plan_replica_fills_everything(plan):
@@ -64,5 +61,10 @@ def test_plan_errors_are_clear(plan, tmp_path):
     with pytest.raises(OptionsError, match="has 2 replica"):
         options("--plan", plan, "--replica", "5", env={"MY_KEY": "k"})
     (tmp_path / "bad.json").write_text("{")
-    with pytest.raises(OptionsError, match="cannot read plan"):
+    with pytest.raises(OptionsError, match="not JSON"):
         options("--plan", str(tmp_path / "bad.json"))
+    (tmp_path / "partial.json").write_text('{"apiVersion": "deploykit/v1", "kind": "Plan", "name": "x"}')
+    with pytest.raises(OptionsError, match="model: missing from the plan"):
+        options("--plan", str(tmp_path / "partial.json"))
+    with pytest.raises(OptionsError, match="cannot read plan"):
+        options("--plan", str(tmp_path / "absent.json"))

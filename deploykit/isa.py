@@ -1,0 +1,48 @@
+"""What the CPU computes: its flags from /proc/cpuinfo, the ISA tier they make, and whether bf16 is native.
+
+The one home of these facts: the topology reader (plans for a host or a snapshot), the engine's dtype choice and
+the native-kernel loader all ask here, so they can never disagree about a CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Flags worth carrying in a Topology or a plan (the rest of /proc/cpuinfo's list changes nothing we decide).
+OF_INTEREST = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+               "amx_tile", "amx_bf16", "amx_int8")
+# Tiers, best first: AMX tiles; AVX512-BF16 (vdpbf16ps); AVX-512 without bf16 units (bf16 widened in registers);
+# AVX2; anything older.
+TIERS = ("amx", "avx512_bf16", "avx512", "avx2", "baseline")
+BF16_TIERS = frozenset({"amx", "avx512_bf16"})
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
+    """Every flag of the first CPU in `cpuinfo` (a path); empty when it is unreadable or lists none."""
+    try:
+        return flags_in(Path(cpuinfo).read_text(errors="replace"))
+    except OSError:
+        return frozenset()
+
+
+def flags_in(cpuinfo_text: str) -> frozenset[str]:
+    for line in cpuinfo_text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def tier(flags: frozenset[str] | set[str] | tuple[str, ...]) -> str:
+    f = set(flags)
+    if {"amx_tile", "amx_bf16"} <= f:
+        return "amx"
+    if "avx512_bf16" in f:
+        return "avx512_bf16"
+    if {"avx512f", "avx512bw", "avx512vl"} <= f:
+        return "avx512"
+    return "avx2" if "avx2" in f else "baseline"
+
+
+def has_bf16(flags: frozenset[str] | set[str] | tuple[str, ...]) -> bool:
+    """bf16 runs on hardware units (vdpbf16ps or AMX tiles); otherwise it is widened or emulated."""
+    return tier(flags) in BF16_TIERS

@@ -1,0 +1,136 @@
+"""What each container of a deployment is, in runtime-neutral terms: run.sh, compose.yaml and `deploykit up` each
+spell the same `Container` in their own syntax, so a setting cannot differ between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import cpulist
+from ..plan import Plan, Replica
+from ..units import human
+
+MODEL_DIR = "/model"
+PLAN_PATH = "/etc/deploykit/plan.json"
+NGINX_CONF = "/etc/deploykit/nginx.conf"
+# The server's processes talk over a socketpair, not shared memory; /dev/shm only holds Python multiprocessing
+# semaphores and small library buffers. Explicit, so a read-only root keeps a bounded writable shm.
+SHM_SIZE = "256m"
+# The only writable place under a read-only root: HOME, caches, nginx temp files. Not noexec: the engine may
+# dlopen JIT-built kernels from its cache there.
+TMPFS = "/tmp:rw,nosuid,nodev,size=1g"
+LB_TMPFS = "/tmp:rw,nosuid,nodev,noexec,size=64m"
+LB_MEMORY = 256 * 1024**2
+# SIGTERM to SIGKILL: the engine drains in-flight requests for up to 30 s (`--shutdown-timeout`), uvicorn adds 5 s
+# and the engine process gets 10 s to exit. Docker's default of 10 s would kill streams mid-answer.
+ENGINE_STOP_SECONDS = 50
+
+
+@dataclass(frozen=True, slots=True)
+class Mount:
+    source: str  # "model" (the user's model directory) or a file name in the output directory
+    target: str
+
+
+@dataclass(frozen=True, slots=True)
+class Container:
+    """One container, in runtime-neutral terms; run.sh and compose.yaml each spell it in their own syntax."""
+
+    name: str
+    deployment: str
+    comment: str
+    replica: int | None  # None for the load balancer
+    cpuset: str | None
+    mems: str | None  # cpuset-mems: docker run only; compose has none (the engine binds memory itself)
+    memory: int
+    env: tuple[tuple[str, str | None], ...]  # value None: passed through by name from the caller's environment
+    mounts: tuple[Mount, ...]
+    publish: str
+    caps_add: tuple[str, ...]
+    seccomp: str | None  # a profile file name, "unconfined", or None for the runtime's default
+    user: str
+    read_only: bool
+    tmpfs: str
+    shm_size: str | None
+    entrypoint: tuple[str, ...] = ()  # () = the image's own
+    depends_on: tuple[str, ...] = ()
+    stop_seconds: int | None = None  # None = the runtime's default (10 s)
+    stop_signal: str | None = None  # None = SIGTERM
+
+    @property
+    def labels(self) -> tuple[tuple[str, str], ...]:
+        replica = "lb" if self.replica is None else str(self.replica)
+        return (("deploykit.deployment", self.deployment), ("deploykit.replica", replica))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelMount:
+    """How the model reaches the containers: the host variable the scripts read its path from, and where it
+    appears inside (a directory at /model, or one .gguf file inside /model)."""
+
+    variable: str  # MODEL_DIR | MODEL_FILE
+    target: str
+    what: str  # "directory" | "file", for the scripts' comments
+
+
+def model_mount(plan: Plan) -> ModelMount:
+    if plan.model.is_file:
+        return ModelMount("MODEL_FILE", f"{MODEL_DIR}/{(plan.model.path or 'model.gguf').rsplit('/', 1)[-1]}", "file")
+    return ModelMount("MODEL_DIR", MODEL_DIR, "directory")
+
+
+def seccomp_file(plan: Plan) -> str | None:
+    mode = plan.security.seccomp
+    return "seccomp.json" if mode == "least-privilege" else "unconfined" if mode == "unconfined" else None
+
+
+def lb_name(plan: Plan) -> str:
+    return f"{plan.name}-lb"
+
+
+def healthcheck(port: int) -> tuple[str, ...]:
+    """Exec form, no shell: python is in every image we build; curl is not."""
+    code = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout=4)"
+    return ("python", "-c", code)
+
+
+def containers(plan: Plan) -> tuple[Container, ...]:
+    user = f"{plan.security.run_as_user}:{plan.security.run_as_user}"
+    sec = seccomp_file(plan)
+    port = plan.serving.port
+    out = []
+    for r in plan.replicas:
+        env = [*r.env, ("DEPLOYKIT_REPLICA", str(r.index))]
+        if plan.serving.api_key_env:
+            env.append((plan.serving.api_key_env, None))
+        out.append(Container(
+            name=r.name, deployment=plan.name, comment=_describe(r), replica=r.index, cpuset=cpulist.format(r.cpuset),
+            mems=cpulist.format(r.mems), memory=r.memory_limit_bytes, env=tuple(sorted(env)),
+            mounts=(Mount("model", model_mount(plan).target), Mount("plan.json", PLAN_PATH)),
+            publish=f"{plan.serving.publish_address}:{r.port}:{port}", caps_add=("SYS_NICE",), seccomp=sec,
+            user=user, read_only=plan.security.read_only_root, tmpfs=TMPFS, shm_size=SHM_SIZE,
+            stop_seconds=ENGINE_STOP_SECONDS))
+    if plan.serving.load_balancer:
+        front = sorted({c for r in plan.replicas for c in r.frontend_cpus})
+        out.append(Container(
+            name=lb_name(plan), deployment=plan.name, replica=None,
+            comment="nginx load balancer (least connections, streaming) in front of the replicas; runs from the "
+                    "engine image, so nothing is pulled from a registry",
+            cpuset=cpulist.format(front) if front else None, mems=None, memory=LB_MEMORY, env=(),
+            mounts=(Mount("nginx.conf", NGINX_CONF),), publish=f"{plan.serving.publish_address}:{port}:{port}",
+            caps_add=(), seccomp=sec, user=user, read_only=True, tmpfs=LB_TMPFS, shm_size=None,
+            entrypoint=("/usr/sbin/nginx", "-e", "stderr", "-c", NGINX_CONF),
+            depends_on=tuple(r.name for r in plan.replicas),
+            # SIGQUIT is nginx's graceful stop: open streams run to the end while the replicas drain.
+            stop_seconds=ENGINE_STOP_SECONDS, stop_signal="SIGQUIT"))
+    return tuple(out)
+
+
+def _describe(r: Replica) -> str:
+    nodes = f"NUMA node{'s' if len(r.numa_nodes) > 1 else ''} {cpulist.format(r.numa_nodes)}"
+    front = (f"front end on CPUs {cpulist.format(r.frontend_cpus)}" if r.frontend_cpus
+             else "front end shares those CPUs")
+    threads = f"{r.omp_threads} OpenMP thread{'s' if r.omp_threads > 1 else ''}"
+    mems = f"node{'s' if len(r.mems) > 1 else ''} {cpulist.format(r.mems)}"
+    return (f"replica {r.index} on {nodes}: inference CPUs {cpulist.format(r.cpus)} ({threads}), {front}; "
+            f"memory on {mems}, limit {human(r.memory_limit_bytes)}")
