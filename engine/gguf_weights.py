@@ -85,7 +85,9 @@ class GGUFCheckpoint:
         raw = self._data[self._base + t.offset:self._base + t.offset + t.nbytes]
         rows = t.numel // t.shape[-1]
         values = quants.dequantize(raw.reshape(rows, -1), GGMLQuantizationType(t.ggml_type))  # [rows, cols] fp32
-        w = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(t.shape)
+        if not values.flags.writeable:  # F32 comes back as a view of the read-only map: own the memory
+            values = values.copy()
+        w = torch.from_numpy(values).reshape(t.shape)
         if self._unpermute and (".q_proj." in name or ".k_proj." in name):
             c = self.config
             w = _unpermute(w, c.num_heads if ".q_proj." in name else c.num_kv_heads)

@@ -141,3 +141,19 @@ def test_cli_never_imports_torch(tmp_path, sysroots):
     r = subprocess.run([sys.executable, "-c", code, str(write_spec(tmp_path)), str(sysroots["epyc-2s-nps1"])],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
+
+
+def test_an_unsupported_gguf_architecture_exits_4_naming_what_loads(tmp_path, sysroots):
+    import gguf
+    import numpy as np
+    w = gguf.GGUFWriter(str(tmp_path / "falcon.gguf"), "falcon")
+    w.add_uint32("falcon.block_count", 1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    r = run("plan", write_spec(tmp_path, model={"source": str(tmp_path / "falcon.gguf")}), "--sysroot",
+            sysroots["two-cpu"])
+    assert r.returncode == 4 and "Traceback" not in r.stderr, r.stderr
+    assert "GGUF architecture 'falcon' is not supported" in r.stderr and "llama, qwen2, qwen3" in r.stderr

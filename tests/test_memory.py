@@ -94,3 +94,29 @@ def test_broken_config_json(tmp_path):
     (d / "config.json").write_text(json.dumps({**good, "intermediate_size": "big"}))
     with pytest.raises(ModelError, match="usable"):
         memory.shape(ModelSpec(source=str(d)))
+
+
+def test_a_gguf_file_is_sized_from_its_header_by_the_bytes_the_engine_will_hold(tmp_path):
+    """Q8_0 on disk, but the engine dequantizes: weight bytes are parameters x the plan's dtype size."""
+    from deploykit import gguf
+    from tests.render.cases import TINY_CONFIG, write_tiny_gguf
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    s = memory.shape(ModelSpec(source=str(path)))
+    assert s.counted_from == "gguf" and s.path == str(path) and s.architecture == "Qwen2ForCausalLM"
+    assert s.num_parameters == gguf.read(path).num_parameters
+    c = TINY_CONFIG
+    per_layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64
+    assert s.num_parameters == 2 * per_layer + 2 * c["vocab_size"] * 64 + 64  # the config.json formula agrees
+    assert s.weight_bytes("bfloat16") == 2 * s.num_parameters < path.stat().st_size * 2
+    assert (s.num_hidden_layers, s.num_key_value_heads, s.head_dim, s.max_position_embeddings) == (2, 2, 16, 2048)
+    assert memory.served_name(str(path)) == "m"
+
+
+def test_gguf_problems_are_model_errors_naming_the_file(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"GGUF" + b"\x09\x00\x00\x00")
+    with pytest.raises(ModelError, match="version 9"):
+        memory.shape(ModelSpec(source=str(bad)))
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00")
+    with pytest.raises(ModelError, match="cut short"):
+        memory.shape(ModelSpec(source=str(bad)))

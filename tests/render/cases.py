@@ -31,13 +31,51 @@ CASES: dict[str, tuple[str, dict]] = {
                                              "read_only_root": False}}),
     "local-model-unconfined": ("two-cpu", {"model": {"source": "./tiny-model", "max_model_len": 1024},
                                            "security": {"seccomp": "unconfined"}}),
+    # a .gguf file: sized from its header, mounted as one file, MODEL_FILE instead of MODEL_DIR
+    "gguf-file": ("two-cpu", {"model": {"source": "./tiny.Q8_0.gguf", "max_model_len": 1024}}),
 }
 
 
+def write_tiny_gguf(path: Path) -> Path:
+    """A deterministic GGUF header for TINY_CONFIG's shapes (all-zero Q8_0 weights): what planning reads."""
+    import gguf
+    import numpy as np
+
+    c = TINY_CONFIG
+    h, i, v, layers = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
+    kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    for key, value in (("block_count", layers), ("context_length", c["max_position_embeddings"]),
+                       ("embedding_length", h), ("feed_forward_length", i),
+                       ("attention.head_count", c["num_attention_heads"]),
+                       ("attention.head_count_kv", c["num_key_value_heads"])):
+        w.add_uint32(f"qwen2.{key}", value)
+    shapes = {"token_embd.weight": (v, h), "output_norm.weight": (h,), "output.weight": (v, h)}
+    for n in range(layers):
+        shapes |= {f"blk.{n}.attn_q.weight": (h, h), f"blk.{n}.attn_k.weight": (kv, h),
+                   f"blk.{n}.attn_v.weight": (kv, h), f"blk.{n}.attn_output.weight": (h, h),
+                   f"blk.{n}.ffn_gate.weight": (i, h), f"blk.{n}.ffn_up.weight": (i, h),
+                   f"blk.{n}.ffn_down.weight": (h, i), f"blk.{n}.attn_norm.weight": (h,),
+                   f"blk.{n}.ffn_norm.weight": (h,)}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            w.add_tensor(name, np.zeros(shape, np.float32))
+        else:
+            w.add_tensor(name, np.zeros((shape[0], shape[1] // 32 * 34), np.uint8),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def write_spec(directory: Path, sections: dict, name: str = "spec.yaml") -> Path:
-    """The spec file plus what its relative paths point at (a model's config.json, a wheelhouse directory)."""
+    """The spec file plus what its relative paths point at (a model's config.json or .gguf, a wheelhouse)."""
     (directory / "tiny-model").mkdir(parents=True, exist_ok=True)
     (directory / "tiny-model" / "config.json").write_text(json.dumps(TINY_CONFIG))
+    if not (directory / "tiny.Q8_0.gguf").exists():
+        write_tiny_gguf(directory / "tiny.Q8_0.gguf")
     (directory / "wheelhouse").mkdir(exist_ok=True)
     spec = directory / name
     spec.write_text(yaml.safe_dump(make_spec(**sections)))
