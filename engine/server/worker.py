@@ -125,8 +125,9 @@ def child_main(fd: int) -> int:
         return 1
     finish, report, pin = _bind(init.binding)
     try:
-        import torch  # noqa: F401 - the OpenMP runtime loads here, with the binding's environment
-        finish()  # before the model loads: the first parallel region must start the pool the binding pins
+        # engine.binding.finish imports torch (its OpenMP runtime loads with the binding's environment) and starts
+        # the pool the binding pins, before the model loads.
+        finish()
         from engine.core import EngineCore
         core = EngineCore(init.config)
     except Exception as e:

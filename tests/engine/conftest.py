@@ -62,3 +62,39 @@ def hf_greedy():
 @pytest.fixture(scope="session")
 def run_core():
     return _run_core
+
+
+def native_supported() -> bool:
+    """This CPU runs one of the native kernel builds (AVX-512) and the run has not switched them off: then the native
+    paths must be tested, never skipped, and a build that fails fails those tests (tests/engine/test_kernels.py)."""
+    import os
+
+    from deploykit import isa
+    from engine.kernels import loader
+    if os.environ.get("DEPLOYKIT_KERNELS", "").lower() in loader.DISABLED:
+        return False  # the PyTorch path on purpose
+    return loader.variant_for(isa.cpu_flags()) is not None
+
+
+NATIVE = native_supported()
+
+
+@pytest.fixture(scope="session")
+def native_kernels():
+    """engine.kernels with the native library loaded; builds it first (a no-op when built). Fails, never skips,
+    where the CPU could run it: scripts/env.sh builds the kernels before the suite, so a miss here is a real fault."""
+    import importlib
+
+    from engine.kernels import build
+    if not NATIVE:
+        pytest.skip("this CPU has no AVX-512 (or DEPLOYKIT_KERNELS switches the kernels off): no native path here")
+    try:
+        build.build()
+    except RuntimeError as e:
+        pytest.fail(f"the native kernels do not build on this AVX-512 CPU:\n{e}", pytrace=False)
+    import engine.kernels as k
+    if not k.status()["path"].startswith("native"):
+        k = importlib.reload(k)  # imported before the build finished: load it now
+    if not k.status()["path"].startswith("native"):
+        pytest.fail(f"native kernels did not load on a CPU that runs them: {k.status()}", pytrace=False)
+    return k

@@ -2,15 +2,13 @@
 attention reading bf16 K/V in place, fused norm/rotary/SiLU) stays as close as transformers' own bf16."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from deploykit import isa
-from engine.kernels import build, loader
+from tests.engine.conftest import NATIVE
 from engine.sampling import SamplingParams
 
 STEPS = 12
@@ -25,22 +23,18 @@ VARIANTS = {
 }
 
 
-def _native_expected() -> bool:
-    """On an AVX-512 CPU with the kernels built (scripts/test builds them), the native path must be the one tested."""
-    if os.environ.get("DEPLOYKIT_KERNELS", "").lower() in loader.DISABLED:
-        return False  # the PyTorch path on purpose: this test then checks that one
-    return loader.variant_for(isa.cpu_flags()) is not None and build.manifest_matches(build.default_dir())
-
-
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_bf16_decode_steps_stay_as_close_to_fp32_as_transformers_bf16(tiny_model, name):
+def test_bf16_decode_steps_stay_as_close_to_fp32_as_transformers_bf16(tiny_model, name, request):
+    """On an AVX-512 CPU the native path is the one tested (a missing build fails); elsewhere the PyTorch path."""
     from transformers import AutoModelForCausalLM
 
     from engine import kernels
+    if NATIVE:
+        request.getfixturevalue("native_kernels")
     kw = dict(VARIANTS[name])
     model_dir = tiny_model(kw.pop("arch"), **SHAPE, **kw)
     core = EngineCore(EngineConfig(model_dir, dtype="bfloat16"))
-    if _native_expected():
+    if NATIVE:
         assert kernels.status()["path"].startswith("native"), kernels.status()
         assert kernels.decode_attention_supported(torch.zeros(1, 4, 32, dtype=torch.bfloat16))
     params = SamplingParams(max_tokens=STEPS, min_tokens=STEPS, temperature=0.0, logprobs=8)

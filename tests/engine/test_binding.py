@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine import binding
+from tests.engine.conftest import NATIVE
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
@@ -96,10 +97,8 @@ print(json.dumps(rep))
 
 
 @needs_two_cpus
-def test_fused_decode_step_runs_on_the_pinned_workers(tiny_model):
-    from tests.engine.test_bf16_decode import _native_expected
-    if not _native_expected():
-        pytest.skip("native kernels are not built for this CPU: no fused decode step")
+@pytest.mark.skipif(not NATIVE, reason="no native path here (a CPU without AVX-512, or DEPLOYKIT_KERNELS off)")
+def test_fused_decode_step_runs_on_the_pinned_workers(tiny_model, native_kernels):
     # ~30 MB of bf16 weights: each step streams them, so both workers get measurable CPU time.
     model = tiny_model("qwen2", hidden=512, layers=4, heads=8, kv_heads=2, intermediate=2048)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}

