@@ -99,6 +99,7 @@ class SecurityPlan:
     seccomp: str
     run_as_user: int
     read_only_root: bool
+    sys_nice: bool = False  # CAP_SYS_NICE added to the engine containers (opt-in; nothing needs it by default)
 
 
 @dataclass(frozen=True, slots=True)

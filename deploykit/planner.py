@@ -46,6 +46,7 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
     if spec.security.seccomp == "unconfined":
         warnings.append("security.seccomp is 'unconfined': the containers run without any syscall filter; "
                         "least-privilege allows NUMA binding and page migration and still blocks mount, ptrace, bpf")
+    warnings += _security_notes(spec)
     max_len = _max_model_len(spec, shape)
     groups, group_notes = _groups(spec, topo)
     warnings += group_notes
@@ -108,7 +109,7 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
         image=ImagePlan(name=spec.image.name, tag=spec.image.tag, base=spec.image.base,
                         wheelhouse=spec.image.wheelhouse),
         security=SecurityPlan(seccomp=spec.security.seccomp, run_as_user=spec.security.run_as_user,
-                              read_only_root=spec.security.read_only_root),
+                              read_only_root=spec.security.read_only_root, sys_nice=spec.security.sys_nice),
         targets=spec.targets,
         hardware=HardwareSummary(
             source="sysroot" if isinstance(spec.hardware, SysrootHardware) or topo.source not in ("/", "inline")
@@ -118,6 +119,21 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
             allowed_cpus=topo.allowed_cpus, quota_cpus=topo.quota_cpus),
         warnings=tuple(warnings),
     )
+
+
+def _security_notes(spec: Spec) -> list[str]:
+    sec = spec.security
+    if sec.sys_nice:
+        return ["security.sys_nice adds CAP_SYS_NICE to the engine containers: such pods fail the Pod Security "
+                "Standard baseline (and restricted); " + ("with the least-privilege seccomp profile it buys only "
+                "moving pages shared with other processes, so consider removing it" if sec.seccomp == "least-privilege"
+                else "it lets the runtime's default seccomp profile allow set_mempolicy/mbind (never migrate_pages)")]
+    if sec.seccomp == "runtime-default":
+        return ["security.seccomp is 'runtime-default': Docker's and containerd's default profiles refuse "
+                "set_mempolicy/mbind without CAP_SYS_NICE and migrate_pages/move_pages always, so the engine cannot "
+                "bind its memory to its NUMA node (docker run still confines it with --cpuset-mems; compose and "
+                "Kubernetes without the Memory Manager do not); least-privilege allows them with no capability"]
+    return []
 
 
 def _max_model_len(spec: Spec, shape: ModelShape) -> int:

@@ -22,8 +22,9 @@ from deploykit import cpulist, numa, placement, topology
 
 log = logging.getLogger("engine.binding")
 OMP_RUNTIMES = re.compile(r"/(libgomp[^/]*\.so[^/]*|libiomp5[^/]*\.so[^/]*|libomp[^/]*\.so[^/]*)$")
-_FIX = ("run the container with --cap-add SYS_NICE and deploykit's seccomp profile (what `deploykit render` "
-        "writes), or security.seccomp: unconfined")
+_FIX = ("run the container with deploykit's seccomp profile (what `deploykit render` writes: seccomp.json for Docker, "
+        "a Localhost profile in Kubernetes), which allows these calls with no capability; Docker's and containerd's "
+        "default profiles refuse them unless the container has CAP_SYS_NICE")
 
 
 @dataclass(slots=True)
@@ -96,7 +97,7 @@ def _bind_memory(b: Binding) -> None:
     try:
         numa.set_mempolicy(mode, b.mems)
     except OSError as e:
-        why = ("refused (EPERM): seccomp or a missing CAP_SYS_NICE blocks it" if e.errno == errno.EPERM
+        why = ("refused (EPERM): the seccomp profile blocks it" if e.errno == errno.EPERM
                else f"failed: {e.strerror}")
         b.warnings.append(f"NUMA memory binding to node(s) {cpulist.format(b.mems)} {why}; memory may land on a "
                           f"remote node and decode slows down. Fix: {_FIX}")
