@@ -42,9 +42,14 @@ class Binding:
 
 
 def resolve(mode: str = "auto", *, frontend_cpus: str | None = None, mems: str | None = None,
-            reserved: int | None = None, sysroot: str = "/") -> Binding:
+            reserved: int | None = None, use_smt: bool = False, threads: int | None = None,
+            sysroot: str = "/") -> Binding:
     """`mode`: "none", "auto" (this process's cpuset, one thread per physical core minus the front end's), or
-    an explicit CPU list ("0-3,8"). Explicit `frontend_cpus`/`mems` (CPU-list strings) override the choice."""
+    an explicit CPU list ("0-3,8"). Explicit `frontend_cpus`/`mems` (CPU-list strings) override the choice.
+
+    "auto" applies deploykit.placement's policy to whatever cpuset and CFS quota this process got (a Kubernetes
+    pod's CPUs are chosen by the kubelet, never by us): `reserved` physical cores for the front end (None: the
+    default rule), `use_smt` threads on every sibling, at most `threads` OpenMP threads."""
     topo = topology.read(sysroot)
     if mode == "none":
         n = len(topo.allowed_cpus)
@@ -54,8 +59,8 @@ def resolve(mode: str = "auto", *, frontend_cpus: str | None = None, mems: str |
     if mode == "auto":
         front = cpulist.parse(frontend_cpus) if frontend_cpus else None
         cands = [c for c in topo.allowed_cpus if front is None or c not in front]
-        ch = placement.choose(topo, cands, reserved=0 if front is not None else reserved,
-                              quota=topo.quota_cpus, label="engine")
+        ch = placement.choose(topo, cands, reserved=0 if front is not None else reserved, use_smt=use_smt,
+                              threads=threads, quota=topo.quota_cpus, label="engine")
         cpus, front_cpus, notes, source = ch.cpus, front if front is not None else ch.frontend_cpus, ch.notes, "auto"
     else:
         try:
@@ -213,6 +218,10 @@ def report(b: Binding | None = None) -> dict:
     topo = topology.read("/")
     return {
         "pid": os.getpid(), "source": b.source if b else "unknown",
+        # what the container or pod was given (cgroup cpuset ∩ affinity at start), grouped by physical core: a
+        # checker compares the OpenMP threads with these without knowing the host
+        "cpuset": cpulist.format(topo.allowed_cpus),
+        "physical_cores": [cpulist.format(core) for core in placement.physical_cores(topo, topo.allowed_cpus)],
         "omp_threads": b.threads if b else None,
         "planned_cpus": cpulist.format(b.cpus) if b else None,
         "frontend_cpus": cpulist.format(b.frontend_cpus) if b else None,
