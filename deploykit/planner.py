@@ -11,7 +11,8 @@ from collections import Counter
 from . import cpulist, memory, placement
 from .errors import PlanError
 from .memory import ModelShape
-from .plan import HardwareSummary, ImagePlan, ModelPlan, Plan, Replica, SecurityPlan, ServingPlan
+from .plan import (BindingPolicy, HardwareSummary, ImagePlan, ModelPlan, Plan, Replica, SecurityPlan,
+                   ServingPlan)
 from .spec import InlineHardware, Spec, SysrootHardware
 from .topology import Topology
 from .units import human
@@ -79,7 +80,8 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
             index=i, name=f"{spec.name}-{i}", numa_nodes=nodes, cpus=ch.cpus, frontend_cpus=ch.frontend_cpus,
             mems=mems, omp_threads=len(ch.cpus), port=spec.serving.port + (i + 1 if multi else 0),
             memory_bytes=mem, weight_bytes=weights, kv_cache_bytes=kv, memory_limit_bytes=min(limit, mem),
-            env=tuple(sorted(env.items()))))
+            env=tuple(sorted(env.items())),
+            cores=len(placement.physical_cores(topo, (*ch.cpus, *ch.frontend_cpus)))))
         if len(nodes) > 1 and spec.placement.strategy == "explicit":
             warnings.append(f"replica {i} spans NUMA nodes {cpulist.format(nodes)}: memory accesses cross nodes")
 
@@ -118,6 +120,10 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
             numa_nodes=len(topo.nodes), threads_per_core=topo.threads_per_core, online_cpus=len(topo.cpus),
             allowed_cpus=topo.allowed_cpus, quota_cpus=topo.quota_cpus),
         warnings=tuple(warnings),
+        policy=BindingPolicy(
+            reserved_cpus=spec.placement.reserved_cpus if "reserved_cpus" in spec.placement.model_fields_set else None,
+            use_smt=spec.placement.use_smt,
+            threads=None if spec.placement.threads == "auto" else spec.placement.threads),
     )
 
 
