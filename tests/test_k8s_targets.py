@@ -10,8 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytest.importorskip("helm_python", reason="pip install 'deploykit[kubernetes]'")
-kv = pytest.importorskip("kubernetes_validate")
+if os.environ.get("DEPLOYKIT_REQUIRE_DOCKER") == "1":  # CI installs the kubernetes extra: never a silent skip
+    import helm_python as helm
+    import kubernetes_validate as kv
+else:
+    helm = pytest.importorskip("helm_python", reason="pip install 'deploykit[kubernetes]'")
+    kv = pytest.importorskip("kubernetes_validate")
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ("epyc-9655-2s", "epyc-9655-2s-nps4", "xeon-amx-2s")
