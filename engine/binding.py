@@ -37,6 +37,7 @@ class Binding:
     threads: int
     source: str  # plan | auto | explicit | none
     notes: tuple[str, ...] = ()
+    cpuset: tuple[int, ...] = ()  # what the process was given (cgroup cpuset ∩ affinity) before any pinning
     warnings: list[str] = field(default_factory=list, compare=False)  # filled by prepare()/finish()
     omp_tids: list[int] = field(default_factory=list, compare=False)
 
@@ -55,7 +56,7 @@ def resolve(mode: str = "auto", *, frontend_cpus: str | None = None, mems: str |
         n = len(topo.allowed_cpus)
         if topo.quota_cpus is not None:
             n = max(1, min(n, int(topo.quota_cpus)))
-        return Binding((), (), (), n, "none")
+        return Binding((), (), (), n, "none", cpuset=topo.allowed_cpus)
     if mode == "auto":
         front = cpulist.parse(frontend_cpus) if frontend_cpus else None
         cands = [c for c in topo.allowed_cpus if front is None or c not in front]
@@ -77,7 +78,8 @@ def resolve(mode: str = "auto", *, frontend_cpus: str | None = None, mems: str |
         mem_nodes = cpulist.parse(mems)
     else:
         mem_nodes = tuple(sorted({topo.cpu(c).node for c in cpus} & set(topo.allowed_mems)))
-    return Binding(tuple(cpus), tuple(front_cpus), mem_nodes, len(cpus), source, tuple(notes))
+    return Binding(tuple(cpus), tuple(front_cpus), mem_nodes, len(cpus), source, tuple(notes),
+                   cpuset=topo.allowed_cpus)
 
 
 def prepare(b: Binding) -> Binding:
@@ -216,12 +218,13 @@ def report(b: Binding | None = None) -> dict:
     except OSError as e:
         policy = {"error": e.strerror}
     topo = topology.read("/")
+    given = (b.cpuset if b and b.cpuset else None) or topo.allowed_cpus  # after pinning, affinity is narrower
     return {
         "pid": os.getpid(), "source": b.source if b else "unknown",
         # what the container or pod was given (cgroup cpuset ∩ affinity at start), grouped by physical core: a
         # checker compares the OpenMP threads with these without knowing the host
-        "cpuset": cpulist.format(topo.allowed_cpus),
-        "physical_cores": [cpulist.format(core) for core in placement.physical_cores(topo, topo.allowed_cpus)],
+        "cpuset": cpulist.format(given),
+        "physical_cores": [cpulist.format(core) for core in placement.physical_cores(topo, given)],
         "omp_threads": b.threads if b else None,
         "planned_cpus": cpulist.format(b.cpus) if b else None,
         "frontend_cpus": cpulist.format(b.frontend_cpus) if b else None,
