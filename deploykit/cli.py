@@ -76,10 +76,12 @@ def _topology_snapshot(args: argparse.Namespace) -> int:
 @cli.command("render", "write the Dockerfile, run.sh, compose.yaml... for a spec", SPEC,
              arg("-o", "--out", required=True, metavar="DIR", help="output directory (new, empty, or ours)"),
              arg("--target", action="append", metavar="TARGET",
-                 help="docker, compose or all (repeatable; default: the spec's targets)"),
+                 help="docker, compose, helm, manifests or all (repeatable; default: the spec's targets)"),
              SYSROOT,
              arg("--force", action="store_true", help="write into a directory deploykit did not write, overwriting "
-                                                     "files it did not write or that were edited"))
+                                                     "files it did not write or that were edited"),
+             arg("--check", action="store_true", help="write nothing; exit 0 if DIR holds exactly what would be "
+                                                     "rendered, else print a unified diff and exit 8 (GitOps CI)"))
 def _render(args: argparse.Namespace) -> int:
     from . import render
     from .errors import OutputError, did_you_mean
@@ -92,18 +94,30 @@ def _render(args: argparse.Namespace) -> int:
     targets = list(args.target or plan.targets)
     if "all" in targets:
         targets = list(render.TARGETS)
-    for t in [t for t in targets if t not in render.TARGETS]:  # only spec targets can get here
-        print(f"deploykit: target {t!r} from the spec's targets is not implemented yet; skipped", file=sys.stderr)
-    targets = [t for t in targets if t in render.TARGETS]
     if not targets:
         raise OutputError("nothing to render", value=list(plan.targets), allowed=", ".join(render.TARGETS),
                           hint="pass --target")
-    done = output.write(args.out, render.render(plan, targets), force=args.force)
+    files = render.render(plan, targets)
+    if args.check:
+        return _check(args.out, files, args.spec)
+    done = output.write(args.out, files, force=args.force)
     print(f"rendered {', '.join(targets)} into {done.directory}: {len(done.written)} written, "
           f"{len(done.unchanged)} unchanged, {len(done.removed)} removed")
     for w in plan.warnings:
         print(f"warning: {w}", file=sys.stderr)
     return 0
+
+
+def _check(out: str, files, spec: str) -> int:
+    from .errors import OutOfDate
+    from .render import output
+    diffs = output.drift(out, files)
+    if not diffs:
+        print(f"{out}: up to date ({len(files) + 1} files)")
+        return 0
+    sys.stdout.write("".join(diffs))
+    raise OutOfDate(f"differs from what {spec} renders in {len(diffs)} file(s) (diff above)", path=out,
+                    hint=f"deploykit render {spec} -o {out} (and commit the result)")
 
 
 @cli.command("serve", "run a replica of the plan on this host with the bundled engine (no Docker)", SPEC,

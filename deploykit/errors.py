@@ -93,6 +93,12 @@ class RuntimeFailure(DeploykitError):
     kind = "runtime"
 
 
+class OutOfDate(DeploykitError):
+    """`render --check`: the directory does not hold exactly what the spec renders (GitOps drift)."""
+
+    kind = "out of date"
+
+
 # One table, used by the CLI. 1 is left for unexpected bugs (those do print a traceback).
 EXIT_CODES: dict[type[DeploykitError], int] = {
     SpecError: 2,
@@ -101,6 +107,7 @@ EXIT_CODES: dict[type[DeploykitError], int] = {
     PlanError: 5,
     OutputError: 6,
     RuntimeFailure: 7,
+    OutOfDate: 8,
 }
 
 

@@ -46,3 +46,23 @@ def tier(flags: frozenset[str] | set[str] | tuple[str, ...]) -> str:
 def has_bf16(flags: frozenset[str] | set[str] | tuple[str, ...]) -> bool:
     """bf16 runs on hardware units (vdpbf16ps or AMX tiles); otherwise it is widened or emulated."""
     return tier(flags) in BF16_TIERS
+
+
+# Node Feature Discovery's CPUID label names (feature.node.kubernetes.io/cpu-cpuid.<NAME>, no underscores).
+NFD_LABELS = {"avx2": "AVX2", "avx512f": "AVX512F", "avx512bw": "AVX512BW", "avx512vl": "AVX512VL",
+              "avx512_vnni": "AVX512VNNI", "avx512_bf16": "AVX512BF16", "avx512_fp16": "AVX512FP16",
+              "amx_tile": "AMXTILE", "amx_bf16": "AMXBF16", "amx_int8": "AMXINT8"}
+
+
+def node_features(cpu_tier: str, dtype: str) -> tuple[str, ...]:
+    """NFD CPUID labels a node must have to run a plan made for `cpu_tier` as planned: AVX-512F for the native
+    kernels, and for bfloat16 the units that make it native on the planned machine (AVX512-BF16, AMX tiles), so a
+    pod never lands where bf16 is widened or emulated and runs several times slower than the plan assumed."""
+    if cpu_tier not in ("avx512", *BF16_TIERS):
+        return ()
+    flags = ["avx512f"]
+    if dtype == "bfloat16" and cpu_tier in BF16_TIERS:
+        flags.append("avx512_bf16")
+        if cpu_tier == "amx":
+            flags.append("amx_bf16")
+    return tuple(NFD_LABELS[f] for f in flags)

@@ -37,6 +37,7 @@ class Replica:
     kv_cache_bytes: int
     memory_limit_bytes: int  # weights + KV + headroom: the container memory limit
     env: tuple[tuple[str, str], ...] = field(metadata=_MAPPING)  # sorted (name, value)
+    cores: int = 0  # physical cores the replica uses (inference + front end): a Kubernetes pod requests them whole
 
     @property
     def cpuset(self) -> tuple[int, ...]:
@@ -99,6 +100,7 @@ class SecurityPlan:
     seccomp: str
     run_as_user: int
     read_only_root: bool
+    sys_nice: bool = False  # CAP_SYS_NICE added to the engine containers (opt-in; nothing needs it by default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +118,16 @@ class HardwareSummary:
 
 
 @dataclass(frozen=True, slots=True)
+class BindingPolicy:
+    """The spec's CPU policy, for an engine that binds to a cpuset chosen elsewhere (a Kubernetes pod's, by the
+    kubelet): deploykit.placement applies it again at start-up to whatever CPUs the process got."""
+
+    reserved_cpus: int | None = None  # physical cores for the front end; None = placement's default rule
+    use_smt: bool = False
+    threads: int | None = None  # OpenMP threads cap; None = one per core
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     name: str
     model: ModelPlan
@@ -126,6 +138,7 @@ class Plan:
     targets: tuple[str, ...]
     hardware: HardwareSummary
     warnings: tuple[str, ...] = field(default=())
+    policy: BindingPolicy = BindingPolicy()
 
     def to_dict(self) -> dict:
         return {"apiVersion": API_VERSION, "kind": "Plan", **_encode(self)}

@@ -11,7 +11,8 @@ from collections import Counter
 from . import cpulist, memory, placement
 from .errors import PlanError
 from .memory import ModelShape
-from .plan import HardwareSummary, ImagePlan, ModelPlan, Plan, Replica, SecurityPlan, ServingPlan
+from .plan import (BindingPolicy, HardwareSummary, ImagePlan, ModelPlan, Plan, Replica, SecurityPlan,
+                   ServingPlan)
 from .spec import InlineHardware, Spec, SysrootHardware
 from .topology import Topology
 from .units import human
@@ -46,6 +47,7 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
     if spec.security.seccomp == "unconfined":
         warnings.append("security.seccomp is 'unconfined': the containers run without any syscall filter; "
                         "least-privilege allows NUMA binding and page migration and still blocks mount, ptrace, bpf")
+    warnings += _security_notes(spec)
     max_len = _max_model_len(spec, shape)
     groups, group_notes = _groups(spec, topo)
     warnings += group_notes
@@ -78,7 +80,8 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
             index=i, name=f"{spec.name}-{i}", numa_nodes=nodes, cpus=ch.cpus, frontend_cpus=ch.frontend_cpus,
             mems=mems, omp_threads=len(ch.cpus), port=spec.serving.port + (i + 1 if multi else 0),
             memory_bytes=mem, weight_bytes=weights, kv_cache_bytes=kv, memory_limit_bytes=min(limit, mem),
-            env=tuple(sorted(env.items()))))
+            env=tuple(sorted(env.items())),
+            cores=len(placement.physical_cores(topo, (*ch.cpus, *ch.frontend_cpus)))))
         if len(nodes) > 1 and spec.placement.strategy == "explicit":
             warnings.append(f"replica {i} spans NUMA nodes {cpulist.format(nodes)}: memory accesses cross nodes")
 
@@ -108,7 +111,7 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
         image=ImagePlan(name=spec.image.name, tag=spec.image.tag, base=spec.image.base,
                         wheelhouse=spec.image.wheelhouse),
         security=SecurityPlan(seccomp=spec.security.seccomp, run_as_user=spec.security.run_as_user,
-                              read_only_root=spec.security.read_only_root),
+                              read_only_root=spec.security.read_only_root, sys_nice=spec.security.sys_nice),
         targets=spec.targets,
         hardware=HardwareSummary(
             source="sysroot" if isinstance(spec.hardware, SysrootHardware) or topo.source not in ("/", "inline")
@@ -117,7 +120,26 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
             numa_nodes=len(topo.nodes), threads_per_core=topo.threads_per_core, online_cpus=len(topo.cpus),
             allowed_cpus=topo.allowed_cpus, quota_cpus=topo.quota_cpus),
         warnings=tuple(warnings),
+        policy=BindingPolicy(
+            reserved_cpus=spec.placement.reserved_cpus if "reserved_cpus" in spec.placement.model_fields_set else None,
+            use_smt=spec.placement.use_smt,
+            threads=None if spec.placement.threads == "auto" else spec.placement.threads),
     )
+
+
+def _security_notes(spec: Spec) -> list[str]:
+    sec = spec.security
+    if sec.sys_nice:
+        return ["security.sys_nice adds CAP_SYS_NICE to the engine containers: such pods fail the Pod Security "
+                "Standard baseline (and restricted); " + ("with the least-privilege seccomp profile it buys only "
+                "moving pages shared with other processes, so consider removing it" if sec.seccomp == "least-privilege"
+                else "it lets the runtime's default seccomp profile allow set_mempolicy/mbind (never migrate_pages)")]
+    if sec.seccomp == "runtime-default":
+        return ["security.seccomp is 'runtime-default': Docker's and containerd's default profiles refuse "
+                "set_mempolicy/mbind without CAP_SYS_NICE and migrate_pages/move_pages always, so the engine cannot "
+                "bind its memory to its NUMA node (docker run still confines it with --cpuset-mems; compose and "
+                "Kubernetes without the Memory Manager do not); least-privilege allows them with no capability"]
+    return []
 
 
 def _max_model_len(spec: Spec, shape: ModelShape) -> int:

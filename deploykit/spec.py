@@ -268,6 +268,10 @@ class SecuritySpec(_Model):
     seccomp: Literal["least-privilege", "runtime-default", "unconfined"] = "least-privilege"
     run_as_user: Annotated[StrictInt, Field(ge=10000, le=2**31 - 1)] = 10001
     read_only_root: StrictBool = True
+    # Adds CAP_SYS_NICE to the engine containers. Not needed for NUMA binding (the least-privilege seccomp profile
+    # allows it with no capability); it fails the Pod Security Standard baseline. Only for runtime-default seccomp
+    # profiles, which gate set_mempolicy/mbind on it.
+    sys_nice: StrictBool = False
 
 
 Target = Literal["docker", "compose", "helm", "manifests"]

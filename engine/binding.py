@@ -22,8 +22,9 @@ from deploykit import cpulist, numa, placement, topology
 
 log = logging.getLogger("engine.binding")
 OMP_RUNTIMES = re.compile(r"/(libgomp[^/]*\.so[^/]*|libiomp5[^/]*\.so[^/]*|libomp[^/]*\.so[^/]*)$")
-_FIX = ("run the container with --cap-add SYS_NICE and deploykit's seccomp profile (what `deploykit render` "
-        "writes), or security.seccomp: unconfined")
+_FIX = ("run the container with deploykit's seccomp profile (what `deploykit render` writes: seccomp.json for Docker, "
+        "a Localhost profile in Kubernetes), which allows these calls with no capability; Docker's and containerd's "
+        "default profiles refuse them unless the container has CAP_SYS_NICE")
 
 
 @dataclass(slots=True)
@@ -36,25 +37,31 @@ class Binding:
     threads: int
     source: str  # plan | auto | explicit | none
     notes: tuple[str, ...] = ()
+    cpuset: tuple[int, ...] = ()  # what the process was given (cgroup cpuset ∩ affinity) before any pinning
     warnings: list[str] = field(default_factory=list, compare=False)  # filled by prepare()/finish()
     omp_tids: list[int] = field(default_factory=list, compare=False)
 
 
 def resolve(mode: str = "auto", *, frontend_cpus: str | None = None, mems: str | None = None,
-            reserved: int | None = None, sysroot: str = "/") -> Binding:
+            reserved: int | None = None, use_smt: bool = False, threads: int | None = None,
+            sysroot: str = "/") -> Binding:
     """`mode`: "none", "auto" (this process's cpuset, one thread per physical core minus the front end's), or
-    an explicit CPU list ("0-3,8"). Explicit `frontend_cpus`/`mems` (CPU-list strings) override the choice."""
+    an explicit CPU list ("0-3,8"). Explicit `frontend_cpus`/`mems` (CPU-list strings) override the choice.
+
+    "auto" applies deploykit.placement's policy to whatever cpuset and CFS quota this process got (a Kubernetes
+    pod's CPUs are chosen by the kubelet, never by us): `reserved` physical cores for the front end (None: the
+    default rule), `use_smt` threads on every sibling, at most `threads` OpenMP threads."""
     topo = topology.read(sysroot)
     if mode == "none":
         n = len(topo.allowed_cpus)
         if topo.quota_cpus is not None:
             n = max(1, min(n, int(topo.quota_cpus)))
-        return Binding((), (), (), n, "none")
+        return Binding((), (), (), n, "none", cpuset=topo.allowed_cpus)
     if mode == "auto":
         front = cpulist.parse(frontend_cpus) if frontend_cpus else None
         cands = [c for c in topo.allowed_cpus if front is None or c not in front]
-        ch = placement.choose(topo, cands, reserved=0 if front is not None else reserved,
-                              quota=topo.quota_cpus, label="engine")
+        ch = placement.choose(topo, cands, reserved=0 if front is not None else reserved, use_smt=use_smt,
+                              threads=threads, quota=topo.quota_cpus, label="engine")
         cpus, front_cpus, notes, source = ch.cpus, front if front is not None else ch.frontend_cpus, ch.notes, "auto"
     else:
         try:
@@ -71,7 +78,8 @@ def resolve(mode: str = "auto", *, frontend_cpus: str | None = None, mems: str |
         mem_nodes = cpulist.parse(mems)
     else:
         mem_nodes = tuple(sorted({topo.cpu(c).node for c in cpus} & set(topo.allowed_mems)))
-    return Binding(tuple(cpus), tuple(front_cpus), mem_nodes, len(cpus), source, tuple(notes))
+    return Binding(tuple(cpus), tuple(front_cpus), mem_nodes, len(cpus), source, tuple(notes),
+                   cpuset=topo.allowed_cpus)
 
 
 def prepare(b: Binding) -> Binding:
@@ -96,7 +104,7 @@ def _bind_memory(b: Binding) -> None:
     try:
         numa.set_mempolicy(mode, b.mems)
     except OSError as e:
-        why = ("refused (EPERM): seccomp or a missing CAP_SYS_NICE blocks it" if e.errno == errno.EPERM
+        why = ("refused (EPERM): the seccomp profile blocks it" if e.errno == errno.EPERM
                else f"failed: {e.strerror}")
         b.warnings.append(f"NUMA memory binding to node(s) {cpulist.format(b.mems)} {why}; memory may land on a "
                           f"remote node and decode slows down. Fix: {_FIX}")
@@ -210,8 +218,13 @@ def report(b: Binding | None = None) -> dict:
     except OSError as e:
         policy = {"error": e.strerror}
     topo = topology.read("/")
+    given = (b.cpuset if b and b.cpuset else None) or topo.allowed_cpus  # after pinning, affinity is narrower
     return {
         "pid": os.getpid(), "source": b.source if b else "unknown",
+        # what the container or pod was given (cgroup cpuset ∩ affinity at start), grouped by physical core: a
+        # checker compares the OpenMP threads with these without knowing the host
+        "cpuset": cpulist.format(given),
+        "physical_cores": [cpulist.format(core) for core in placement.physical_cores(topo, given)],
         "omp_threads": b.threads if b else None,
         "planned_cpus": cpulist.format(b.cpus) if b else None,
         "frontend_cpus": cpulist.format(b.frontend_cpus) if b else None,

@@ -129,15 +129,15 @@ def test_target_selection_and_spec_default(spec, tmp_path):
     assert "run.sh" in files and "compose.yaml" not in files
 
 
-def test_spec_targets_are_the_default_and_later_targets_are_skipped_with_a_note(tmp_path, sysroots):
+def test_spec_targets_are_the_default(tmp_path, sysroots):
     spec = write_spec(tmp_path, {**CASES["reserved-cpus-0"][1], "targets": ["compose", "helm"],
                                  "hardware": {"sysroot": str(sysroots["two-cpu"])}})
     out = tmp_path / "out"
     r = render(spec, out)
     assert r.returncode == 0, r.stderr
-    assert "'helm'" in r.stderr and "not implemented" in r.stderr
     files = set(snapshot(out))
-    assert "compose.yaml" in files and "run.sh" not in files
+    assert {"compose.yaml", "helm/values.yaml", "helm/deploykit/Chart.yaml"} <= files
+    assert "run.sh" not in files and not any(f.startswith("k8s/") for f in files)
 
 
 def test_an_edited_manifest_cannot_make_render_delete_outside_the_directory(spec, tmp_path):

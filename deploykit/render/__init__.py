@@ -8,13 +8,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from ..plan import Plan
-from . import compose, container, docker
+from . import compose, container, docker, helm, manifests
 from .output import File
 from .templating import template
 
 TARGETS: dict[str, Callable[[Plan], list[File]]] = {
     "docker": docker.files,
     "compose": compose.files,
+    "helm": helm.files,
+    "manifests": manifests.files,
 }
 
 

@@ -84,6 +84,12 @@ def seccomp_file(plan: Plan) -> str | None:
     return "seccomp.json" if mode == "least-privilege" else "unconfined" if mode == "unconfined" else None
 
 
+def engine_caps(plan: Plan) -> tuple[str, ...]:
+    """Capabilities added to an engine container after dropping ALL: none, unless the spec opts into SYS_NICE (NUMA
+    binding needs no capability under the least-privilege seccomp profile)."""
+    return ("SYS_NICE",) if plan.security.sys_nice else ()
+
+
 def lb_name(plan: Plan) -> str:
     return f"{plan.name}-lb"
 
@@ -107,7 +113,7 @@ def containers(plan: Plan) -> tuple[Container, ...]:
             name=r.name, deployment=plan.name, comment=_describe(r), replica=r.index, cpuset=cpulist.format(r.cpuset),
             mems=cpulist.format(r.mems), memory=r.memory_limit_bytes, env=tuple(sorted(env)),
             mounts=(Mount("model", model_mount(plan).target), Mount("plan.json", PLAN_PATH)),
-            publish=f"{plan.serving.publish_address}:{r.port}:{port}", caps_add=("SYS_NICE",), seccomp=sec,
+            publish=f"{plan.serving.publish_address}:{r.port}:{port}", caps_add=engine_caps(plan), seccomp=sec,
             user=user, read_only=plan.security.read_only_root, tmpfs=TMPFS, shm_size=SHM_SIZE,
             stop_seconds=ENGINE_STOP_SECONDS))
     if plan.serving.load_balancer:

@@ -33,8 +33,9 @@ def _notes(plan: Plan) -> list[str]:
                 "The least-privilege profile (security.seccomp: least-privilege) allows NUMA binding and page",
                 "migration and still blocks mount, ptrace, bpf, kexec and namespace creation."]
     if plan.security.seccomp == "runtime-default":
-        return ["security.seccomp is 'runtime-default': Docker's profile blocks migrate_pages/move_pages, so the",
-                "engine cannot move pages touched before it bound its memory (binding itself still works)."]
+        return ["security.seccomp is 'runtime-default': Docker's profile refuses set_mempolicy/mbind without",
+                "CAP_SYS_NICE and migrate_pages/move_pages always, so the engine cannot bind or move its memory",
+                "itself (--cpuset-mems below still confines it). least-privilege allows them with no capability."]
     return []
 
 

@@ -7,6 +7,7 @@ every file lands via a temp file + rename, and the manifest is written last, so 
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -86,6 +87,33 @@ def write(out: str | Path, files: tuple[File, ...], force: bool = False) -> Writ
         (out / rel).unlink()
     return Written(out, tuple(sorted(f.path for f in changed)),
                    tuple(sorted(names - {f.path for f in changed})), tuple(removed))
+
+
+def drift(out: str | Path, files: tuple[File, ...]) -> list[str]:
+    """What `out` would need to hold exactly `files` plus their manifest, as unified diffs (one per path: a changed
+    byte or mode, a missing file, an extra file); [] when it already does. Reads only; for `render --check`."""
+    out = Path(out)
+    want = {f.path: f for f in (*files, manifest_file(files))}
+    have = {p.relative_to(out).as_posix(): p for p in out.rglob("*") if p.is_file()} if out.is_dir() else {}
+    diffs = []
+    for rel in sorted(set(want) | set(have)):
+        f, p = want.get(rel), have.get(rel)
+        old = p.read_bytes() if p else b""
+        if f is not None and p is not None and old == f.data:
+            mode = p.stat().st_mode & 0o7777
+            if mode != f.mode:
+                diffs.append(f"--- a/{rel}\n+++ b/{rel}\nmode {oct(mode)} -> {oct(f.mode)}\n")
+            continue
+        a, b = (f"a/{rel}" if p else "/dev/null"), (f"b/{rel}" if f else "/dev/null")
+        new = f.data if f else b""
+        try:
+            lines = difflib.unified_diff(old.decode().splitlines(True), new.decode().splitlines(True), a, b)
+            text = "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+                           for line in lines)
+        except UnicodeDecodeError:
+            text = f"Binary files {a} and {b} differ\n"
+        diffs.append(text)
+    return diffs
 
 
 def _check_paths(files: tuple[File, ...]) -> None:

@@ -1,4 +1,4 @@
-"""Our seccomp syscall table: Docker's default profile semantics, plus CAP_SYS_NICE-gated page migration.
+"""Our seccomp syscall table: Docker's default profile semantics, plus NUMA binding and page migration for everyone.
 
 Rules are data. `Rule.why` (and `DENIED` / `WHY`) carry a one-line reason wherever we deviate from
 Docker's current default profile (moby profiles/seccomp/default.json) or from containers-common's
@@ -126,10 +126,15 @@ WHY: dict[str, str] = {
     "fchmodat2": "fchmodat with flags, no new power; glibc >= 2.39 calls it first and won't fall back on EPERM",
 }
 
-_NICE = ("CAP_SYS_NICE",)
+# The kernel checks CAP_SYS_NICE for these only when they touch other processes' pages (MPOL_MF_MOVE_ALL,
+# migrate_pages/move_pages of another pid or uid); on the caller's own memory they need no capability (measured
+# as uid 65534 with CapEff 0). Docker gates the first four on CAP_SYS_NICE and denies the last two outright, which
+# is the only reason containers were given SYS_NICE (fails Pod Security baseline) or seccomp=unconfined.
+_NUMA_WHY = ("NUMA binding of the engine's own memory (set_mempolicy/mbind, numa_migrate_pages); the kernel itself "
+             "needs CAP_SYS_NICE only for other processes' pages, so no capability is granted for it")
 _ADMIN = ("CAP_SYS_ADMIN",)
 
-# Conditional rules, in Docker's order; ours is the second NUMA rule.
+# Conditional rules, in Docker's order; the NUMA rule is ours (Docker's holds the first four under CAP_SYS_NICE).
 RULES: tuple[Rule, ...] = (
     Rule(("socket",), args=(Arg(0, AF_VSOCK, "SCMP_CMP_NE"),)),
     # personality: only the Linux, Linux32 and UNAME26 personas, and the query value 0xffffffff.
@@ -154,9 +159,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("ioperm", "iopl"), caps=("CAP_SYS_RAWIO",)),
     Rule(("clock_settime", "clock_settime64", "settimeofday", "stime"), caps=("CAP_SYS_TIME",)),
     Rule(("vhangup",), caps=("CAP_SYS_TTY_CONFIG",)),
-    Rule(("get_mempolicy", "mbind", "set_mempolicy", "set_mempolicy_home_node"), caps=_NICE),
-    Rule(("migrate_pages", "move_pages"), caps=_NICE,
-         why="engine moves already-touched pages to its NUMA node (numa_migrate_pages); same gate as mbind"),
+    Rule(tuple(sorted(NUMA)), why=_NUMA_WHY),
     Rule(("syslog",), caps=("CAP_SYSLOG",)),
     Rule(("bpf",), caps=("CAP_BPF",)),
     Rule(("perf_event_open",), caps=("CAP_PERFMON",)),

@@ -43,6 +43,9 @@ class ServeOptions:
     frontend_cpus: str | None = None  # CPU list; "" = share the inference CPUs
     mems: str | None = None  # NUMA node list
     binding_source: str | None = None  # "plan" / "env" when `binding` came from there (shown in the report)
+    reserved_cpus: int | None = None  # binding auto: physical cores for the front end (None: placement's default)
+    use_smt: bool = False  # binding auto: an OpenMP thread on every SMT sibling
+    threads: int | None = None  # binding auto: at most this many OpenMP threads
     api_key: str | None = field(default=None, repr=False)
     served_model_name: str | None = None
     max_waiting: int = 256
@@ -75,6 +78,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frontend-cpus", default=None, metavar="CPULIST",
                    help="CPUs for the HTTP/tokenizer process (env DEPLOYKIT_FRONTEND_CPUS)")
     p.add_argument("--mems", default=None, metavar="NODELIST", help="NUMA memory nodes (env DEPLOYKIT_MEMS)")
+    p.add_argument("--reserved-cpus", type=int, default=None, metavar="N",
+                   help="binding auto: physical cores kept for the front end (default: 1, or 0 below 4 cores; "
+                        "env DEPLOYKIT_RESERVED_CPUS)")
+    p.add_argument("--use-smt", action="store_true", default=None,
+                   help="binding auto: an OpenMP thread on every SMT sibling (env DEPLOYKIT_USE_SMT=1)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="binding auto: at most N OpenMP threads (env DEPLOYKIT_THREADS)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (env DEPLOYKIT_API_KEY)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--plan", default=None, metavar="PLAN_JSON", help="output of `deploykit plan --format json`")
@@ -89,7 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _check_ranges(flags: dict) -> None:
     """Usage errors, reported before any process starts or any model byte is read."""
-    checks = [("port", 0, 65535), ("max_model_len", 1, None), ("max_num_seqs", 1, None),
+    checks = [("port", 0, 65535), ("max_model_len", 1, None), ("max_num_seqs", 1, None), ("reserved_cpus", 0, None),
+              ("threads", 1, None),
               ("max_num_batched_tokens", 1, None), ("max_waiting", 0, None), ("shutdown_timeout", 0, None)]
     for name, lo, hi in checks:
         value = flags.get(name)
@@ -146,15 +157,54 @@ def options(model: str, *, plan: Plan | None = None, replica: int = 0, environ: 
         from_env = {"binding": env.get("DEPLOYKIT_CPUS"), "frontend_cpus": env.get("DEPLOYKIT_FRONTEND_CPUS"),
                     "mems": env.get("DEPLOYKIT_MEMS")}
         given |= {k: v for k, v in from_env.items() if v}
-        if given.get("binding"):
+        if given.get("binding") not in (None, "auto", "none"):
             given["binding_source"] = "env"
+        given |= _env_settings(env)
     given = {k: v for k, v in given.items() if v is not None}
     explicit = {k: v for k, v in flags.items() if v is not None}
     if explicit.get("binding") not in (None, "auto", "none"):
         explicit["binding_source"] = "explicit"
     elif "binding" in explicit:
         given.pop("binding_source", None)
+        # The plan's front-end CPUs and nodes are host ids that belong to its CPU list; with auto/none the process's
+        # own cpuset decides them (a pod does not get the CPUs the plan saw).
+        if plan is not None:
+            given.pop("frontend_cpus", None)
+            given.pop("mems", None)
     return ServeOptions(model, **(given | explicit))
+
+
+# Settings a container can pass as environment variables (a Kubernetes ConfigMap, `docker run --env`), below
+# flags and a plan. Binding variables (DEPLOYKIT_CPUS, _FRONTEND_CPUS, _MEMS) are read above.
+_ENV_SETTINGS = {"DEPLOYKIT_DTYPE": ("dtype", str), "DEPLOYKIT_MAX_MODEL_LEN": ("max_model_len", int),
+                 "DEPLOYKIT_MAX_NUM_SEQS": ("max_num_seqs", int),
+                 "DEPLOYKIT_MAX_NUM_BATCHED_TOKENS": ("max_num_batched_tokens", int),
+                 "DEPLOYKIT_KV_CACHE": ("kv_cache_bytes", parse_size),
+                 "DEPLOYKIT_SERVED_MODEL_NAME": ("served_model_name", str),
+                 "DEPLOYKIT_RESERVED_CPUS": ("reserved_cpus", int), "DEPLOYKIT_THREADS": ("threads", int),
+                 "DEPLOYKIT_USE_SMT": ("use_smt", lambda v: _flag(v))}
+
+
+def _flag(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no", ""):
+        return False
+    raise ValueError("expected 1/true or 0/false")
+
+
+def _env_settings(env) -> dict:
+    out = {}
+    for var, (name, parse) in _ENV_SETTINGS.items():
+        text = env.get(var)
+        if text is None or text == "":
+            continue
+        try:
+            out[name] = parse(text)
+        except ValueError as e:
+            raise OptionsError(f"${var}={text!r} is not valid: {e}") from None
+    _check_ranges(out)
+    return out
 
 
 def options_from_args(a: argparse.Namespace, environ: dict | None = None) -> ServeOptions:
@@ -176,14 +226,16 @@ def options_from_args(a: argparse.Namespace, environ: dict | None = None) -> Ser
     return options(a.model, plan=plan, replica=a.replica, environ=environ, host=a.host, port=a.port, dtype=a.dtype,
                    max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                    max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_bytes=kv, binding=a.binding,
-                   frontend_cpus=a.frontend_cpus, mems=a.mems, api_key=a.api_key,
+                   frontend_cpus=a.frontend_cpus, mems=a.mems, reserved_cpus=a.reserved_cpus, use_smt=a.use_smt,
+                   threads=a.threads, api_key=a.api_key,
                    served_model_name=a.served_model_name, max_waiting=a.max_waiting, max_body_bytes=body,
                    shutdown_timeout=a.shutdown_timeout, seed=a.seed, access_log=False if a.no_access_log else None)
 
 
 def resolve_binding(o: ServeOptions):
     from engine import binding
-    b = binding.resolve(o.binding, frontend_cpus=o.frontend_cpus, mems=o.mems)
+    b = binding.resolve(o.binding, frontend_cpus=o.frontend_cpus, mems=o.mems, reserved=o.reserved_cpus,
+                        use_smt=o.use_smt, threads=o.threads)
     return dataclasses.replace(b, source=o.binding_source) if o.binding_source and o.binding != "auto" else b
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("DEPLOYKIT_TEST_CACHE", Path.home() / ".cache" / "deploykit-tests"))
 IMAGE_REPO = "deploykit-e2e"
-SOURCES = ("pyproject.toml", "README.md", "deploykit", "engine", "images")
+SOURCES = ("pyproject.toml", "README.md", "deploykit", "engine", "images", "charts")
 BUILD_FILES = ("Dockerfile", ".dockerignore", "entrypoint.sh", "build.sh")
 TIMINGS: dict[str, float] = {}  # what this process built and how long it took (seconds), for reports
 

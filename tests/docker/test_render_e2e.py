@@ -255,3 +255,42 @@ def test_compose_up_serves_through_nginx(deployment, compose_cli):
         _check_replicas_bound_their_memory(plan)
     finally:
         subprocess.run([*cmd, "down", "--remove-orphans"], env=env, capture_output=True, timeout=180, cwd=out)
+
+
+def _binding_in_container(ref: str, model: Path, port: int, out: Path, flags: list[str]) -> dict:
+    """Start the engine the way a Kubernetes pod does (no plan, `DEPLOYKIT_CPUS=auto`, no capabilities, the
+    Localhost profile's rules) with extra docker flags, and return its /debug/binding engine report."""
+    name = f"dkbind-{port}"
+    _docker("run", "--detach", "--rm", "--name", name, "--label", "deploykit-test=1", "--cap-drop", "ALL",
+            "--security-opt", "no-new-privileges", "--security-opt", f"seccomp={out / 'seccomp-oci.json'}",
+            "--read-only", "--tmpfs", "/tmp:rw,nosuid,nodev,size=1g", "--user", "10001:10001",
+            "--volume", f"{model}:/model:ro", "--publish", f"127.0.0.1:{port}:8000",
+            "--env", "DEPLOYKIT_CPUS=auto", "--env", "DEPLOYKIT_KV_CACHE=64MiB", "--env", "DEPLOYKIT_MAX_MODEL_LEN=512",
+            *flags, "--entrypoint", "python", ref, "-m", "engine", "serve", "/model", "--port", "8000")
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}/health", name, _logs(name))
+        return json.loads(_get(f"http://127.0.0.1:{port}/debug/binding")[1])["engine"]
+    finally:
+        subprocess.run(["docker", "rm", "-f", name], capture_output=True, timeout=60)
+
+
+def test_binding_auto_follows_the_cpuset_and_quota_the_container_got(deployment):
+    """The chart never writes host CPU ids: the engine reads the cpuset and CFS quota it was given and pins one
+    OpenMP thread per physical core, with memory bound and no capability."""
+    out, plan, model, ref = deployment
+    port = plan["serving"]["port"] + 10
+    allowed = cpulist.parse(Path("/proc/self/status").read_text().split("Cpus_allowed_list:")[1].split()[0])
+    last = str(allowed[-1])
+    one = _binding_in_container(ref, model, port, out, ["--cpuset-cpus", last])
+    assert (one["source"], one["cpuset"], one["planned_cpus"], one["omp_threads"]) == ("auto", last, last, 1)
+    omp = [t for t in one["threads"] if t["omp_thread"] is not None]
+    assert [t["allowed_cpus"] for t in omp] == [last]
+    assert one["memory_policy"]["mode"] == "bind" and one["warnings"] == [], one
+    both = cpulist.format(allowed[:2])
+    full = _binding_in_container(ref, model, port, out, ["--cpuset-cpus", both])
+    assert (full["cpuset"], full["planned_cpus"], full["omp_threads"]) == (both, both, 2)
+    assert sorted(t["allowed_cpus"] for t in full["threads"] if t["omp_thread"] is not None) == \
+        [str(c) for c in allowed[:2]]
+    quota = _binding_in_container(ref, model, port, out, ["--cpuset-cpus", both, "--cpus", "1"])
+    assert (quota["cpuset"], quota["quota_cpus"], quota["omp_threads"]) == (both, 1.0, 1)
+    assert any("CFS quota" in n for n in quota["notes"]), quota["notes"]

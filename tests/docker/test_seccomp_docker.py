@@ -1,4 +1,5 @@
-"""Our least-privilege seccomp profile, enforced by a real Docker engine, allows NUMA binding and little else."""
+"""Our least-privilege seccomp profile, enforced by a real Docker engine, lets a container with no capabilities at
+all bind and migrate its own memory, and allows little else."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ PROBE = (Path(__file__).parent / "numa_probe.py").read_text()
 NUMA_CALLS = ("get_mempolicy", "set_mempolicy", "mbind", "migrate_pages", "move_pages")
 DENIED_CALLS = ("mount", "unshare", "ptrace", "kexec_load", "bpf")
 MARK = errno.ENOSYS
-HARDENED = ("--cap-drop", "ALL", "--cap-add", "SYS_NICE", "--security-opt", "no-new-privileges",
+# What every rendered container gets: no capabilities at all (security.sys_nice is an opt-in).
+HARDENED = ("--cap-drop", "ALL", "--security-opt", "no-new-privileges",
             "--user", "10001", "--read-only", "--network", "none")
+WITH_SYS_NICE = (*HARDENED, "--cap-add", "SYS_NICE")
 
 
 @pytest.fixture(scope="module")
@@ -50,17 +53,26 @@ def probe(docker, base_image, profiles):
     return run
 
 
-def test_numa_binding_and_page_migration_allowed(probe):
-    calls = probe("docker")["syscalls"]
-    assert {n: calls[n] for n in NUMA_CALLS} == {n: 0 for n in NUMA_CALLS}
+def test_numa_binding_and_page_migration_with_zero_capabilities(probe):
+    seen = probe("docker")
+    assert int(seen["cap_eff"], 16) == 0 and int(seen["cap_bnd"], 16) == 0
+    assert {n: seen["syscalls"][n] for n in NUMA_CALLS} == {n: 0 for n in NUMA_CALLS}
+    node = int(seen["mems_allowed_list"].split(",")[0].split("-")[0])
+    assert seen["bound_policy"] == [2, 1 << node]  # MPOL_BIND on our node really took effect
+    assert seen["moved_page_node"] == node  # move_pages moved our page there
 
 
-def test_docker_default_blocks_page_migration_with_same_caps(probe):
-    # The reason the profile exists: SYS_NICE unlocks mbind & co. but never migrate_pages/move_pages.
+def test_docker_default_profile_refuses_the_same_calls_without_sys_nice(probe):
+    # Why containers used to get SYS_NICE or seccomp=unconfined: Docker's default profile gates the binding calls on
+    # CAP_SYS_NICE and denies page migration outright.
     calls = probe(None)["syscalls"]
-    assert calls["mbind"] == 0
-    assert calls["migrate_pages"] == errno.EPERM
-    assert calls["move_pages"] == errno.EPERM
+    assert {n: calls[n] for n in NUMA_CALLS} == {n: errno.EPERM for n in NUMA_CALLS}
+
+
+def test_docker_default_profile_with_sys_nice_still_blocks_page_migration(probe):
+    calls = probe(None, flags=WITH_SYS_NICE)["syscalls"]
+    assert (calls["set_mempolicy"], calls["mbind"]) == (0, 0)
+    assert (calls["migrate_pages"], calls["move_pages"]) == (errno.EPERM, errno.EPERM)
 
 
 def test_probe_reaches_the_kernel_when_unconfined(probe):
@@ -91,10 +103,8 @@ def test_flattened_profile_behaves_the_same_under_a_plain_runtime(probe):
     assert probe("flat")["syscalls"] == probe("docker")["syscalls"]
 
 
-def test_numa_calls_need_sys_nice(probe):
-    no_nice = tuple(f for f in HARDENED if f not in ("--cap-add", "SYS_NICE"))
-    calls = probe("docker", flags=no_nice)["syscalls"]
-    assert {n: calls[n] for n in NUMA_CALLS} == {n: errno.EPERM for n in NUMA_CALLS}
+def test_sys_nice_opt_in_changes_nothing_the_engine_needs(probe):
+    assert probe("docker", flags=WITH_SYS_NICE)["syscalls"] == probe("docker")["syscalls"]
 
 
 def test_runs_unprivileged_on_read_only_root(probe):
@@ -103,7 +113,7 @@ def test_runs_unprivileged_on_read_only_root(probe):
     assert seen["root_write_errno"] == errno.EROFS
     assert seen["no_new_privs"] == "1"
     assert seen["seccomp_mode"] == "2"  # filter mode
-    assert int(seen["cap_bnd"], 16) == 1 << 23  # CAP_SYS_NICE and nothing else
+    assert int(seen["cap_bnd"], 16) == 0  # no capability at all
 
 
 def _own(field: str) -> tuple[int, ...]:

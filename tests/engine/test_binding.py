@@ -1,5 +1,5 @@
 """Binding as the engine process applies it: every OpenMP worker on its own CPU, memory bound, loud but
-non-fatal when the kernel refuses (seccomp / missing CAP_SYS_NICE)."""
+non-fatal when the kernel refuses (a seccomp profile without the NUMA calls)."""
 
 import json
 import os
@@ -67,7 +67,7 @@ def test_refused_set_mempolicy_keeps_running_and_names_the_fix():
     rep, err = child("0-1", pre=REFUSE)
     assert rep["memory_policy"]["mode"] == "default"
     (w,) = [w for w in rep["warnings"] if "NUMA memory binding" in w]
-    assert "refused (EPERM)" in w and "SYS_NICE" in w and "seccomp" in w
+    assert "refused (EPERM)" in w and "seccomp profile" in w and "no capability" in w
     assert "NUMA memory binding" in err  # logged loudly, not only in the report
     assert [t["allowed_cpus"] for t in rep["threads"] if t["omp_thread"] is not None] == ["0", "1"]
 
@@ -125,3 +125,25 @@ def test_explicit_cpus_outside_the_cpuset_are_rejected():
         binding.resolve("4000")
     with pytest.raises(ValueError, match="CPU list"):
         binding.resolve("zero")
+
+
+@pytest.mark.parametrize("machine, kwargs, cpus, front", [
+    # A Guaranteed pod of 4 whole cores (8 CPUs) on the EPYC: 3 OpenMP threads, one per core, front end on the last
+    # core with both siblings. The kubelet chose host CPUs 8-11 + siblings 200-203; nothing else tells us that.
+    ("pod-4-cores", {}, "8-10", "11,203"),
+    ("pod-4-cores", {"use_smt": True}, "8-10,200-202", "11,203"),
+    ("pod-4-cores", {"reserved": 0}, "8-11", ""),
+    ("pod-4-cores", {"reserved": 2, "threads": 1}, "8", "10-11,202-203"),
+    # A CFS quota of 3 CPUs inside a 16-core cpuset (no static CPU manager): 2 threads + the front end's core.
+    ("quota3-in-16", {}, "0-1", "15"),
+])
+def test_auto_applies_the_placement_policy_to_the_cpuset_it_got(tmp_path, machine, kwargs, cpus, front):
+    from deploykit import cpulist
+    from tests.sysroots import Machine, write
+    machines = {"pod-4-cores": Machine(sockets=2, cores_per_socket=96, cpuset="8-11,200-203", mems="0",
+                                       quota=(800000, 100000)),
+                "quota3-in-16": Machine(sockets=1, cores_per_socket=16, threads_per_core=1, cpuset="0-15",
+                                        quota=(300000, 100000))}
+    b = binding.resolve("auto", sysroot=str(write(machines[machine], tmp_path)), **kwargs)
+    assert (cpulist.format(b.cpus), cpulist.format(b.frontend_cpus), b.threads) == (cpus, front, len(b.cpus))
+    assert b.mems == (0,) and b.source == "auto"

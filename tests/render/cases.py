@@ -29,6 +29,7 @@ CASES: dict[str, tuple[str, dict]] = {
                                           "base": "deploykit-base:bookworm", "wheelhouse": "./wheelhouse"},
                                 "security": {"seccomp": "runtime-default", "run_as_user": 20000,
                                              "read_only_root": False}}),
+    "sys-nice": ("two-cpu", {"security": {"sys_nice": True}}),
     "local-model-unconfined": ("two-cpu", {"model": {"source": "./tiny-model", "max_model_len": 1024},
                                            "security": {"seccomp": "unconfined"}}),
     # a .gguf file: sized from its header, mounted as one file, MODEL_FILE instead of MODEL_DIR

@@ -68,3 +68,30 @@ def test_plan_errors_are_clear(plan, tmp_path):
         options("--plan", str(tmp_path / "partial.json"))
     with pytest.raises(OptionsError, match="cannot read plan"):
         options("--plan", str(tmp_path / "absent.json"))
+
+
+def test_environment_carries_every_setting_a_pod_needs():
+    """A Kubernetes pod gets its settings from a ConfigMap as DEPLOYKIT_* variables and binds with `auto`."""
+    o = options(env={"DEPLOYKIT_CPUS": "auto", "DEPLOYKIT_RESERVED_CPUS": "2", "DEPLOYKIT_USE_SMT": "true",
+                     "DEPLOYKIT_THREADS": "8", "DEPLOYKIT_DTYPE": "bfloat16", "DEPLOYKIT_MAX_MODEL_LEN": "4096",
+                     "DEPLOYKIT_MAX_NUM_SEQS": "32", "DEPLOYKIT_MAX_NUM_BATCHED_TOKENS": "1024",
+                     "DEPLOYKIT_KV_CACHE": "2GiB", "DEPLOYKIT_SERVED_MODEL_NAME": "qwen"})
+    assert (o.binding, o.binding_source, o.reserved_cpus, o.use_smt, o.threads) == ("auto", None, 2, True, 8)
+    assert (o.dtype, o.max_model_len, o.max_num_seqs, o.max_num_batched_tokens) == ("bfloat16", 4096, 32, 1024)
+    assert (o.kv_cache_bytes, o.model_name) == (2 << 30, "qwen")
+    assert options("--max-num-seqs", "4", env={"DEPLOYKIT_MAX_NUM_SEQS": "32"}).max_num_seqs == 4  # flags win
+
+
+@pytest.mark.parametrize("var, value, needle", [("DEPLOYKIT_MAX_MODEL_LEN", "lots", "DEPLOYKIT_MAX_MODEL_LEN"),
+                                                ("DEPLOYKIT_USE_SMT", "maybe", "DEPLOYKIT_USE_SMT"),
+                                                ("DEPLOYKIT_RESERVED_CPUS", "-1", "--reserved-cpus must be"),
+                                                ("DEPLOYKIT_KV_CACHE", "big", "DEPLOYKIT_KV_CACHE")])
+def test_bad_environment_settings_are_named(var, value, needle):
+    with pytest.raises(OptionsError, match=needle):
+        options(env={var: value})
+
+
+def test_binding_auto_over_a_plan_drops_the_plans_host_cpu_ids(plan):
+    o = options("--plan", plan, "--binding", "auto", "--reserved-cpus", "1", env={"MY_KEY": "k"})
+    assert (o.binding, o.binding_source, o.frontend_cpus, o.mems, o.reserved_cpus) == ("auto", None, None, None, 1)
+    assert o.kv_cache_bytes == 1 << 30  # sizes still come from the plan

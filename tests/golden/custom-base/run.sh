@@ -7,8 +7,9 @@
 #   ./run.sh down                        stop and remove them
 # Env: MODEL_DIR (the model directory on this host, mounted read-only at /model), IMAGE (default
 # registry.example.com/llm/engine:2025.1), DOCKER (default docker).
-# security.seccomp is 'runtime-default': Docker's profile blocks migrate_pages/move_pages, so the
-# engine cannot move pages touched before it bound its memory (binding itself still works).
+# security.seccomp is 'runtime-default': Docker's profile refuses set_mempolicy/mbind without
+# CAP_SYS_NICE and migrate_pages/move_pages always, so the engine cannot bind or move its memory
+# itself (--cpuset-mems below still confines it). least-privilege allows them with no capability.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 IMAGE="${IMAGE:-registry.example.com/llm/engine:2025.1}"
@@ -53,7 +54,6 @@ replace qwen-0
     --user 20000:20000 \
     --tmpfs /tmp:rw,nosuid,nodev,size=1g \
     --cap-drop ALL \
-    --cap-add SYS_NICE \
     --security-opt no-new-privileges \
     --env DEPLOYKIT_CPUS=0-1 \
     --env DEPLOYKIT_FRONTEND_CPUS= \

@@ -55,7 +55,6 @@ replace qwen-0
     --read-only \
     --tmpfs /tmp:rw,nosuid,nodev,size=1g \
     --cap-drop ALL \
-    --cap-add SYS_NICE \
     --security-opt no-new-privileges \
     --security-opt seccomp=unconfined \
     --env DEPLOYKIT_CPUS=0-1 \

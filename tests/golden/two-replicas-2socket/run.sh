@@ -60,7 +60,6 @@ replace qwen-0
     --read-only \
     --tmpfs /tmp:rw,nosuid,nodev,size=1g \
     --cap-drop ALL \
-    --cap-add SYS_NICE \
     --security-opt no-new-privileges \
     --security-opt "seccomp=$HERE/seccomp.json" \
     --env DEPLOYKIT_API_KEY \
@@ -92,7 +91,6 @@ replace qwen-1
     --read-only \
     --tmpfs /tmp:rw,nosuid,nodev,size=1g \
     --cap-drop ALL \
-    --cap-add SYS_NICE \
     --security-opt no-new-privileges \
     --security-opt "seccomp=$HERE/seccomp.json" \
     --env DEPLOYKIT_API_KEY \

@@ -58,7 +58,6 @@ replace qwen-0
     --read-only \
     --tmpfs /tmp:rw,nosuid,nodev,size=1g \
     --cap-drop ALL \
-    --cap-add SYS_NICE \
     --security-opt no-new-privileges \
     --security-opt "seccomp=$HERE/seccomp.json" \
     --env DEPLOYKIT_CPUS=0-26,112-138 \
@@ -89,7 +88,6 @@ replace qwen-1
     --read-only \
     --tmpfs /tmp:rw,nosuid,nodev,size=1g \
     --cap-drop ALL \
-    --cap-add SYS_NICE \
     --security-opt no-new-privileges \
     --security-opt "seccomp=$HERE/seccomp.json" \
     --env DEPLOYKIT_CPUS=28-54,140-166 \
@@ -120,7 +118,6 @@ replace qwen-2
     --read-only \
     --tmpfs /tmp:rw,nosuid,nodev,size=1g \
     --cap-drop ALL \
-    --cap-add SYS_NICE \
     --security-opt no-new-privileges \
     --security-opt "seccomp=$HERE/seccomp.json" \
     --env DEPLOYKIT_CPUS=56-82,168-194 \
@@ -151,7 +148,6 @@ replace qwen-3
     --read-only \
     --tmpfs /tmp:rw,nosuid,nodev,size=1g \
     --cap-drop ALL \
-    --cap-add SYS_NICE \
     --security-opt no-new-privileges \
     --security-opt "seccomp=$HERE/seccomp.json" \
     --env DEPLOYKIT_CPUS=84-110,196-222 \
