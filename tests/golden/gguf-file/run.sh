@@ -52,7 +52,6 @@ replace qwen-0
     --read-only \
     --tmpfs /tmp:rw,nosuid,nodev,size=1g \
     --cap-drop ALL \
-    --cap-add SYS_NICE \
     --security-opt no-new-privileges \
     --security-opt "seccomp=$HERE/seccomp.json" \
     --env DEPLOYKIT_CPUS=0-1 \
