@@ -14,6 +14,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "op_args.h"
+
 namespace deploykit {
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -171,24 +173,11 @@ bool amx_init() {
 // x [M, K], wp [N/16, K/2, 16, 2] with K % 32 == 0 -> [M, N] bf16.
 at::Tensor linear_packed_amx(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(amx_init(), "AMX tile state was not granted by the OS");
-  TORCH_CHECK(wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 2 && wp.is_contiguous() &&
-                  wp.scalar_type() == at::kBFloat16,
-              "packed weight must be a contiguous bf16 [N/16, K/2, 16, 2] tensor");
+  op_args::check_packed(wp);
   const int64_t NB = wp.size(0), Kh = wp.size(1), N = NB * 16, K = Kh * 2, M = x.size(0);
   TORCH_CHECK(K % 32 == 0, "AMX path needs K % 32 == 0, got K=", K);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) == K && x.stride(1) == 1,
-              "x must be a [M, K] bf16 tensor with contiguous rows");
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be [N]");
-    b = bias->to(at::kFloat).contiguous();
-  }
-  at::Tensor out = at::empty({M, N}, x.options());
-  const bf16* xp = x.data_ptr<bf16>();
+  const op_args::Operands args = op_args::operands(x, K, N, bias);
   const bf16* w = wp.data_ptr<bf16>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  bf16* op = out.data_ptr<bf16>();
-  const int64_t ldx = x.stride(0);
   const int64_t pairs = (NB + 1) / 2;
   // Prefill: copy x once into tile blocks (M*K*2 bytes, small next to M*N*K MACs); strided A tiles
   // would touch 16 pages each. Decode-sized M reads x in place.
@@ -206,19 +195,20 @@ at::Tensor linear_packed_amx(const at::Tensor& x, const at::Tensor& wp, const st
         for (int64_t p = p0; p < p1; ++p)
           for (int64_t mb = c0; mb < c1; ++mb) {
             const int rows = (int)std::min<int64_t>(32, M - mb * 32);  // blocked x is zero-padded
-            const ATiles a = blocked ? blocked_a(xbp, Kh, mb) : plain_a(xp + mb * 32 * ldx, ldx);
-            m_block(a, rows, w, Kh, NB, p, p + 1, bp, op + mb * 32 * N, N);
+            const ATiles a = blocked ? blocked_a(xbp, Kh, mb) : plain_a(args.x + mb * 32 * args.ldx, args.ldx);
+            m_block(a, rows, w, Kh, NB, p, p + 1, args.b, args.o + mb * 32 * N, N);
           }
       }
     }
     if (tail > 0) {
       const int rows0 = (int)std::min<int64_t>(tail, 16);
       amx_configure_tiles(rows0, (int)tail - rows0);
-      m_block(plain_a(xp + full * 32 * ldx, ldx), (int)tail, w, Kh, NB, p0, p1, bp, op + full * 32 * N, N);
+      m_block(plain_a(args.x + full * 32 * args.ldx, args.ldx), (int)tail, w, Kh, NB, p0, p1, args.b,
+              args.o + full * 32 * N, N);
     }
     _tile_release();
   });
-  return out;
+  return args.out;
 }
 
 #else  // the plain AVX-512F build: no tile code at all, callers check amx_init() first

@@ -10,6 +10,8 @@
 
 #include <cstring>
 
+#include "op_args.h"
+
 namespace deploykit {
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -88,18 +90,12 @@ inline void plain_block(const bf16* w, int64_t K, int64_t n0, const bf16* xv, in
 // x [M, K], w [N, K] contiguous with K % 32 == 0 and N % 16 == 0 -> [M, N] bf16.
 at::Tensor linear_plain_amx(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(amx_init(), "AMX tile state was not granted by the OS");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
-              "weight must be a contiguous 2-D bf16 tensor");
+  op_args::check_plain(w);
   const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
   TORCH_CHECK(K % 32 == 0 && N % 16 == 0, "plain AMX path needs K % 32 == 0 and N % 16 == 0");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) == K && x.stride(1) == 1,
-              "x must be a [M, K] bf16 tensor with contiguous rows");
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be [N]");
-    b = bias->to(at::kFloat).contiguous();
-  }
-  at::Tensor out = at::empty({M, N}, x.options());
+  const op_args::Operands args = op_args::operands(x, K, N, bias);
+  const at::Tensor& b = args.bias;
+  const at::Tensor& out = args.out;
   if (M == 0) return out;
   const at::Tensor xv = vnni_x(x);
   const bf16* wp = w.data_ptr<bf16>();

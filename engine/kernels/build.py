@@ -18,7 +18,7 @@ from torch.utils import cpp_extension
 
 SOURCES = ("gemv_bf16.cpp", "amx_bf16.cpp", "amx_plain_bf16.cpp", "stream_read.cpp", "decode_ops.cpp",
            "decode_attention.cpp", "decode_step.cpp")
-HEADERS = ("vec.h", "gemv.h", "row_ops.h", "attention.h")
+HEADERS = ("vec.h", "gemv.h", "row_ops.h", "attention.h", "op_args.h")
 MANIFEST_NAME = "manifest.json"
 SOURCE_DIR = Path(__file__).resolve().parent
 

@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "gemv.h"
+#include "op_args.h"
 #include "vec.h"
 
 namespace deploykit {
@@ -118,56 +119,35 @@ inline void packed_all_m(const bf16* x, int64_t ldx, int64_t M, const bf16* wp, 
   }
 }
 
-at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t N) {
-  if (!bias.has_value() || !bias->defined()) return at::Tensor();
-  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be [N]");
-  return bias->to(at::kFloat).contiguous();
-}
-
-void check_x(const at::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be a 2-D bf16 tensor");
-  TORCH_CHECK(x.size(1) == K, "x has K=", x.size(1), ", weight has K=", K);
-  TORCH_CHECK(x.stride(1) == 1 || x.size(1) == 1, "x rows must be contiguous");
-}
-
 }  // namespace
 
 // x [M, K] (row stride free), w [N, K] contiguous -> [M, N] bf16.
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
-              "weight must be a contiguous 2-D bf16 tensor");
+  op_args::check_plain(w);
   const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
-  check_x(x, K);
-  at::Tensor b = float_bias(bias, N);
-  at::Tensor out = at::empty({M, N}, x.options());
-  const bf16* xp = x.data_ptr<bf16>();
-  const bf16* wp = w.data_ptr<bf16>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  bf16* op = out.data_ptr<bf16>();
-  const int64_t ldx = x.stride(0);
-  const int64_t nblocks = N / 16;
+  const op_args::Operands args = op_args::operands(x, K, N, bias);
+  const bf16 *xp = args.x, *wp = w.data_ptr<bf16>();
+  const float* bp = args.b;
+  bf16* op = args.o;
+  const int64_t ldx = args.ldx, nblocks = N / 16;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) rows_block16(xp, ldx, M, wp, N, K, blk * 16, bp, op, N);
   });
   for (int64_t n = nblocks * 16; n < N; ++n) rows_single(xp, ldx, M, wp, K, n, bp, op, N);
-  return out;
+  return args.out;
 }
 
 // x [M, K], wp [N/16, K/2, 16, 2] -> [M, N] bf16 via broadcast x pairs (vec::dot2).
 at::Tensor linear_packed_avx512(const at::Tensor& x, const at::Tensor& wp,
                                 const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 2 && wp.is_contiguous() &&
-                  wp.scalar_type() == at::kBFloat16,
-              "packed weight must be a contiguous bf16 [N/16, K/2, 16, 2] tensor");
+  op_args::check_packed(wp);
   const int64_t NB = wp.size(0), Kh = wp.size(1), N = NB * 16, K = Kh * 2, M = x.size(0);
-  check_x(x, K);
-  at::Tensor b = float_bias(bias, N);
-  at::Tensor out = at::empty({M, N}, x.options());
-  const bf16* xp = x.data_ptr<bf16>();
-  const bf16* w = wp.data_ptr<bf16>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  bf16* op = out.data_ptr<bf16>();
-  const int64_t ldx = x.stride(0);
+  const op_args::Operands args = op_args::operands(x, K, N, bias);
+  const at::Tensor& out = args.out;
+  const bf16 *xp = args.x, *w = wp.data_ptr<bf16>();
+  const float* bp = args.b;
+  bf16* op = args.o;
+  const int64_t ldx = args.ldx;
   if (M == 0) return out;
   if (M <= 4) {
     // Each weight line read once for all rows; each thread gets an equal contiguous range of blocks
