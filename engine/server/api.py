@@ -17,9 +17,11 @@ from engine.server.middleware import Gate
 ERRORS = {code: {"model": p.ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
 
 
-def build_app(fe: Frontend, *, api_key: str | None, max_body_bytes: int,
+def build_app(fe: Frontend, *, api_key: str | None, max_body_bytes: int, allowed_origins: tuple[str, ...] = (),
               on_shutdown: Callable[[], None] = lambda: None):
-    """Returns the ASGI app (the FastAPI app wrapped in the auth/body-size gate)."""
+    """Returns the ASGI app: the FastAPI app inside the auth/body-size gate, inside CORS when origins are allowed
+    (outermost, so a browser's preflight OPTIONS is answered without a key and every answer, a 401 included,
+    carries the CORS headers the browser needs to show it)."""
     started = int(time.time())
 
     @asynccontextmanager
@@ -78,6 +80,10 @@ def build_app(fe: Frontend, *, api_key: str | None, max_body_bytes: int,
         bad = next((t for t in req.tokens if t >= vocab), None)
         if bad is not None:
             raise errors.bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        if len(req.tokens) > 4096:  # a long decode would stall every stream served by this loop
+            import asyncio
+            return p.DetokenizeResponse(prompt=await asyncio.get_running_loop().run_in_executor(
+                None, fe.decode, req.tokens))
         return p.DetokenizeResponse(prompt=fe.decode(req.tokens))
 
     @app.get("/debug/binding", responses=ERRORS)
@@ -87,7 +93,12 @@ def build_app(fe: Frontend, *, api_key: str | None, max_body_bytes: int,
             fe.check_available()
         return {"engine": await fe.call("binding"), "frontend": _frontend_binding()}
 
-    return Gate(app, api_key=api_key, max_body_bytes=max_body_bytes)
+    gated = Gate(app, api_key=api_key, max_body_bytes=max_body_bytes)
+    if not allowed_origins:
+        return gated
+    from starlette.middleware.cors import CORSMiddleware
+    return CORSMiddleware(gated, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                          allow_headers=["Authorization", "Content-Type"], max_age=600)
 
 
 async def _counted(fe: Frontend, handler) -> Response:

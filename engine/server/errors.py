@@ -50,17 +50,43 @@ def from_request_error(e: RequestError) -> APIError:
     return APIError(400, e.message, param=e.param, code=e.code)
 
 
+def _field_path(loc) -> list[str]:
+    """pydantic's error location as the user wrote the body: field names and list indices, without the union
+    member tags it inserts ("function-after[_utf8(), str]", "list[int]", "str")."""
+    out = []
+    for part in loc:
+        if isinstance(part, int):
+            out.append(str(part))
+        elif part != "body" and part.isidentifier() and part not in _TYPE_TAGS:
+            out.append(part)
+    return out
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "tuple", "literal"})
+# In a union every member reports; the member the value was meant for failed a check of ours or a constraint,
+# the others only say "should be a valid list": those are shown only when nothing else is wrong.
+_MISMATCH = ("_type", "union_tag_invalid", "literal_error")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
-    for err in exc.errors()[:5]:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    errors = exc.errors()
+    meant = [e for e in errors if not str(e.get("type", "")).endswith(_MISMATCH)]
+    errors = meant or errors  # a real complaint makes the other union members' "not a list" noise
+    parts, param, seen = [], None, set()
+    for err in errors:
         if err.get("type") == "json_invalid":
             return f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
-        if not loc:  # the body as a whole: not JSON at all, or not an object
+        loc = _field_path(err.get("loc", ()))
+        if not loc and err.get("loc", ()) in ((), ("body",)):  # the body as a whole: not JSON, or not an object
             return f"request body must be a JSON object (Content-Type: application/json): {err.get('msg')}", None
-        where = ".".join(loc)
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        line = f"{'.'.join(loc)}: {msg}" if loc else msg
+        if line not in seen:
+            seen.add(line)
+            parts.append(line)
         param = param or (loc[0] if loc else None)
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        if len(parts) == 3:
+            break
     return "; ".join(parts) or "invalid request", param
 
 

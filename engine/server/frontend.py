@@ -50,12 +50,18 @@ class Generation:
         self.choices: list[Choice] = []
         self.queue: asyncio.Queue = asyncio.Queue()
 
-    async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yields every output until all choices finished; raises APIError if the engine refused or died.
-        Callers must call cancel() when they stop early (client gone)."""
+    async def stream(self, keepalive: float | None = None) -> AsyncIterator[tuple[int, RequestOutput] | None]:
+        """Yields every output until all choices finished; raises APIError if the engine refused or died. With
+        `keepalive`, yields None after that many seconds without output (a queued request, a long prefill), so an
+        SSE stream can show the client and any proxy it is alive. Callers must call cancel() when they stop early
+        (client gone)."""
         remaining = len(self.choices)
         while remaining:
-            item = await self.queue.get()
+            try:
+                item = await (asyncio.wait_for(self.queue.get(), keepalive) if keepalive else self.queue.get())
+            except asyncio.TimeoutError:
+                yield None
+                continue
             if isinstance(item, APIError):
                 raise item
             remaining -= item[1].finished
@@ -67,8 +73,10 @@ class Generation:
 
 
 class Frontend:
-    def __init__(self, tokenizer, engine: EngineProcess, model_name: str, *, max_num_seqs: int, max_waiting: int):
+    def __init__(self, tokenizer, engine: EngineProcess, model_name: str, *, max_num_seqs: int, max_waiting: int,
+                 stall_timeout: float = 0.0, sse_keepalive: float | None = 15.0):
         self.tokenizer = tokenizer
+        self.sse_keepalive = sse_keepalive  # seconds of silence before an SSE comment line
         self.engine = engine
         self.model_name = model_name
         self.capacity = max_num_seqs + max_waiting
@@ -82,6 +90,12 @@ class Frontend:
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Watchdog: with requests in flight, the engine sends a StepResult after every step (even a prefill chunk
+        # that samples nothing). No message for stall_timeout seconds means it hangs: fail the requests, kill it,
+        # and let the server exit so Docker or Kubernetes restarts it. 0 disables the watchdog.
+        self.stall_timeout = stall_timeout
+        self.last_progress = time.monotonic()
+        self.stalled: str | None = None
 
     @property
     def max_model_len(self) -> int | None:
@@ -94,6 +108,19 @@ class Frontend:
     def attach(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.engine.attach(self._loop, self._on_message, self._on_exit)
+        if self.stall_timeout > 0:
+            self._watchdog_task = self._loop.create_task(self._watchdog())
+
+    async def _watchdog(self) -> None:
+        while self.state in (State.LOADING, State.READY, State.DRAINING):
+            await asyncio.sleep(min(1.0, self.stall_timeout / 4))
+            silent = time.monotonic() - self.last_progress
+            if self.state is not State.LOADING and self._choices and silent > self.stall_timeout:
+                self.stalled = (f"the engine made no progress for {silent:.0f} s (stall timeout "
+                                f"{self.stall_timeout:g} s) with {self.num_inflight} request(s) in flight")
+                log.error("%s; killing engine process %s", self.stalled, self.engine.pid)
+                self.engine.kill()  # EOF on its socket then fails the requests and ends the server (_on_exit)
+                return
 
     # ---- admission ----
     def check_available(self) -> None:
@@ -142,9 +169,15 @@ class Frontend:
                 None, functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens))
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
+        render = functools.partial(self._render_chat, messages, add_generation_prompt)
+        if sum(len(m["content"]) for m in messages) + len(messages) * 64 > LONG_TEXT:  # off the event loop
+            return await asyncio.get_running_loop().run_in_executor(None, render)
+        return render()
+
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
@@ -167,6 +200,8 @@ class Frontend:
         """Send prompts[i] once per entry of params[i]; choice index = position in that flattened order.
         `arrival`: time.monotonic() when the HTTP request came in (default now)."""
         gen = Generation(self, request_id, [len(p) for p in prompts], arrival)
+        if not self._choices:  # the engine was idle: its silence until now was not a stall
+            self.last_progress = time.monotonic()
         for ids, plist in zip(prompts, params):
             for p in plist:
                 index = len(gen.choices)
@@ -219,6 +254,7 @@ class Frontend:
 
     # ---- engine process events (event-loop thread) ----
     def _on_message(self, msg: StepResult | Ready | Fatal) -> None:
+        self.last_progress = time.monotonic()  # the watchdog's evidence that the engine is alive
         if isinstance(msg, StepResult):
             self._on_step(msg)
         elif isinstance(msg, Ready):
@@ -232,25 +268,16 @@ class Frontend:
     def _on_step(self, step: StepResult) -> None:
         self.stats = step.stats
         now = time.monotonic()
-        m = self.metrics
         for out in step.outputs:
             ch = self._choices.get(out.request_id)
             if ch is None:
                 continue  # aborted here while the step ran
-            ro, abort = fold(ch.state, out)
-            if ch.gen.first_at is None:  # once per request (n choices share one arrival)
-                ch.gen.first_at = now
-                m.ttft.observe(now - ch.gen.arrival)
-            if ch.last_at is not None:
-                m.itl.observe(now - ch.last_at)
-            ch.last_at = now
-            if abort:
-                self._send(AbortRequest(out.request_id))
-            if ro.finished:
-                del self._choices[out.request_id]
-                m.e2e.observe(now - ch.gen.arrival)
-                m.finished(ro.finish_reason)
-            ch.gen.queue.put_nowait((ch.index, ro))
+            try:
+                self._deliver(ch, out, now)
+            except Exception as e:  # a bug in one request's text layer fails that request, not the others
+                log.exception("processing the output of %s failed", out.request_id)
+                self.drop(ch.gen, APIError(500, f"the server failed while decoding this request's output: "
+                                                f"{type(e).__name__}"))
         for r in step.rejected:
             ch = self._choices.get(r.request_id)
             if ch is not None:
@@ -260,13 +287,34 @@ class Frontend:
             if fut is not None and not fut.done():
                 fut.set_result(reply.result)
 
+    def _deliver(self, ch: Choice, out, now: float) -> None:
+        """One engine output through the request's text layer to its stream, with the latency metrics."""
+        m = self.metrics
+        ro, abort = fold(ch.state, out)
+        if ch.gen.first_at is None:  # once per request (n choices share one arrival)
+            ch.gen.first_at = now
+            m.ttft.observe(now - ch.gen.arrival)
+        if ch.last_at is not None:
+            m.itl.observe(now - ch.last_at)
+        ch.last_at = now
+        if abort:
+            self._send(AbortRequest(out.request_id))
+        if ro.finished:
+            del self._choices[out.request_id]
+            m.e2e.observe(now - ch.gen.arrival)
+            m.finished(ro.finish_reason)
+        ch.gen.queue.put_nowait((ch.index, ro))
+
     def _on_exit(self, code: int | None) -> None:
         if self.engine.stopping:
             return
         self.state = State.DEAD
-        log.error("engine process %s exited unexpectedly (exit code %s); failing %d request(s) and shutting down",
-                  self.engine.pid, code, self.num_inflight)
-        dead = unavailable("the engine process died; the server is restarting")
+        if self.stalled:
+            dead = unavailable("the engine stopped making progress; the server is restarting")
+        else:
+            log.error("engine process %s exited unexpectedly (exit code %s); failing %d request(s) and shutting "
+                      "down", self.engine.pid, code, self.num_inflight)
+            dead = unavailable("the engine process died; the server is restarting")
         for gen in {ch.gen for ch in self._choices.values()}:
             self.drop(gen, dead)
         for fut in self._calls.values():

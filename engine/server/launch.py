@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import os
 import signal
@@ -32,7 +33,7 @@ DEATH_LINGER = 1.0  # seconds /health answers 503 after the engine died, so prob
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
     model: str  # a Hugging Face model directory or a .gguf file
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback unless told otherwise; the rendered containers pass 0.0.0.0
     port: int = 8000
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -51,6 +52,9 @@ class ServeOptions:
     max_waiting: int = 256
     max_body_bytes: int = 4 << 20
     shutdown_timeout: float = 30.0
+    stall_timeout: float = 600.0  # seconds without engine progress, requests in flight, before it counts as hung
+    sse_keepalive: float = 15.0  # seconds of stream silence before an SSE comment line
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API
     seed: int = 0
     access_log: bool = True
 
@@ -66,7 +70,7 @@ class ServeOptions:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="Hugging Face model directory or .gguf file")
-    p.add_argument("--host", default=None, help="listen address (default 0.0.0.0)")
+    p.add_argument("--host", default=None, help="listen address (default 127.0.0.1; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=None, help="listen port (default 8000; 0 = any free port)")
     p.add_argument("--dtype", default=None, help="auto | bfloat16 | float32 (default: plan, else auto)")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -93,6 +97,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body", default=None, metavar="SIZE", help="request body limit (default 4MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=None,
                    help="seconds SIGTERM waits for in-flight requests (default 30)")
+    p.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a busy engine silent this long counts as hung: /health turns 503, requests fail, the server "
+                        "exits 1 so it is restarted (default 600; 0 = never)")
+    p.add_argument("--sse-keepalive", type=float, default=None, metavar="SECONDS",
+                   help="send an SSE comment after this much stream silence (default 15; 0 = never)")
+    p.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="comma-separated browser origins allowed by CORS (e.g. https://app.example.com, or *)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-access-log", action="store_true")
 
@@ -101,7 +112,8 @@ def _check_ranges(flags: dict) -> None:
     """Usage errors, reported before any process starts or any model byte is read."""
     checks = [("port", 0, 65535), ("max_model_len", 1, None), ("max_num_seqs", 1, None), ("reserved_cpus", 0, None),
               ("threads", 1, None),
-              ("max_num_batched_tokens", 1, None), ("max_waiting", 0, None), ("shutdown_timeout", 0, None)]
+              ("max_num_batched_tokens", 1, None), ("max_waiting", 0, None), ("shutdown_timeout", 0, None),
+              ("stall_timeout", 0, None), ("sse_keepalive", 0, None)]
     for name, lo, hi in checks:
         value = flags.get(name)
         if value is not None and (value < lo or (hi is not None and value > hi)):
@@ -229,7 +241,20 @@ def options_from_args(a: argparse.Namespace, environ: dict | None = None) -> Ser
                    frontend_cpus=a.frontend_cpus, mems=a.mems, reserved_cpus=a.reserved_cpus, use_smt=a.use_smt,
                    threads=a.threads, api_key=a.api_key,
                    served_model_name=a.served_model_name, max_waiting=a.max_waiting, max_body_bytes=body,
-                   shutdown_timeout=a.shutdown_timeout, seed=a.seed, access_log=False if a.no_access_log else None)
+                   shutdown_timeout=a.shutdown_timeout, stall_timeout=a.stall_timeout, sse_keepalive=a.sse_keepalive,
+                   allowed_origins=_origins(a.allowed_origins), seed=a.seed,
+                   access_log=False if a.no_access_log else None)
+
+
+def _origins(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    origins = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    for o in origins:
+        if o != "*" and not o.startswith(("http://", "https://")):
+            raise OptionsError(f"--allowed-origins: {o!r} is not an origin; write it as scheme://host[:port], e.g. "
+                               "https://app.example.com, or * for any")
+    return origins
 
 
 def resolve_binding(o: ServeOptions):
@@ -288,8 +313,9 @@ def _run(o: ServeOptions, b, engine, sock: socket.socket) -> int:
     except ModelLoadError as e:
         log.error("%s", e)
         return EXIT_STARTUP
-    fe = Frontend(tokenizer, engine, o.model_name, max_num_seqs=o.max_num_seqs, max_waiting=o.max_waiting)
-    app = build_app(fe, api_key=o.api_key, max_body_bytes=o.max_body_bytes,
+    fe = Frontend(tokenizer, engine, o.model_name, max_num_seqs=o.max_num_seqs, max_waiting=o.max_waiting,
+                  stall_timeout=o.stall_timeout, sse_keepalive=o.sse_keepalive or None)
+    app = build_app(fe, api_key=o.api_key, max_body_bytes=o.max_body_bytes, allowed_origins=o.allowed_origins,
                     on_shutdown=lambda: engine.stop(timeout=0 if fe.state is State.LOADING else 10.0))
     config = uvicorn.Config(app, log_level="info", access_log=o.access_log, timeout_graceful_shutdown=5)
     server = _server_class(uvicorn)(config)
@@ -303,6 +329,9 @@ def _run(o: ServeOptions, b, engine, sock: socket.socket) -> int:
     fe.on_engine_exit = engine_exited
     server.on_signal = lambda sig: _on_signal(server, fe, o.shutdown_timeout, sig)
     host, port = sock.getsockname()[:2]
+    if not o.api_key and not ipaddress.ip_address(host).is_loopback:
+        log.warning("serving on %s with no API key: anyone who can reach this address can use the model; set "
+                    "--api-key or DEPLOYKIT_API_KEY (or bind 127.0.0.1)", host)
     log.info("serving %s as '%s' on http://%s:%d; engine pid %d binding (%s): inference CPUs %s (%d OpenMP threads), "
              "memory nodes %s; front end pid %d CPUs %s", o.model, o.model_name, host, port, engine.pid, b.source,
              cpulist.format(b.cpus) or "unpinned", b.threads, cpulist.format(b.mems) or "unbound", os.getpid(),

@@ -3,11 +3,18 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
 
 from engine.params import MAX_STOP, RANGES
 
 MAX_N = 128  # OpenAI's documented limit for `n`
+# Bounds on lists a body may carry (all well past real use), so no request costs more to parse and check than a
+# prompt of the same size would: OpenAI documents 128 tools; the others are ours.
+MAX_MESSAGES = 4096
+MAX_TOOLS = 128
+MAX_STOP_TOKEN_IDS = 4096
+MAX_LOGIT_BIAS = 1024
+MAX_PROMPTS = 1024  # a batch of prompts in one completion request
 
 # Unknown fields are ignored (OpenAI SDKs send extras); NaN/Infinity are rejected, not passed to the sampler.
 _LENIENT = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -18,8 +25,19 @@ def _ranged(name: str, kind: type = float):
     return Annotated[kind, Field(**RANGES[name].bounds)]
 
 
+def _utf8(text: str) -> str:
+    """JSON may escape a lone surrogate ("\\ud800"): not Unicode text, so no tokenizer or encoder can take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains a lone surrogate (\\u{ord(text[e.start]):04x} at character {e.start}); send "
+                         "valid UTF-8 text") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
 PositiveInt = Annotated[int, Field(ge=1)]
-Stop = str | Annotated[list[str], Field(max_length=MAX_STOP)] | None
+Stop = Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None
 
 
 class StreamOptions(BaseModel):
@@ -30,7 +48,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields both completion endpoints share, including the vLLM extensions clients already send."""
     model_config = _LENIENT
-    model: str | None = None  # None = the served model
+    model: Text | None = None  # None = the served model
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     max_tokens: _ranged("max_tokens", int) | None = None  # None = the rest of the context window
     temperature: _ranged("temperature") = 1.0
@@ -39,38 +57,40 @@ class SamplingFields(BaseModel):
     stop: Stop = None
     presence_penalty: _ranged("presence_penalty") = 0.0
     frequency_penalty: _ranged("frequency_penalty") = 0.0
-    logit_bias: dict[str, float] | None = None  # accepted only when empty
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None  # accepted only empty
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # vLLM extensions
     top_k: _ranged("top_k", int) = 0
     min_p: _ranged("min_p") = 0.0
     repetition_penalty: _ranged("repetition_penalty") = 1.0
     min_tokens: _ranged("min_tokens", int) = 0
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # token ids: no true/1.0 coercion
+    # token ids: no true/1.0 coercion
+    prompt: (Text | Annotated[list[Text], Field(max_length=MAX_PROMPTS)] | list[StrictInt]
+             | Annotated[list[list[StrictInt]], Field(max_length=MAX_PROMPTS)])
     logprobs: _ranged("logprobs", int) | None = None
     echo: bool = False
     best_of: PositiveInt | None = None  # only best_of == n is supported
-    suffix: str | None = None  # not supported
+    suffix: Text | None = None  # not supported
 
 
 class TextPart(BaseModel):
     model_config = _LENIENT
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = _LENIENT
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -79,18 +99,18 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: PositiveInt | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: _ranged("logprobs", int) | None = None
-    tools: list[dict] | None = None  # accepted only when empty
+    tools: Annotated[list[dict], Field(max_length=MAX_TOOLS)] | None = None  # accepted only when empty
     response_format: dict | None = None  # only {"type": "text"}
     add_generation_prompt: bool = True  # vLLM extension
 
 
 class TokenizeRequest(BaseModel):
     model_config = _LENIENT
-    prompt: str
+    prompt: Text
     add_special_tokens: bool = True
 
 

@@ -90,11 +90,17 @@ class _Stream(StreamingResponse):
 
 
 async def _events(gen: Generation, chunk, start: list[str], usage_chunk) -> AsyncIterator[str]:
-    """SSE framing shared by both endpoints: `chunk(index, output)` -> dict or None (nothing to send)."""
+    """SSE framing shared by both endpoints: `chunk(index, output)` -> dict or None (nothing to send). A comment
+    line goes out after every `keepalive` seconds of silence (queued, or a long prefill): clients, nginx and
+    load balancers keep the connection, and a client that left is noticed."""
     try:
         for line in start:
             yield line
-        async for index, ro in gen.stream():
+        async for item in gen.stream(keepalive=gen.fe.sse_keepalive):
+            if item is None:
+                yield ": keep-alive\n\n"
+                continue
+            index, ro = item
             c = chunk(index, ro)
             if c is not None:
                 yield f"data: {_dumps(c)}\n\n"
@@ -143,12 +149,14 @@ async def create_completion(fe: Frontend, req: p.CompletionRequest, request: Req
         raise bad_request("echo together with logprobs (prompt logprobs) is not supported", "echo")
     params = _params(req, req.max_tokens, req.logprobs)
     single = isinstance(req.prompt, str) or not req.prompt or isinstance(req.prompt[0], int)
-    fe.check_fits((1 if single else len(req.prompt)) * req.n, "n")
+    count = (1 if single else len(req.prompt)) * req.n
+    fe.check_fits(count, "n")
     fe.check_stop_tokens(params[0])
+    fe.admit(count)  # a full queue answers 429 before any tokenizing
     prompts = await _prompts(fe, req.prompt)
     for ids in prompts:
         fe.check_prompt(ids, req.max_tokens, "prompt")
-    fe.admit(len(prompts) * req.n)
+    fe.admit(count)  # still room after the (possibly off-loop) tokenizing
     rid, model = f"cmpl-{uuid.uuid4().hex}", fe.model_name
     gen = fe.submit(rid, prompts, [params] * len(prompts), arrival)
     echo = [fe.decode(prompts[i // req.n]) for i in range(len(gen.choices))] if req.echo else None
@@ -211,8 +219,9 @@ async def create_chat_completion(fe: Frontend, req: p.ChatCompletionRequest, req
     params = _params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     fe.check_fits(req.n, "n")
     fe.check_stop_tokens(params[0])
+    fe.admit(req.n)  # a full queue answers 429 before any template rendering or tokenizing
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-    ids = await fe.encode(fe.render_chat(messages, req.add_generation_prompt), add_special_tokens=False)
+    ids = await fe.encode(await fe.render_chat(messages, req.add_generation_prompt), add_special_tokens=False)
     fe.check_prompt(ids, max_tokens, "messages")
     fe.admit(req.n)
     rid, model = f"chatcmpl-{uuid.uuid4().hex}", fe.model_name

@@ -68,8 +68,11 @@ class _Loop:
                     return
                 for op in msg.ops:
                     self._apply(op, rejected, replies)
-            outputs = self._step(rejected) if self.running and core.has_unfinished_requests() else []
-            if outputs or msgs or rejected:
+            stepping = self.running and core.has_unfinished_requests()
+            outputs = self._step(rejected) if stepping else []
+            # After every step, even one that sampled nothing (a prefill chunk): the front end's watchdog reads
+            # silence while requests are in flight as a hung engine.
+            if stepping or msgs or rejected:
                 self.conn.send(StepResult(tuple(outputs), tuple(rejected), core.stats(), tuple(replies)))
 
     def _step(self, rejected: list[Rejected]) -> list:
@@ -94,6 +97,17 @@ class _Loop:
         return outputs
 
     def _apply(self, op: Op, rejected: list[Rejected], replies: list[Reply]) -> None:
+        """One operation; whatever it raises stays with it (the loop and the other requests keep going)."""
+        try:
+            self._apply_one(op, rejected, replies)
+        except Exception as e:
+            log.exception("engine operation %s failed", type(op).__name__)
+            if isinstance(op, Call):
+                replies.append(Reply(op.call_id, {"error": f"{type(e).__name__}: {e}"}))
+            elif isinstance(op, AbortRequest):  # the core's state for it is unknown: never leave it running
+                self.live.discard(op.request_id)
+
+    def _apply_one(self, op: Op, rejected: list[Rejected], replies: list[Reply]) -> None:
         if isinstance(op, AddRequest):
             try:
                 self.core.add_request(op.request_id, list(op.prompt_token_ids), op.params)
@@ -204,6 +218,11 @@ class EngineProcess:
             self.conn.send(Ops(tuple(ops)))
         except (OSError, ValueError):
             pass  # the child is gone; the reader thread reports the exit
+
+    def kill(self) -> None:
+        """SIGKILL: for an engine that stopped answering (the watchdog); its socket's EOF reports the exit."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """Ask the child to exit, wait, and kill it if it does not."""

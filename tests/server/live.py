@@ -30,13 +30,14 @@ def clean_env(**extra: str) -> dict:
 
 class LiveServer:
     def __init__(self, model: str, *args: str, api_key: str | None = None, env: dict | None = None,
-                 cmd: list[str] | None = None, new_session: bool = False):
-        """`cmd` replaces `python -m engine serve MODEL`; --host/--port (and --api-key) are appended to it."""
+                 cmd: list[str] | None = None, new_session: bool = False, host: str = "127.0.0.1"):
+        """`cmd` replaces `python -m engine serve MODEL`; --host/--port (and --api-key) are appended to it. Tests
+        talk to 127.0.0.1 whatever `host` the server binds."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self._log = tempfile.NamedTemporaryFile(prefix="deploykit-server-", suffix=".log", delete=False)
-        cmd = [*(cmd or [sys.executable, "-m", "engine", "serve", model]), "--host", "127.0.0.1", "--port",
+        cmd = [*(cmd or [sys.executable, "-m", "engine", "serve", model]), "--host", host, "--port",
                str(self.port), *(["--api-key", api_key] if api_key else []), *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
                                      env=env if env is not None else clean_env(), start_new_session=new_session)

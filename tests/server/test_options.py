@@ -28,7 +28,7 @@ def plan(tmp_path) -> str:
 
 def test_defaults_without_plan_or_environment():
     o = options()
-    assert (o.host, o.port, o.binding, o.frontend_cpus, o.api_key, o.model_name) == ("0.0.0.0", 8000, "auto", None,
+    assert (o.host, o.port, o.binding, o.frontend_cpus, o.api_key, o.model_name) == ("127.0.0.1", 8000, "auto", None,
                                                                                    None, "model")
     assert o.engine_config().max_num_seqs == 16
 
