@@ -93,6 +93,18 @@ class RuntimeFailure(DeploykitError):
     kind = "runtime"
 
 
+class Unhealthy(DeploykitError):
+    """`deploykit doctor` found something critical (a ✖ line); the report itself went to stdout."""
+
+    kind = "doctor"
+
+
+class TargetError(DeploykitError):
+    """The process, server or container `deploykit doctor` was pointed at does not exist or cannot be read."""
+
+    kind = "target"
+
+
 # One table, used by the CLI. 1 is left for unexpected bugs (those do print a traceback).
 EXIT_CODES: dict[type[DeploykitError], int] = {
     SpecError: 2,
@@ -101,6 +113,8 @@ EXIT_CODES: dict[type[DeploykitError], int] = {
     PlanError: 5,
     OutputError: 6,
     RuntimeFailure: 7,
+    Unhealthy: 8,
+    TargetError: 9,
 }
 
 
