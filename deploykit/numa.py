@@ -122,16 +122,12 @@ def probe(node: int = 0) -> dict[str, int]:
     mode, nodes = found[0] if found else (MPOL_DEFAULT, ())
     attempt("set_mempolicy", lambda: set_mempolicy(mode, nodes))
     page = mmap.mmap(-1, mmap.PAGESIZE)
-    try:
-        page.write(b"x")  # resident, so there is a page to bind, migrate and query
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(page))
-        attempt("mbind", lambda: mbind(addr, mmap.PAGESIZE, MPOL_BIND, (node,), MPOL_MF_MOVE))
-        attempt("migrate_pages", lambda: migrate_pages((node,), (node,)))
-        attempt("move_pages", lambda: move_pages_query((addr,)))
-        del addr
-    finally:
-        try:
-            page.close()
-        except BufferError:  # a ctypes view still alive; the mapping goes with the process
-            pass
+    page.write(b"x")  # resident, so there is a page to bind, migrate and query
+    view = ctypes.c_char.from_buffer(page)
+    addr = ctypes.addressof(view)
+    attempt("mbind", lambda: mbind(addr, mmap.PAGESIZE, MPOL_BIND, (node,), MPOL_MF_MOVE))
+    attempt("migrate_pages", lambda: migrate_pages((node,), (node,)))
+    attempt("move_pages", lambda: move_pages_query((addr,)))
+    del view  # the buffer export must end before the mapping can close
+    page.close()
     return out

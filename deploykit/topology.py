@@ -249,8 +249,8 @@ def _cgroup_paths(r: Reader, proc: str) -> tuple[dict[str, str], str | None]:
 V1_CPU_MOUNTS = ("cpu,cpuacct", "cpu", "cpuacct,cpu")
 
 
-def throttling(sysroot: str | Path = "/", pid: int | None = None) -> tuple[int, float] | None:
-    """(periods throttled, seconds throttled) so far, from cpu.stat of the cgroups whose CFS quota applies to the
+def throttling(sysroot: str | Path = "/", pid: int | None = None) -> tuple[int, int, float] | None:
+    """(periods, periods throttled, seconds throttled) so far, from cpu.stat of the cgroups whose CFS quota applies to the
     process (the same directories the quota is read from); None when no quota applies. Sample twice: a count
     that grows while the process works is the quota biting."""
     r = Reader(Path(sysroot))
@@ -265,12 +265,13 @@ def throttling(sysroot: str | Path = "/", pid: int | None = None) -> tuple[int, 
         key, scale = "throttled_time", 1e-9
     if not dirs:
         return None
-    periods, seconds = 0, 0.0
+    periods, throttled, seconds = 0, 0, 0.0
     for d in dirs:
         stat = dict(line.split()[:2] for line in (r.text(f"{d}/cpu.stat") or "").splitlines() if " " in line)
-        periods += int(stat.get("nr_throttled", 0))
+        periods += int(stat.get("nr_periods", 0))
+        throttled += int(stat.get("nr_throttled", 0))
         seconds += int(stat.get(key, 0)) * scale
-    return periods, seconds
+    return periods, throttled, seconds
 
 
 def _cgroup(r: Reader, proc: str = "proc/self") -> tuple[tuple[int, ...] | None, tuple[int, ...] | None,

@@ -109,7 +109,7 @@ def env_findings(env: dict[str, str], topo: Topology, scope: Scope, *, runtimes:
     if not families & {"libiomp5", "libomp"}:  # KMP_AFFINITY pins only under Intel/LLVM OpenMP (rule below)
         pins = [(k, v) for k, v in pins if k != "KMP_AFFINITY"]
     if pins:
-        out.append(_affinity(pins, allowed, scope))
+        out.append(_affinity(pins, allowed, scope, n))
     else:
         out.append(Finding("openmp.affinity_env", OK, f"no OpenMP affinity variable in {scope.where}"))
     kmp = sorted(k for k in env if k.startswith("KMP_"))
@@ -177,7 +177,7 @@ def _thread_count(n, env, topo, allowed, cores, scope, right) -> Finding:
                    evidence=evidence)
 
 
-def _affinity(pins, allowed, scope) -> Finding:
+def _affinity(pins, allowed, scope, threads: int | None = None) -> Finding:
     name, value = pins[0]
     listed = listed_cpus(name, value)
     first = listed[0] if listed else None
@@ -197,6 +197,11 @@ def _affinity(pins, allowed, scope) -> Finding:
         return Finding("openmp.affinity_env", FAIL, f"{name} is set for everything in {scope.where}: {what}",
                        evidence=tuple(evidence),
                        cause="container-wide OpenMP affinity: the 'two threads busy' pattern", fix=fix)
+    few = listed and threads is not None and threads > len(set(listed))
+    if few:
+        return Finding("openmp.affinity_env", FAIL, f"{name} lists {len(set(listed))} CPU(s) for "
+                       f"OMP_NUM_THREADS={threads} threads in {scope.where}: threads share CPUs",
+                       evidence=tuple(evidence), fix=(f"list one CPU per thread in {name}, one per physical core",))
     level = FAIL if outside else INFO
     return Finding("openmp.affinity_env", level, f"{name} set in {scope.where}", evidence=tuple(evidence),
                    fix=fix if outside else ())
