@@ -39,6 +39,7 @@ def analyse(s: Sample, ctx: Context) -> list[Section]:
         _oversubscribed(procs, use, wait),
         _throttled(ctx, sum(sum(u.values()) for u in use.values()), s.seconds),
     ]
+    threads = [f for f in threads if f is not None]
     threads.insert(0, _busy(procs, use, ctx, s.seconds, worst=max(_rank(f.level) for f in threads)))
     runtime = [_runtimes(procs)]
     if infer.env is not None:
@@ -49,7 +50,7 @@ def analyse(s: Sample, ctx: Context) -> list[Section]:
                                        judge_thread_count=bool(mapped))
         runtime = [f for f in runtime if f.id != "malloc.tcmalloc"]
     runtime.append(_malloc(infer))
-    return [Section("Threads", tuple(f for f in threads if f is not None)),
+    return [Section("Threads", tuple(threads)),
             Section("OpenMP and allocator", tuple(runtime)),
             Section("Memory", (_memory(infer, use.get(infer.pid, {}), ctx.topo),))]
 

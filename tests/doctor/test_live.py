@@ -97,7 +97,7 @@ def test_omp_num_threads_above_the_cpuset():
     assert f["level"] == "fail" and f["title"].startswith("OMP_NUM_THREADS=4 but only 1 CPUs are allowed")
     assert "OMP_NUM_THREADS=1" in f["fix"][0]
     over = finding(rep, "threads.oversubscribed")
-    assert over["level"] == "fail" and over["title"].startswith("4 threads on CPU(s) 0 spent")
+    assert over["level"] == "fail" and " threads on CPU(s) 0 spent " in over["title"]
 
 
 def test_two_openmp_runtimes_loaded():
