@@ -35,6 +35,7 @@ def check(spec_path: str, topo: Topology) -> Section:
                    evidence=(f"planned for {'this host' if same else plan_topo.source + ' (the spec’s hardware)'}",))]
     if not same:
         out += _overlay(plan, topo)
+    out.append(_cores(plan, topo))
     out.append(_memory(plan, topo))
     out += [Finding("plan.warning", WARN, w) for w in plan.warnings]
     return Section(f"Spec {spec_path}", tuple(out))
@@ -78,6 +79,28 @@ def _overlay(plan, topo: Topology) -> list[Finding]:
         out.append(Finding("plan.cpus", OK, "every replica's CPUs and memory nodes exist and are allowed here, one "
                            "OpenMP thread per physical core"))
     return out
+
+
+def _cores(plan, topo: Topology) -> Finding:
+    """Replicas against cores: physical cores the replicas' threads and front ends take, against those allowed."""
+    core_of = {c.id: c.core for c in topo.cpus}
+    allowed = {core_of[c] for c in topo.allowed_cpus if c in core_of}
+    wanted = {c for r in plan.replicas for c in r.cpuset}
+    taken = {core_of[c] for c in wanted if c in core_of}
+    threads = sum(r.omp_threads for r in plan.replicas)
+    title = (f"{len(plan.replicas)} replica(s), {threads} OpenMP threads: {len(taken)} of the {len(allowed)} physical "
+             "cores allowed here")
+    absent = sorted(c for c in wanted if c not in core_of or core_of[c] not in allowed)
+    if absent:
+        return Finding("plan.cores", FAIL, title + f"; CPUs {cpulist.format(absent)} do not exist or are not allowed "
+                       "here",
+                       fix=("plan for this host (hardware: auto or --sysroot with its snapshot)",))
+    quota = topo.quota_cpus
+    if quota is not None and threads > int(quota + 1e-9):
+        return Finding("plan.cores", FAIL, title + f", above this cgroup's CFS quota of {quota:g} CPUs",
+                       fix=("plan for this host, where the quota caps the threads", "or give exclusive CPUs instead "
+                            "of a quota"))
+    return Finding("plan.cores", OK, title)
 
 
 def _memory(plan, topo: Topology) -> Finding:

@@ -23,12 +23,8 @@ import pytest
 from deploykit.doctor import fixes
 from deploykit.render import seccomp
 
-try:
-    from . import render_image
-    from .conftest import TEST_LABEL
-except ImportError:
-    import render_image
-    from conftest import TEST_LABEL
+from tests.docker import render_image
+from tests.docker.conftest import TEST_LABEL
 
 pytestmark = pytest.mark.docker
 

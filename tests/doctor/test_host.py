@@ -186,6 +186,9 @@ def test_spec_plan_fits_the_host(tmp_path, machines):
     rep = examine_host(str(machines["healthy"]), str(write_spec(tmp_path)))
     assert rep.find("plan.place").level == "ok" and rep.find("plan.memory").level == "ok"
     assert "qwen-0" in rep.find("plan.place").title and "qwen-1" in rep.find("plan.place").title
+    cores = rep.find("plan.cores")
+    assert cores.level == "ok" and cores.title == "2 replica(s), 190 OpenMP threads: 192 of the 192 physical cores " \
+        "allowed here"
 
 
 def test_spec_made_for_other_hardware_does_not_fit(tmp_path, machines):
@@ -194,6 +197,7 @@ def test_spec_made_for_other_hardware_does_not_fit(tmp_path, machines):
     rep = examine_host(str(machines["two-cpu"]), str(spec))
     assert rep.find("plan.cpus").level == "fail" and "qwen-0 wants CPUs" in rep.find("plan.cpus").title
     assert rep.find("plan.memory").level == "fail"  # 2x 768 GiB nodes' worth of KV on a 24 GiB host
+    assert rep.find("plan.cores").level == "fail"
     r = doctor(spec, "--sysroot", machines["two-cpu"])
     assert r.returncode == 8 and "✖ qwen-0 wants CPUs" in r.stdout
 
