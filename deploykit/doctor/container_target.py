@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+from dataclasses import replace
 
 from .. import numa, topology
 from ..errors import TargetError, did_you_mean
@@ -39,8 +40,9 @@ def examine(name: str, seconds: float) -> Report:
     envs = openmp.env_findings(env, topo, openmp.Scope("the container's environment (docker run -e, image ENV)",
                                                        everything=True),
                                runtimes=_mapped_runtimes(pid), judge_thread_count=True)
+    # Ids get a "container." prefix: the process checks judge the inference process's own environment as well.
     rep = examine_pid(pid, seconds, extra=(section, Section("Container environment", tuple(
-        f for f in envs if f.id != "malloc.tcmalloc"))))
+        replace(f, id=f"container.{f.id}") for f in envs if f.id != "malloc.tcmalloc"))))
     return Report(f"container {attrs['Name'].lstrip('/')}: {rep.target}", rep.sections, rep.data)
 
 

@@ -46,8 +46,10 @@ def analyse(s: Sample, ctx: Context) -> list[Section]:
         scope = openmp.Scope(f"the environment of {infer.label}",
                              everything=_inherited_from_root(procs, infer))
         mapped = tuple(lib for lib in infer.libraries or () if openmp.runtime_family(lib))
+        # A process that reports its OpenMP threads (our engine) sets their count itself, after exec: its exec-time
+        # OMP_NUM_THREADS says nothing then.
         runtime += openmp.env_findings(infer.env, ctx.topo, scope, runtimes=mapped or None,
-                                       judge_thread_count=bool(mapped))
+                                       judge_thread_count=bool(mapped) and ctx.omp_tids is None)
         runtime = [f for f in runtime if f.id != "malloc.tcmalloc"]
     runtime.append(_malloc(infer))
     return [Section("Threads", tuple(threads)),

@@ -99,7 +99,9 @@ def _proc(rep: dict) -> Proc:
 def _topology(t: dict) -> Topology:
     cpus = tuple(Cpu(i, s, n, tuple(core)) for i, s, n, core in t["cpus"])
     nodes = tuple(Node(i, cpulist.parse(c), mem) for i, c, mem in t["nodes"])
-    return Topology(cpus=cpus, offline=(), nodes=nodes, allowed_cpus=cpulist.parse(t["allowed_cpus"]),
+    # The engine's main thread is OpenMP worker 0, pinned to one CPU: what the process may use is its cpuset.
+    may = cpulist.parse(t["cpuset"]) if t["cpuset"] else tuple(c.id for c in cpus)
+    return Topology(cpus=cpus, offline=(), nodes=nodes, allowed_cpus=may,
                     allowed_mems=cpulist.parse(t["allowed_mems"]), quota_cpus=t["quota_cpus"], memory_limit_bytes=None,
                     isa=tuple(t["isa"]), cpu_model=t["cpu_model"], source="server",
                     cpuset=None if t["cpuset"] is None else cpulist.parse(t["cpuset"]))

@@ -129,7 +129,7 @@ def test_doctor_container_from_the_host(broken_container):
     assert "Traceback" not in r.stderr, r.stderr
     rep = json.loads(r.stdout)
     assert r.returncode == 8
-    env = finding(rep, "openmp.affinity_env")
+    env = finding(rep, "container.openmp.affinity_env")
     assert env["level"] == "fail" and "the container's environment" in env["title"] and "CPU 0" in env["title"]
     numa = finding(rep, "numa.syscalls")
     assert numa["title"].startswith("NUMA calls refused (EPERM)")
