@@ -218,7 +218,7 @@ def _preloaded_runtime(env, ld_so_preload, runtimes, scope, check_installed) -> 
         ((f"/etc/ld.so.preload: {' '.join(ld_so_preload)}",) if ld_so_preload else ()) + \
         ((f"the process's OpenMP runtime: {', '.join(runtimes or ())}",) if runtimes else ())
     fix = (f"remove {', '.join(omp_pre)} from LD_PRELOAD: PyTorch brings its own OpenMP runtime",)
-    if len(fams) > 1 or (bundled and fams - bundled):
+    if len(fams) > 1 or len(bundled) > 1 or (bundled and fams - bundled):
         return Finding("openmp.preload", FAIL, f"a second OpenMP runtime is preloaded in {scope.where}: "
                        f"{', '.join(sorted(fams | bundled))} in one process", evidence=evidence,
                        cause="two OpenMP runtimes each start a thread pool and fight over the same cores (the "

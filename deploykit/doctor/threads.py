@@ -41,7 +41,7 @@ def analyse(s: Sample, ctx: Context) -> list[Section]:
     ]
     threads = [f for f in threads if f is not None]
     threads.insert(0, _busy(procs, use, ctx, s.seconds, worst=max(_rank(f.level) for f in threads)))
-    runtime = [_runtimes(procs)]
+    runtime = [_runtimes([infer] + [p for p in procs if p is not infer])]
     if infer.env is not None:
         scope = openmp.Scope(f"the environment of {infer.label}",
                              everything=_inherited_from_root(procs, infer))
@@ -50,7 +50,9 @@ def analyse(s: Sample, ctx: Context) -> list[Section]:
         # OMP_NUM_THREADS says nothing then.
         runtime += openmp.env_findings(infer.env, ctx.topo, scope, runtimes=mapped or None,
                                        judge_thread_count=bool(mapped) and ctx.omp_tids is None)
-        runtime = [f for f in runtime if f.id != "malloc.tcmalloc"]
+        # What the process really maps is judged by _runtimes/_malloc; the environment's guesses about it are not.
+        dropped = {"malloc.tcmalloc"} | ({"openmp.preload"} if infer.libraries is not None else set())
+        runtime = [f for f in runtime if f.id not in dropped]
     runtime.append(_malloc(infer))
     return [Section("Threads", tuple(threads)),
             Section("OpenMP and allocator", tuple(runtime)),
@@ -231,18 +233,18 @@ def _throttled(ctx: Context, used: float, seconds: float) -> Finding | None:
 
 
 def _runtimes(procs: list[Proc]) -> Finding:
-    worst = None
-    for p in procs:
-        libs = [lib for lib in p.libraries or () if openmp.runtime_family(lib)]
-        if len(libs) > 1 and (worst is None or len(libs) > len(worst[1])):
-            worst = (p, libs)
-    if worst:
-        p, libs = worst
+    """`procs` starts with the inference process, which the title names when it is one of the culprits."""
+    both = [(p, [lib for lib in p.libraries or () if openmp.runtime_family(lib)]) for p in procs]
+    both = [(p, libs) for p, libs in both if len(libs) > 1]
+    if both:
+        p, libs = both[0]
         fams = sorted({openmp.runtime_family(lib) for lib in libs})
         pre = [lib for lib in openmp.preloads(p.env or {}) if openmp.runtime_family(lib)]
-        return Finding("openmp.runtimes", FAIL, f"{' and '.join(fams) if len(fams) > 1 else str(len(libs)) + ' copies of ' + fams[0]} "
-                       f"both mapped in {p.label}", evidence=tuple(libs) + ((f"LD_PRELOAD={p.env.get('LD_PRELOAD')}",)
-                                                                            if pre else ()),
+        what = " and ".join(fams) if len(fams) > 1 else f"{len(libs)} copies of {fams[0]}"
+        others = [f"also in {q.label}" for q, _ in both[1:]]
+        return Finding("openmp.runtimes", FAIL, f"{what} both mapped in {p.label}",
+                       evidence=tuple(libs) + ((f"LD_PRELOAD={p.env.get('LD_PRELOAD')}",) if pre else ())
+                       + tuple(others),
                        cause="each runtime keeps its own thread pool and both spin on the same cores; only one "
                              "of them is used by the model's kernels",
                        fix=(f"remove {', '.join(pre)} from LD_PRELOAD" if pre else
