@@ -100,6 +100,7 @@ class HostSettings:
     ld_so_preload: tuple[str, ...]
     probe: Probe | None  # None: not probed (a snapshot taken without it)
     live: bool
+    env_known: bool = True  # False: a snapshot without proc/self/environ (older than doctor)
 
     @property
     def environ(self) -> dict[str, str]:
@@ -123,8 +124,9 @@ def read_with_sources(sysroot: str | Path = "/") -> tuple[HostSettings, tuple[st
     try:
         raw_env = (root / "proc/self/environ").read_bytes()
         r.seen.add("proc/self/environ")
+        env_known = True
     except OSError:
-        raw_env = b""
+        raw_env, env_known = b"", False
     preload = tuple((r.text(LD_SO_PRELOAD) or "").split())
     if live:
         mems = cpulist.parse(status.get("Mems_allowed_list", "0"))
@@ -141,7 +143,7 @@ def read_with_sources(sysroot: str | Path = "/") -> tuple[HostSettings, tuple[st
         numa_balancing=_int(r.text(NUMA_BALANCING)), thp_enabled=thp, thp_defrag=_bracketed(r.text(THP_DEFRAG)),
         seccomp_mode=_int(status.get("Seccomp")), no_new_privs=_bool(status.get("NoNewPrivs")),
         cap_eff=_hex(status.get("CapEff")), env=tuple(sorted(parse_environ(raw_env).items())),
-        ld_so_preload=preload, probe=result, live=live)
+        ld_so_preload=preload, probe=result, live=live, env_known=env_known)
     return settings, tuple(sorted(r.seen))
 
 

@@ -54,7 +54,7 @@ def collect(sysroot: str | Path = "/") -> dict[str, str]:
     for rel in sorted(set(sources) | set(more)):
         if rel == "proc/self/environ":
             env = hostsettings.parse_environ((root / rel).read_bytes())
-            if env:
+            if env or settings.live:  # live: an empty record still says "no such variable was set"
                 out[rel] = "".join(f"{k}={v}\0" for k, v in sorted(env.items()))
             continue
         if rel == hostsettings.PROBE_FILE and settings.live:

@@ -42,7 +42,7 @@ class Machine:
     thp: str | None = None  # always | madvise | never
     seccomp: int | None = None  # Seccomp: line of /proc/self/status (0 off, 2 filter)
     cap_eff: int | None = None
-    environ: tuple[tuple[str, str], ...] = ()
+    environ: tuple[tuple[str, str], ...] | None = None  # () writes an empty record: "nothing relevant was set"
     ld_so_preload: tuple[str, ...] = ()
     probe: dict | None = None  # deploykit/probe.json as `topology snapshot` records it
 
@@ -129,7 +129,7 @@ def write(m: Machine, root: str | Path) -> Path:
     if m.thp is not None:
         modes = ["always", "madvise", "never"]
         put("sys/kernel/mm/transparent_hugepage/enabled", " ".join(f"[{x}]" if x == m.thp else x for x in modes) + "\n")
-    if m.environ:
+    if m.environ is not None:
         p = root / "proc/self/environ"
         p.write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in m.environ))
     if m.ld_so_preload:

@@ -26,6 +26,10 @@ def host(topo: Topology, settings: HostSettings, flags: frozenset[str]) -> list[
     env = openmp.env_findings(settings.environ, topo, openmp.Scope(where, everything=True),
                               runtimes=torch_rt, ld_so_preload=settings.ld_so_preload,
                               check_installed=settings.live)
+    if not settings.env_known:
+        env = [Finding("openmp.environment", INFO, "the snapshot has no environment record (taken before doctor "
+                       "existed): OpenMP variables, preloads and tcmalloc not judged",
+                       fix=("take the snapshot again with `deploykit topology snapshot`",))]
     return [
         Section("CPU", (isa_tier(topo, flags), amx(flags, settings), smt(topo), offline(topo), cpuset(topo),
                         quota(topo))),
@@ -206,6 +210,8 @@ def numa_calls(topo: Topology, settings: HostSettings) -> Finding:
 def balancing(topo: Topology, settings: HostSettings) -> Finding:
     v = settings.numa_balancing
     multi = len([n for n in topo.nodes if n.cpus]) > 1
+    if v is None and not settings.live:
+        return Finding("numa.balancing", INFO, "automatic NUMA balancing not recorded in the snapshot")
     if v is None:
         return Finding("numa.balancing", OK, "automatic NUMA balancing not available in this kernel")
     if not v:

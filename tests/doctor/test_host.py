@@ -226,3 +226,12 @@ def test_usage_errors_are_messages_not_tracebacks(tmp_path):
     r = doctor("--pid", "1", "--url", "http://127.0.0.1:1")
     assert r.returncode == errors.EXIT_CODES[errors.TargetError] and "one target at a time" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_snapshot_older_than_doctor_says_what_it_cannot_judge(machines):
+    """A snapshot without the settings doctor reads (like examples/epyc-9655-2s.sysroot.tar.gz): ℹ, never a
+    guess."""
+    rep = examine_host(str(machines["epyc-2s-nps1"]), None)
+    assert problems(rep) == {}
+    assert rep.find("openmp.environment").level == "info" and rep.find("malloc.tcmalloc") is None
+    assert rep.find("numa.balancing").level == "info" and rep.find("numa.syscalls").level == "info"
