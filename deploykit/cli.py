@@ -161,6 +161,23 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+@cli.command("doctor", "say why inference is slow here: this host, a spec's plan on it, or a running process",
+             arg("spec", nargs="?", help="also check that this spec's plan fits the host"),
+             arg("--sysroot", metavar="DIR", help="examine a snapshot (`topology snapshot`) instead of this host"),
+             arg("--pid", type=int, help="examine a running process and its children (vLLM, llama.cpp, Ollama...)"),
+             arg("--url", help="examine a running deploykit server, driving a short generation while sampling"),
+             arg("--container", metavar="NAME", help="examine a Docker container (its processes, seccomp, cpuset)"),
+             arg("--seconds", type=float, default=2.0, help="how long to sample threads (default 2)"),
+             arg("--api-key", help="for --url (default: $DEPLOYKIT_API_KEY)"),
+             arg("--format", choices=("text", "json"), default="text"),
+             arg("-v", "--verbose", action="store_true", help="show the evidence of passing checks too"),
+             arg("--write-seccomp", metavar="DIR", help="write deploykit's least-privilege seccomp profiles "
+                                                        "(Docker and OCI form) into DIR, the fix for refused NUMA calls"))
+def _doctor(args: argparse.Namespace) -> int:
+    from .doctor import command
+    return command.run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     return cli.main(argv)
 

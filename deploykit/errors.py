@@ -99,6 +99,18 @@ class OutOfDate(DeploykitError):
     kind = "out of date"
 
 
+class Unhealthy(DeploykitError):
+    """`deploykit doctor` found something critical (a ✖ line); the report itself went to stdout."""
+
+    kind = "doctor"
+
+
+class TargetError(DeploykitError):
+    """The process, server or container `deploykit doctor` was pointed at does not exist or cannot be read."""
+
+    kind = "target"
+
+
 # One table, used by the CLI. 1 is left for unexpected bugs (those do print a traceback).
 EXIT_CODES: dict[type[DeploykitError], int] = {
     SpecError: 2,
@@ -108,6 +120,8 @@ EXIT_CODES: dict[type[DeploykitError], int] = {
     OutputError: 6,
     RuntimeFailure: 7,
     OutOfDate: 8,
+    Unhealthy: 9,
+    TargetError: 10,
 }
 
 

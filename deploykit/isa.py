@@ -43,6 +43,34 @@ def tier(flags: frozenset[str] | set[str] | tuple[str, ...]) -> str:
     return "avx2" if "avx2" in f else "baseline"
 
 
+# The native kernels' build variants (engine/kernels/build.py) and what each needs from the CPU.
+KERNEL_BASE = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+
+
+def kernel_variant(flags: frozenset[str] | set[str] | tuple[str, ...]) -> str | None:
+    """The native kernel build this CPU runs: vdpbf16ps where it reports avx512_bf16, the widening build on any
+    other AVX-512 (F, BW, VL, DQ) CPU, none below that (the engine then runs PyTorch's own ops)."""
+    f = set(flags)
+    if not KERNEL_BASE <= f:
+        return None
+    return "avx512bf16" if "avx512_bf16" in f else "avx512"
+
+
+def amx_granted() -> bool:
+    """Whether the kernel lets this process use AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM, Linux >= 5.16).
+    The cpuinfo flags only say the CPU has AMX; a kernel too old, or a hypervisor that does not expose the
+    XTILEDATA state, refuses here and the engine's tile code must stay off."""
+    import ctypes
+    import platform
+
+    if platform.machine() != "x86_64":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+    return libc.syscall(ctypes.c_long(sys_arch_prctl), ctypes.c_int(arch_req_xcomp_perm),
+                        ctypes.c_ulong(xfeature_xtiledata)) == 0
+
+
 def has_bf16(flags: frozenset[str] | set[str] | tuple[str, ...]) -> bool:
     """bf16 runs on hardware units (vdpbf16ps or AMX tiles); otherwise it is widened or emulated."""
     return tier(flags) in BF16_TIERS

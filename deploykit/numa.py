@@ -78,3 +78,56 @@ def migrate_pages(to_nodes: Iterable[int], from_nodes: Iterable[int], pid: int =
     """Move pages of `pid` (0 = this process) from `from_nodes` to `to_nodes`; returns pages that could not move."""
     return _call("migrate_pages", ctypes.c_int(pid), ctypes.c_ulong(MAX_NODES + 1), _mask(from_nodes),
                  _mask(to_nodes))
+
+
+MPOL_MF_MOVE = 1 << 1
+PROBED = ("get_mempolicy", "set_mempolicy", "mbind", "migrate_pages", "move_pages")
+
+
+def mbind(addr: int, length: int, mode: int, nodes: Iterable[int], flags: int = 0) -> None:
+    """Policy for the pages in [addr, addr + length) of this process; MPOL_MF_MOVE also moves them."""
+    _call("mbind", ctypes.c_ulong(addr), ctypes.c_ulong(length), ctypes.c_int(mode), _mask(nodes),
+          ctypes.c_ulong(MAX_NODES + 1), ctypes.c_uint(flags))
+
+
+def move_pages_query(addrs: Iterable[int]) -> tuple[int, ...]:
+    """The node each page of this process sits on (move_pages with nodes=NULL moves nothing)."""
+    pages = list(addrs)
+    ptrs = (ctypes.c_void_p * len(pages))(*pages)
+    status = (ctypes.c_int * len(pages))(*([-1] * len(pages)))
+    _call("move_pages", ctypes.c_int(0), ctypes.c_ulong(len(pages)), ptrs, None, status, ctypes.c_int(0))
+    return tuple(status)
+
+
+def probe(node: int = 0) -> dict[str, int]:
+    """Make each NUMA call once on this process's own memory, the way an engine binding itself would, and return
+    {call: errno} (0 = allowed). The calls need no capability for the caller's own pages, so an EPERM here is a
+    seccomp filter saying no (Docker's default profile, a pod's RuntimeDefault). `node` must be a node this
+    process may allocate on. The memory policy is left as it was found (or default when it could not be read)."""
+    import mmap
+
+    out: dict[str, int] = {}
+
+    def attempt(name: str, fn) -> None:
+        try:
+            fn()
+            out[name] = 0
+        except OSError as e:
+            out[name] = e.errno or errno.EIO
+
+    if not supported():
+        return {name: errno.ENOSYS for name in PROBED}
+    found: list[tuple[int, tuple[int, ...]]] = []
+    attempt("get_mempolicy", lambda: found.append(get_mempolicy()))
+    mode, nodes = found[0] if found else (MPOL_DEFAULT, ())
+    attempt("set_mempolicy", lambda: set_mempolicy(mode, nodes))
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    page.write(b"x")  # resident, so there is a page to bind, migrate and query
+    view = ctypes.c_char.from_buffer(page)
+    addr = ctypes.addressof(view)
+    attempt("mbind", lambda: mbind(addr, mmap.PAGESIZE, MPOL_BIND, (node,), MPOL_MF_MOVE))
+    attempt("migrate_pages", lambda: migrate_pages((node,), (node,)))
+    attempt("move_pages", lambda: move_pages_query((addr,)))
+    del view  # the buffer export must end before the mapping can close
+    page.close()
+    return out

@@ -5,22 +5,27 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import re
 import tarfile
 from pathlib import Path
 
+from . import hostsettings
 from .errors import OutputError
 from .topology import read_with_sources
 
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
-_STATUS_KEYS = re.compile(r"^(Cpus_allowed|Cpus_allowed_list|Mems_allowed|Mems_allowed_list):", re.M)
+_STATUS_KEYS = re.compile(r"^(Cpus_allowed|Cpus_allowed_list|Mems_allowed|Mems_allowed_list|"
+                          + "|".join(hostsettings.STATUS_KEYS) + "):", re.M)
 
 
 def take(dest: str | Path, sysroot: str | Path = "/", force: bool = False) -> list[str]:
     """Write the snapshot into `dest` (must be absent or empty unless force). Returns the relative paths written.
 
-    Two files are trimmed to what the reader needs: /proc/cpuinfo keeps its first processor block (model name and
-    flags; CPU ids come from /sys) and /proc/self/status keeps only the Cpus/Mems_allowed lines.
+    Three files are trimmed to what the readers need: /proc/cpuinfo keeps its first processor block (model name
+    and flags; CPU ids come from /sys), /proc/self/status the allowed CPUs/nodes, seccomp and capability lines, and
+    /proc/self/environ only the OpenMP, allocator and preload variables (never keys or tokens). A live snapshot also
+    records the NUMA-call and AMX probes (hostsettings.PROBE_FILE), which cannot be run on a snapshot later.
     """
     dest = Path(dest)
     archive = dest.name.endswith(ARCHIVE_SUFFIXES)
@@ -43,15 +48,25 @@ def take(dest: str | Path, sysroot: str | Path = "/", force: bool = False) -> li
 def collect(sysroot: str | Path = "/") -> dict[str, str]:
     """{relative path: content} of every file the topology reader uses, trimmed as described in take()."""
     _, sources = read_with_sources(sysroot)
+    settings, more = hostsettings.read_with_sources(sysroot)
     root = Path(sysroot)
     out = {}
-    for rel in sources:
+    for rel in sorted(set(sources) | set(more)):
+        if rel == "proc/self/environ":
+            env = hostsettings.parse_environ((root / rel).read_bytes())
+            if env or settings.live:  # live: an empty record still says "no such variable was set"
+                out[rel] = "".join(f"{k}={v}\0" for k, v in sorted(env.items()))
+            continue
+        if rel == hostsettings.PROBE_FILE and settings.live:
+            continue
         text = (root / rel).read_text(errors="replace")
         if rel == "proc/cpuinfo":
             text = text.split("\n\n", 1)[0].rstrip("\n") + "\n"
         elif rel == "proc/self/status":
             text = "".join(line + "\n" for line in text.splitlines() if _STATUS_KEYS.match(line))
         out[rel] = text
+    if settings.live and settings.probe is not None:
+        out[hostsettings.PROBE_FILE] = json.dumps(settings.probe.to_dict(), indent=2, sort_keys=True) + "\n"
     return out
 
 

@@ -7,9 +7,11 @@ exactly those.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -51,6 +53,7 @@ class Topology:
     isa: tuple[str, ...]  # flags of interest present on the CPUs
     cpu_model: str
     source: str  # "/" (live), a sysroot path, or "inline"
+    cpuset: tuple[int, ...] | None = None  # the cgroup cpuset alone (allowed_cpus also has the affinity); None: none
 
     @property
     def isa_tier(self) -> str:
@@ -81,24 +84,36 @@ class Topology:
         return max((len(c.core) for c in self.cpus), default=1)
 
 
-def read(sysroot: str | Path = "/") -> Topology:
-    """Read the live host (sysroot '/') or a snapshot directory with the same relative paths."""
-    return read_with_sources(sysroot)[0]
+def read(sysroot: str | Path = "/", pid: int | None = None) -> Topology:
+    """Read the live host (sysroot '/') or a snapshot directory with the same relative paths. The process limits
+    (affinity, cpuset, quota, memory limit) are this process's, or those of process `pid` when given."""
+    return read_with_sources(sysroot, pid)[0]
 
 
-def read_with_sources(sysroot: str | Path = "/") -> tuple[Topology, tuple[str, ...]]:
-    """Like read(), also returning every relative path that was read or probed (what a snapshot must copy).
-    `sysroot` may also be a snapshot archive (.tar, .tar.gz, .tgz) as written by `topology snapshot`."""
+@contextlib.contextmanager
+def opened(sysroot: str | Path = "/") -> Iterator[Path]:
+    """The sysroot as a directory: itself, or a snapshot archive unpacked for the duration of the block."""
     if Path(sysroot).is_file():
         with tempfile.TemporaryDirectory(prefix="deploykit-sysroot-") as tmp:
             _extract(Path(sysroot), Path(tmp))
-            topo, seen = read_with_sources(tmp)
+            yield Path(tmp)
+    else:
+        yield Path(sysroot)
+
+
+def read_with_sources(sysroot: str | Path = "/", pid: int | None = None) -> tuple[Topology, tuple[str, ...]]:
+    """Like read(), also returning every relative path that was read or probed (what a snapshot must copy).
+    `sysroot` may also be a snapshot archive (.tar, .tar.gz, .tgz) as written by `topology snapshot`."""
+    if Path(sysroot).is_file():
+        with opened(sysroot) as tmp:
+            topo, seen = read_with_sources(tmp, pid)
             return replace(topo, source=str(sysroot)), seen
     root = Path(sysroot)
+    proc = f"proc/{pid}" if pid else "proc/self"
     if not (root / CPU_DIR).is_dir() and not (root / "proc/cpuinfo").is_file():
         raise TopologyError("not a sysroot: neither sys/devices/system/cpu nor proc/cpuinfo exists", path=str(root),
                             hint="make one with `deploykit topology snapshot DIR` on the machine to describe")
-    r = _Reader(root)
+    r = Reader(root)
     online = r.cpus(f"{CPU_DIR}/online")
     if online is None:
         online = tuple(int(m) for m in re.findall(r"^processor\s*:\s*(\d+)", r.text("proc/cpuinfo") or "", re.M))
@@ -129,11 +144,11 @@ def read_with_sources(sysroot: str | Path = "/") -> tuple[Topology, tuple[str, .
         cpus.append(Cpu(cid, socket, node_of.get(cid, nodes[0].id), core))
 
     allowed = set(online)
-    status = r.text("proc/self/status") or ""
+    status = r.text(f"{proc}/status") or ""
     m = re.search(r"^Cpus_allowed_list:\s*(\S+)", status, re.M)
     if m:
         allowed &= set(cpulist.parse(m.group(1)))
-    cg_cpus, cg_mems, quota, mem_limit = _cgroup(r)
+    cg_cpus, cg_mems, quota, mem_limit = _cgroup(r, proc)
     if cg_cpus is not None:
         allowed &= set(cg_cpus)
     mems = {n.id for n in nodes if n.memory_bytes > 0}
@@ -152,7 +167,7 @@ def read_with_sources(sysroot: str | Path = "/") -> tuple[Topology, tuple[str, .
     topo = Topology(cpus=tuple(cpus), offline=offline, nodes=nodes, allowed_cpus=tuple(sorted(allowed)),
                     allowed_mems=tuple(sorted(mems)), quota_cpus=quota, memory_limit_bytes=mem_limit,
                     isa=tuple(f for f in _isa.OF_INTEREST if f in flags), cpu_model=model.strip(),
-                    source=str(root))
+                    source=str(root), cpuset=tuple(c for c in cg_cpus if c in on) if cg_cpus is not None else None)
     return topo, tuple(sorted(r.seen))
 
 
@@ -177,7 +192,7 @@ class _NoMatch:
 _EMPTY = _NoMatch()
 
 
-def _nodes(r: _Reader, online: tuple[int, ...]) -> tuple[Node, ...]:
+def _nodes(r: Reader, online: tuple[int, ...]) -> tuple[Node, ...]:
     total = _kib(r.text("proc/meminfo"), "MemTotal") or 0
     ids = r.cpus(f"{NODE_DIR}/online")
     if ids is None:  # no NUMA support compiled in, or a snapshot without it: one node with everything
@@ -216,11 +231,11 @@ def _kib(text: str | None, key: str) -> int | None:
     return int(m.group(1)) * 1024 if m else None
 
 
-def _cgroup(r: _Reader) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None, float | None, int | None]:
-    """(cpuset cpus, cpuset mems, quota in CPUs, memory limit) from cgroup v2 or v1; None where unlimited."""
+def _cgroup_paths(r: Reader, proc: str) -> tuple[dict[str, str], str | None]:
+    """({v1 controller: path}, v2 path or None) from /proc/<pid>/cgroup."""
     v1: dict[str, str] = {}
     v2 = None
-    for line in (r.text("proc/self/cgroup") or "").splitlines():
+    for line in (r.text(f"{proc}/cgroup") or "").splitlines():
         hid, _, rest = line.partition(":")
         ctrls, _, path = rest.partition(":")
         if hid == "0" and ctrls == "":
@@ -228,6 +243,41 @@ def _cgroup(r: _Reader) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None,
         for c in ctrls.split(","):
             if c:
                 v1[c] = path
+    return v1, v2
+
+
+V1_CPU_MOUNTS = ("cpu,cpuacct", "cpu", "cpuacct,cpu")
+
+
+def throttling(sysroot: str | Path = "/", pid: int | None = None) -> tuple[int, int, float] | None:
+    """(periods, periods throttled, seconds throttled) so far, from cpu.stat of the cgroups whose CFS quota applies to the
+    process (the same directories the quota is read from); None when no quota applies. Sample twice: a count
+    that grows while the process works is the quota biting."""
+    r = Reader(Path(sysroot))
+    proc = f"proc/{pid}" if pid else "proc/self"
+    v1, v2 = _cgroup_paths(r, proc)
+    if r.exists(f"{CGROUP}/cgroup.controllers") and v2 is not None:
+        dirs = [d for d in _ancestors(r, CGROUP, v2) if _v2_quota(r.text(f"{d}/cpu.max")) is not None]
+        key, scale = "throttled_usec", 1e-6
+    else:
+        dirs = [d for mount in V1_CPU_MOUNTS for d in _ancestors(r, f"{CGROUP}/{mount}", v1.get("cpu", "/"))
+                if r.int(f"{d}/cpu.cfs_quota_us", -1) > 0]
+        key, scale = "throttled_time", 1e-9
+    if not dirs:
+        return None
+    periods, throttled, seconds = 0, 0, 0.0
+    for d in dirs:
+        stat = dict(line.split()[:2] for line in (r.text(f"{d}/cpu.stat") or "").splitlines() if " " in line)
+        periods += int(stat.get("nr_periods", 0))
+        throttled += int(stat.get("nr_throttled", 0))
+        seconds += int(stat.get(key, 0)) * scale
+    return periods, throttled, seconds
+
+
+def _cgroup(r: Reader, proc: str = "proc/self") -> tuple[tuple[int, ...] | None, tuple[int, ...] | None,
+                                                        float | None, int | None]:
+    """(cpuset cpus, cpuset mems, quota in CPUs, memory limit) from cgroup v2 or v1; None where unlimited."""
+    v1, v2 = _cgroup_paths(r, proc)
     if (r.exists(f"{CGROUP}/cgroup.controllers")) and v2 is not None:
         dirs = _ancestors(r, CGROUP, v2)
         cpus = _first(r.cpus(f"{d}/cpuset.cpus.effective") for d in dirs)
@@ -239,7 +289,7 @@ def _cgroup(r: _Reader) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None,
     cpus = _first(r.cpus(f"{d}/cpuset.effective_cpus") or r.cpus(f"{d}/cpuset.cpus") for d in cs)
     mems = _first(r.cpus(f"{d}/cpuset.effective_mems") or r.cpus(f"{d}/cpuset.mems") for d in cs)
     quota = None
-    for mount in ("cpu,cpuacct", "cpu", "cpuacct,cpu"):
+    for mount in V1_CPU_MOUNTS:
         for d in _ancestors(r, f"{CGROUP}/{mount}", v1.get("cpu", "/")):
             q, p = r.int(f"{d}/cpu.cfs_quota_us", -1), r.int(f"{d}/cpu.cfs_period_us", 0)
             if q > 0 and p > 0:
@@ -249,7 +299,7 @@ def _cgroup(r: _Reader) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None,
     return cpus, mems, quota, mem
 
 
-def _ancestors(r: _Reader, mount: str, path: str) -> list[str]:
+def _ancestors(r: Reader, mount: str, path: str) -> list[str]:
     """The cgroup dir and its parents up to the mount. Inside a container the host path is often absent (the
     container sees its own cgroup as the root), so only the parts that exist are returned."""
     parts = [p for p in path.split("/") if p]
@@ -286,7 +336,7 @@ def _min(values) -> float | int | None:
     return min(vals) if vals else None
 
 
-class _Reader:
+class Reader:
     """File access relative to a sysroot, tolerant of missing files (a snapshot holds only what exists)."""
 
     def __init__(self, root: Path):

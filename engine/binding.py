@@ -19,9 +19,10 @@ import sys
 from dataclasses import dataclass, field
 
 from deploykit import cpulist, numa, placement, topology
+from deploykit.doctor import openmp, process
 
 log = logging.getLogger("engine.binding")
-OMP_RUNTIMES = re.compile(r"/(libgomp[^/]*\.so[^/]*|libiomp5[^/]*\.so[^/]*|libomp[^/]*\.so[^/]*)$")
+OMP_RUNTIMES = openmp.OMP_RUNTIME  # one pattern for the engine's check and `deploykit doctor`
 _FIX = ("run the container with deploykit's seccomp profile (what `deploykit render` writes: seccomp.json for Docker, "
         "a Localhost profile in Kubernetes), which allows these calls with no capability; Docker's and containerd's "
         "default profiles refuse them unless the container has CAP_SYS_NICE")
@@ -196,22 +197,14 @@ def _tids() -> list[int]:
 
 
 def report(b: Binding | None = None) -> dict:
-    """Every thread of this process with its allowed CPUs, last CPU and CPU time; memory policy; quota."""
-    tick = os.sysconf("SC_CLK_TCK")
+    """Every thread of this process with its allowed CPUs, last CPU and CPU time; memory policy; quota; and what
+    `deploykit doctor --url` judges (environment, libraries, pages per node, this process's view of the topology),
+    read with the same /proc reader doctor uses on any process."""
     omp = {tid: i for i, tid in enumerate(b.omp_tids)} if b else {}
-    threads = []
-    for tid in _tids():
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                comm = f.read().strip()
-            allowed = cpulist.format(os.sched_getaffinity(tid))
-        except (OSError, ValueError):
-            continue  # the thread exited meanwhile
-        fields = stat[stat.rindex(")") + 2:].split()  # fields after "pid (comm)": state=0, utime=11, stime=12
-        threads.append({"tid": tid, "name": comm, "omp_thread": omp.get(tid), "allowed_cpus": allowed,
-                        "last_cpu": int(fields[36]), "cpu_seconds": round((int(fields[11]) + int(fields[12])) / tick, 3)})
+    me = process.read(os.getpid())
+    threads = [{"tid": t.tid, "name": t.name, "omp_thread": omp.get(t.tid), "allowed_cpus": cpulist.format(t.allowed),
+                "last_cpu": t.last_cpu, "cpu_seconds": round(t.cpu_ns / 1e9, 6),
+                "wait_seconds": round(t.wait_ns / 1e9, 6)} for t in me.threads]
     try:
         mode, nodes = numa.get_mempolicy()
         policy = {"mode": numa.MODE_NAMES.get(mode, str(mode)), "nodes": cpulist.format(nodes)}
@@ -236,4 +229,19 @@ def report(b: Binding | None = None) -> dict:
         "openmp_runtimes": omp_runtimes(), "threads": threads,
         "warnings": list(b.warnings) if b else [],
         "notes": list(b.notes) if b else [],
+        "libraries": [lib for lib in me.libraries or () if openmp.OMP_RUNTIME.search(lib)
+                      or openmp.FAST_MALLOC.search(lib)],
+        "environment": me.env, "seccomp": me.seccomp,
+        "numa_pages": {policy: {str(n): v for n, v in nodes.items()} for policy, nodes in (me.numa_pages or {}).items()},
+        "topology": _topology(topo),
     }
+
+
+def _topology(topo: topology.Topology) -> dict:
+    """This process's view of the machine, compact: doctor --url rebuilds a Topology from it (the server may be in a
+    container or on another host, where the doctor's own view would be wrong)."""
+    return {"cpus": [[c.id, c.socket, c.node, list(c.core)] for c in topo.cpus],
+            "nodes": [[n.id, cpulist.format(n.cpus), n.memory_bytes] for n in topo.nodes],
+            "allowed_cpus": cpulist.format(topo.allowed_cpus), "allowed_mems": cpulist.format(topo.allowed_mems),
+            "cpuset": None if topo.cpuset is None else cpulist.format(topo.cpuset), "quota_cpus": topo.quota_cpus,
+            "isa": list(topo.isa), "cpu_model": topo.cpu_model}

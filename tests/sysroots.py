@@ -6,7 +6,8 @@ files out exactly where deploykit.topology reads them. The MACHINES table holds 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from deploykit import cpulist
@@ -36,6 +37,14 @@ class Machine:
     model_name: str = "Synthetic CPU"
     node_cores: tuple[int, ...] = ()  # asymmetric nodes: cores per node in core order (default: equal split)
     node_memories: tuple[int, ...] = ()  # per CPU node (default: node_memory each)
+    # Settings beyond the shape (deploykit.hostsettings); None / () = the file is not written.
+    numa_balancing: int | None = None
+    thp: str | None = None  # always | madvise | never
+    seccomp: int | None = None  # Seccomp: line of /proc/self/status (0 off, 2 filter)
+    cap_eff: int | None = None
+    environ: tuple[tuple[str, str], ...] | None = None  # () writes an empty record: "nothing relevant was set"
+    ld_so_preload: tuple[str, ...] = ()
+    probe: dict | None = None  # deploykit/probe.json as `topology snapshot` records it
 
     @property
     def ncpus(self) -> int:
@@ -109,7 +118,24 @@ def write(m: Machine, root: str | Path) -> Path:
                         f"flags\t\t: {m.flags}\n\n")
     allowed = m.cpuset or cpulist.format(online)
     mems = m.mems or cpulist.format(all_nodes)
-    put("proc/self/status", f"Cpus_allowed_list:\t{allowed}\nMems_allowed_list:\t{mems}\n")
+    status = f"Cpus_allowed_list:\t{allowed}\nMems_allowed_list:\t{mems}\n"
+    if m.seccomp is not None:
+        status += f"Seccomp:\t{m.seccomp}\nNoNewPrivs:\t{1 if m.seccomp == 2 else 0}\n"
+    if m.cap_eff is not None:
+        status += f"CapEff:\t{m.cap_eff:016x}\n"
+    put("proc/self/status", status)
+    if m.numa_balancing is not None:
+        put("proc/sys/kernel/numa_balancing", f"{m.numa_balancing}\n")
+    if m.thp is not None:
+        modes = ["always", "madvise", "never"]
+        put("sys/kernel/mm/transparent_hugepage/enabled", " ".join(f"[{x}]" if x == m.thp else x for x in modes) + "\n")
+    if m.environ is not None:
+        p = root / "proc/self/environ"
+        p.write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in m.environ))
+    if m.ld_so_preload:
+        put("etc/ld.so.preload", "\n".join(m.ld_so_preload) + "\n")
+    if m.probe is not None:
+        put("deploykit/probe.json", json.dumps(m.probe, sort_keys=True) + "\n")
     if m.cgroup == "v2":
         put("proc/self/cgroup", "0::/\n")
         put("sys/fs/cgroup/cgroup.controllers", "cpuset cpu io memory pids\n")
@@ -158,4 +184,44 @@ MACHINES: dict[str, Machine] = {
                              node_memories=(48 * GiB, 16 * GiB)),
     # A small 2-CPU host like the CI machine.
     "two-cpu": Machine(sockets=1, cores_per_socket=2, threads_per_core=1, node_memory=24 * GiB, flags=FLAGS_SPR),
+}
+
+
+# Doctor fixtures: one healthy machine, then one problem each (deploykit doctor --sysroot must flag it with its fix).
+ALL_OK = {"numa_calls": {n: "ok" for n in ("get_mempolicy", "set_mempolicy", "mbind", "migrate_pages", "move_pages")},
+          "amx_granted": None}
+TCMALLOC = (("LD_PRELOAD", "libtcmalloc_minimal.so.4"),)
+CAP_SYS_NICE = 1 << 23
+HEALTHY = replace(EPYC_9655_2S, numa_balancing=0, thp="always", seccomp=2, cap_eff=0, environ=TCMALLOC, probe=ALL_OK)
+DOCKER_DEFAULT_NO_CAPS = {"numa_calls": {n: "EPERM" for n in ALL_OK["numa_calls"]}, "amx_granted": None}
+DOCKER_DEFAULT_SYS_NICE = {"numa_calls": {**ALL_OK["numa_calls"], "migrate_pages": "EPERM", "move_pages": "EPERM"},
+                           "amx_granted": None}
+DOCTOR: dict[str, Machine] = {
+    "healthy": HEALTHY,
+    "numa-balancing-on": replace(HEALTHY, numa_balancing=1),
+    "thp-never": replace(HEALTHY, thp="never"),
+    # Docker's default seccomp profile, capabilities dropped: all five NUMA calls refused.
+    "seccomp-docker-default": replace(HEALTHY, probe=DOCKER_DEFAULT_NO_CAPS),
+    # Docker's default profile with --cap-add SYS_NICE: binding works, page migration does not.
+    "seccomp-default-sys-nice": replace(HEALTHY, cap_eff=CAP_SYS_NICE, probe=DOCKER_DEFAULT_SYS_NICE),
+    # A snapshot without a probe record, from a filtered process without CAP_SYS_NICE.
+    "seccomp-unprobed": replace(HEALTHY, probe=None),
+    "quota-below-cpuset": replace(HEALTHY, cpuset="8-23", mems="0", quota=(400000, 100000),
+                                  environ=TCMALLOC + (("OMP_NUM_THREADS", "3"),)),
+    "omp-threads-over-cpuset": replace(HEALTHY, cpuset="8-15", mems="0", environ=TCMALLOC + (("OMP_NUM_THREADS", "192"),)),
+    "omp-threads-over-quota": replace(HEALTHY, cpuset="8-23", mems="0", quota=(400000, 100000),
+                                      environ=TCMALLOC + (("OMP_NUM_THREADS", "16"),)),
+    "omp-threads-unset-in-cpuset": replace(HEALTHY, cpuset="8-15", mems="0"),
+    "omp-threads-on-smt": replace(HEALTHY, environ=TCMALLOC + (("OMP_NUM_THREADS", "380"),)),
+    "gomp-affinity-container": replace(HEALTHY, environ=TCMALLOC + (("GOMP_CPU_AFFINITY", "192-286"),)),
+    "omp-places-container": replace(HEALTHY, environ=TCMALLOC + (("OMP_PLACES", "cores"), ("OMP_PROC_BIND", "close"))),
+    "kmp-with-gomp": replace(HEALTHY, environ=TCMALLOC + (("KMP_AFFINITY", "granularity=fine,compact,1,0"),)),
+    "iomp-preloaded": replace(HEALTHY, environ=(("LD_PRELOAD", "libtcmalloc_minimal.so.4:/opt/intel/lib/libiomp5.so"),)),
+    "two-runtimes-preloaded": replace(HEALTHY, environ=(("LD_PRELOAD", "libiomp5.so libgomp.so.1 libtcmalloc_minimal.so.4"),)),
+    "no-tcmalloc": replace(HEALTHY, environ=()),
+    "cpus-offline": replace(HEALTHY, offline=(95, 287)),
+    "avx2-only": replace(HEALTHY, flags=FLAGS_DESKTOP, model_name="Desktop CPU"),
+    "amx-not-granted": replace(HEALTHY, flags=FLAGS_SPR, model_name="Intel(R) Xeon(R) Platinum 8480+",
+                               probe={**ALL_OK, "amx_granted": False}),
+    "vllm-bind-across-nodes": replace(HEALTHY, environ=TCMALLOC + (("VLLM_CPU_OMP_THREADS_BIND", "0-383"),)),
 }

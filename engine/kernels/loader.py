@@ -23,16 +23,10 @@ class Native:
     variant: str | None = None  # build.VARIANTS key of the loaded library
 
 
-AVX512_BASE = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 DISABLED = frozenset({"0", "off", "fallback", "torch"})  # DEPLOYKIT_KERNELS values that force PyTorch
 
 
-def variant_for(flags: frozenset[str]) -> str | None:
-    """The build variant this CPU can run: vdpbf16ps where the CPU reports avx512_bf16, the widening build on
-    any other AVX-512 (F, BW, VL, DQ) CPU, none below that."""
-    if not AVX512_BASE <= flags:
-        return None
-    return "avx512bf16" if "avx512_bf16" in flags else "avx512"
+variant_for = isa.kernel_variant  # the one home of the CPU -> build variant rule (doctor reports it too)
 
 
 def load(flags: frozenset[str] | None = None) -> Native:

@@ -1,0 +1,108 @@
+"""The judgement of a sampled process tree, on the machine of the user report (2x EPYC 9655, 384 CPUs): a
+vLLM-shaped tree (API server, engine core, worker with 95 OpenMP threads) whose pool collapsed onto CPU 192 must be
+described the way the user asked the question, with the cause and the fix. Synthetic samples: this host has
+neither 384 CPUs nor two NUMA nodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploykit import topology
+from deploykit.doctor import report
+from deploykit.doctor.findings import Report
+from deploykit.doctor.process import Proc, Sample, Thread
+from deploykit.doctor.threads import Context, analyse
+from tests.sysroots import MACHINES, write
+
+GIB = 1024**3
+TORCH_GOMP = "/venv/lib/python3.12/site-packages/torch/lib/libgomp.so.1"
+IOMP = "/opt/intel/oneapi/lib/libiomp5.so"
+
+
+@pytest.fixture(scope="module")
+def epyc(tmp_path_factory) -> topology.Topology:
+    return topology.read(write(MACHINES["epyc-2s-nps1"], tmp_path_factory.mktemp("epyc")))
+
+
+def proc(pid, ppid, name, threads, *, libs=(TORCH_GOMP,), env=None, pages=None) -> Proc:
+    return Proc(pid=pid, ppid=ppid, name=name, cmdline=name, uid=1000, threads=tuple(threads), libraries=tuple(libs),
+                env=env or {}, numa_pages=pages, seccomp=0, cap_eff=0, mems_allowed=(0, 1), unreadable=())
+
+
+def sample(before: list[Proc], busy: dict[int, float], seconds: float = 2.0) -> Sample:
+    """`after` = `before` with each thread's CPU time advanced by busy[tid] CPUs over the window."""
+    after = []
+    for p in before:
+        ts = tuple(Thread(t.tid, t.name, t.allowed, t.last_cpu, t.cpu_ns + int(busy.get(t.tid, 0.0) * seconds * 1e9),
+                          t.wait_ns) for t in p.threads)
+        after.append(Proc(**{**{f: getattr(p, f) for f in p.__dataclass_fields__}, "threads": ts}))
+    return Sample({p.pid: p for p in before}, {p.pid: p for p in after}, seconds)
+
+
+def vllm_like(pages) -> list[Proc]:
+    api = proc(100, 1, "vllm", [Thread(100, "vllm", tuple(range(384)), 5, 0)], libs=(), env={})
+    core = proc(200, 100, "VLLM::EngineCore", [Thread(200, "VLLM::EngineCor", tuple(range(384)), 7, 0)], libs=())
+    workers = [Thread(300, "VLLM::Worker", (192,), 192, 0)]
+    workers += [Thread(301 + i, "VLLM::Worker", (192,), 192, 0) for i in range(93)]
+    workers += [Thread(400, "VLLM::Worker", tuple(range(384)), 288, 0)]  # a helper that escaped the narrowing
+    worker = proc(300, 200, "VLLM::Worker", workers, libs=(TORCH_GOMP, IOMP),
+                  env={"LD_PRELOAD": IOMP, "OMP_NUM_THREADS": "95"}, pages=pages)
+    return [api, core, worker]
+
+
+def test_the_user_report_described_as_asked(epyc):
+    pages = {"interleave:0-1": {0: 9 * GIB, 1: 9 * GIB}, "default": {0: 1 * GIB}}
+    s = sample(vllm_like(pages), {300: 1.0, 301: 0.02, 400: 1.0})
+    rep = Report("vllm", tuple(analyse(s, Context(epyc))))
+    busy = rep.find("threads.busy")
+    assert busy.level == "fail"
+    assert busy.title.startswith("2 of 97 threads busy over 2.0 s, on 2 CPU(s) 192,288")
+    stacked = rep.find("threads.stacked")
+    assert stacked.level == "fail" and stacked.title.startswith("94 threads allowed only CPU 192")
+    assert "pid 300 (VLLM::Worker): 94 threads allowed only CPU 192" in stacked.evidence
+    runtimes = rep.find("openmp.runtimes")
+    assert runtimes.level == "fail" and runtimes.title == "libgomp and libiomp5 both mapped in pid 300 (VLLM::Worker)"
+    assert runtimes.fix == (f"remove {IOMP} from LD_PRELOAD",)
+    mem = rep.find("memory.numa")  # the busy pair is 192 (node 0) and 288 (node 1), as in the report
+    assert mem.level == "warn" and mem.title.endswith("span NUMA nodes 0-1: half of them read remote memory")
+    assert "policies: interleave:0-1 18.0 GiB, default 1.0 GiB" in mem.evidence
+    text = report.text(rep)
+    for phrase in ("✖ 2 of 97 threads busy", "✖ 94 threads allowed only CPU 192", "✖ libgomp and libiomp5 both mapped",
+                   "⚠ the busy threads of pid 300 (VLLM::Worker) span NUMA nodes 0-1"):
+        assert phrase in text, text
+
+
+def test_memory_interleaved_away_from_the_threads(epyc):
+    node1 = tuple(c.id for c in epyc.cpus if c.node == 1)[:4]
+    threads = [Thread(800 + i, "w", (c,), c, 0) for i, c in enumerate(node1)]
+    p = proc(800, 1, "w", threads, pages={"interleave:0-1": {0: 8 * GIB, 1: 8 * GIB}})
+    rep = Report("x", tuple(analyse(sample([p], {t.tid: 0.9 for t in threads}), Context(epyc))))
+    mem = rep.find("memory.numa")
+    assert (mem.level, mem.title) == ("warn", "memory interleaved over nodes 0-1 although the threads sit on node 1")
+
+
+def test_threads_with_their_memory_on_the_other_node(epyc):
+    node1 = tuple(c.id for c in epyc.cpus if c.node == 1)[:4]
+    threads = [Thread(500 + i, "llama-server", (c,), c, 0) for i, c in enumerate(node1)]
+    p = proc(500, 1, "llama-server", threads, pages={"default": {0: 30 * GIB, 1: 2 * GIB}})
+    rep = Report("x", tuple(analyse(sample([p], {t.tid: 0.95 for t in threads}), Context(epyc))))
+    mem = rep.find("memory.numa")
+    assert mem.level == "warn" and mem.title.startswith("only 6% of the memory of pid 500")
+    assert "numactl --cpunodebind=N --membind=N" in mem.fix[0]
+    assert rep.find("threads.busy").level == "ok"
+    assert rep.find("threads.stacked") is None
+
+
+def test_pinned_threads_on_both_siblings_of_a_core(epyc):
+    pairs = [0, 192, 1, 193]  # offset numbering: CPU i and i+192 share a core
+    threads = [Thread(600 + i, "w", (c,), c, 0) for i, c in enumerate(pairs)]
+    p = proc(600, 1, "w", threads, pages={"bind:0": {0: GIB}})
+    rep = Report("x", tuple(analyse(sample([p], {t.tid: 0.9 for t in threads}), Context(epyc))))
+    assert rep.find("threads.smt").level == "warn" and "2 physical core(s)" in rep.find("threads.smt").title
+    assert rep.find("memory.numa").level == "ok"
+
+
+def test_idle_process_is_not_judged(epyc):
+    p = proc(700, 1, "idle", [Thread(700, "idle", tuple(range(384)), 3, 0)], pages={"default": {0: GIB}})
+    f = Report("x", tuple(analyse(sample([p], {}), Context(epyc)))).find("threads.busy")
+    assert f.level == "info" and "idle, nothing to judge" in f.title and "--seconds" in f.fix[0]
