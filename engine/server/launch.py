@@ -1,5 +1,5 @@
-"""Server start-up and shutdown: options (flags > plan > environment > defaults), binding, the two processes,
-signals (SIGTERM drains), and the exit code.
+"""Server start-up and shutdown: binding, the two processes, signals (SIGTERM drains), and the exit code. Where the
+options come from is engine/server/options.py.
 
 Exit codes: 0 clean shutdown, 1 the engine process died while serving, 2 bad arguments or plan,
 3 start-up failure (port in use, model or tokenizer cannot be loaded).
@@ -15,115 +15,18 @@ import logging
 import os
 import signal
 import socket
-from dataclasses import dataclass, field
 
-from deploykit import cpulist, memory
+from deploykit import cpulist
 from deploykit.errors import DeploykitError
-from deploykit.plan import Plan
-from deploykit.units import parse_size
 from engine import tokenizer as tokenizers
-from engine.config import EngineConfig
-from engine.errors import EXIT_STARTUP, EXIT_USAGE, EngineError, ModelLoadError, OptionsError, exit_code
+from engine.errors import EXIT_STARTUP, EXIT_USAGE, EngineError, ModelLoadError, exit_code
+from engine.server.options import ServeOptions, add_arguments, options, options_from_args
+
+__all__ = ["ServeOptions", "add_arguments", "main", "options", "options_from_args", "run_args", "serve"]
 
 log = logging.getLogger("engine.server")
 EXIT_OK, EXIT_ENGINE_DIED = 0, 1
 DEATH_LINGER = 1.0  # seconds /health answers 503 after the engine died, so probes record it, before exiting
-
-
-@dataclass(frozen=True, slots=True)
-class ServeOptions:
-    model: str  # a Hugging Face model directory or a .gguf file
-    host: str = "127.0.0.1"  # loopback unless told otherwise; the rendered containers pass 0.0.0.0
-    port: int = 8000
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
-    kv_cache_bytes: int | None = None
-    binding: str = "auto"  # auto | none | CPU list
-    frontend_cpus: str | None = None  # CPU list; "" = share the inference CPUs
-    mems: str | None = None  # NUMA node list
-    binding_source: str | None = None  # "plan" / "env" when `binding` came from there (shown in the report)
-    reserved_cpus: int | None = None  # binding auto: physical cores for the front end (None: placement's default)
-    use_smt: bool = False  # binding auto: an OpenMP thread on every SMT sibling
-    threads: int | None = None  # binding auto: at most this many OpenMP threads
-    api_key: str | None = field(default=None, repr=False)
-    served_model_name: str | None = None
-    max_waiting: int = 256
-    max_body_bytes: int = 4 << 20
-    shutdown_timeout: float = 30.0
-    stall_timeout: float = 600.0  # seconds without engine progress, requests in flight, before it counts as hung
-    sse_keepalive: float = 15.0  # seconds of stream silence before an SSE comment line
-    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API
-    seed: int = 0
-    access_log: bool = True
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or memory.served_name(self.model)
-
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
-                            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                            kv_cache_bytes=self.kv_cache_bytes, seed=self.seed, served_model_name=self.model_name)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="Hugging Face model directory or .gguf file")
-    p.add_argument("--host", default=None, help="listen address (default 127.0.0.1; 0.0.0.0 for every interface)")
-    p.add_argument("--port", type=int, default=None, help="listen port (default 8000; 0 = any free port)")
-    p.add_argument("--dtype", default=None, help="auto | bfloat16 | float32 (default: plan, else auto)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--kv-cache", default=None, metavar="SIZE", help="KV cache size, e.g. 4GiB")
-    p.add_argument("--binding", default=None, metavar="auto|none|CPULIST",
-                   help="engine CPUs: auto (this cpuset), none, or a list like 0-3,8 (env DEPLOYKIT_CPUS)")
-    p.add_argument("--frontend-cpus", default=None, metavar="CPULIST",
-                   help="CPUs for the HTTP/tokenizer process (env DEPLOYKIT_FRONTEND_CPUS)")
-    p.add_argument("--mems", default=None, metavar="NODELIST", help="NUMA memory nodes (env DEPLOYKIT_MEMS)")
-    p.add_argument("--reserved-cpus", type=int, default=None, metavar="N",
-                   help="binding auto: physical cores kept for the front end (default: 1, or 0 below 4 cores; "
-                        "env DEPLOYKIT_RESERVED_CPUS)")
-    p.add_argument("--use-smt", action="store_true", default=None,
-                   help="binding auto: an OpenMP thread on every SMT sibling (env DEPLOYKIT_USE_SMT=1)")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="binding auto: at most N OpenMP threads (env DEPLOYKIT_THREADS)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (env DEPLOYKIT_API_KEY)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--plan", default=None, metavar="PLAN_JSON", help="output of `deploykit plan --format json`")
-    p.add_argument("--replica", type=int, default=0, help="which of the plan's replicas this process is")
-    p.add_argument("--max-waiting", type=int, default=None, help="queued requests before 429 (default 256)")
-    p.add_argument("--max-body", default=None, metavar="SIZE", help="request body limit (default 4MiB)")
-    p.add_argument("--shutdown-timeout", type=float, default=None,
-                   help="seconds SIGTERM waits for in-flight requests (default 30)")
-    p.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS",
-                   help="a busy engine silent this long counts as hung: /health turns 503, requests fail, the server "
-                        "exits 1 so it is restarted (default 600; 0 = never)")
-    p.add_argument("--sse-keepalive", type=float, default=None, metavar="SECONDS",
-                   help="send an SSE comment after this much stream silence (default 15; 0 = never)")
-    p.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
-                   help="comma-separated browser origins allowed by CORS (e.g. https://app.example.com, or *)")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--no-access-log", action="store_true")
-
-
-def _check_ranges(flags: dict) -> None:
-    """Usage errors, reported before any process starts or any model byte is read."""
-    checks = [("port", 0, 65535), ("max_model_len", 1, None), ("max_num_seqs", 1, None), ("reserved_cpus", 0, None),
-              ("threads", 1, None),
-              ("max_num_batched_tokens", 1, None), ("max_waiting", 0, None), ("shutdown_timeout", 0, None),
-              ("stall_timeout", 0, None), ("sse_keepalive", 0, None)]
-    for name, lo, hi in checks:
-        value = flags.get(name)
-        if value is not None and (value < lo or (hi is not None and value > hi)):
-            allowed = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
-            raise OptionsError(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
-    if flags.get("dtype") is not None:
-        try:
-            memory.canonical_dtype(flags["dtype"])
-        except ValueError as e:
-            raise OptionsError(f"--{e}") from None
 
 
 def missing_model_files(model: str) -> str | None:
@@ -141,120 +44,6 @@ def missing_model_files(model: str) -> str | None:
     if tokenizers.missing(model):
         lacks.append(tokenizers.missing(model))
     return f"model directory {model} lacks {', '.join(lacks)}" if lacks else None
-
-
-def options(model: str, *, plan: Plan | None = None, replica: int = 0, environ: dict | None = None,
-            **flags) -> ServeOptions:
-    """Explicit flags (None = not given) win, then the plan's replica, then DEPLOYKIT_* environment variables,
-    then defaults. `deploykit serve` calls this with a Plan object; `python -m engine serve` with plan.json."""
-    env = os.environ if environ is None else environ
-    _check_ranges(flags)
-    if replica < 0 or (plan is not None and replica >= len(plan.replicas)):
-        n = len(plan.replicas) if plan is not None else 0
-        raise OptionsError(f"the plan has {n} replica(s); --replica {replica} does not exist")
-    given: dict = {"api_key": env.get("DEPLOYKIT_API_KEY") or None}
-    if plan is not None:
-        r, sv = plan.replicas[replica], plan.serving
-        given |= {"dtype": plan.model.dtype, "max_model_len": plan.model.max_model_len,
-                  "max_num_seqs": sv.max_num_seqs, "max_num_batched_tokens": sv.max_num_batched_tokens,
-                  "kv_cache_bytes": r.kv_cache_bytes, "binding": cpulist.format(r.cpus), "binding_source": "plan",
-                  "frontend_cpus": cpulist.format(r.frontend_cpus), "mems": cpulist.format(r.mems),
-                  "served_model_name": plan.model.served_name}
-        if sv.api_key_env:
-            key = env.get(sv.api_key_env)
-            if not key:
-                raise OptionsError(f"the plan requires an API key in ${sv.api_key_env}, which is not set")
-            given["api_key"] = key
-    else:
-        from_env = {"binding": env.get("DEPLOYKIT_CPUS"), "frontend_cpus": env.get("DEPLOYKIT_FRONTEND_CPUS"),
-                    "mems": env.get("DEPLOYKIT_MEMS")}
-        given |= {k: v for k, v in from_env.items() if v}
-        if given.get("binding") not in (None, "auto", "none"):
-            given["binding_source"] = "env"
-        given |= _env_settings(env)
-    given = {k: v for k, v in given.items() if v is not None}
-    explicit = {k: v for k, v in flags.items() if v is not None}
-    if explicit.get("binding") not in (None, "auto", "none"):
-        explicit["binding_source"] = "explicit"
-    elif "binding" in explicit:
-        given.pop("binding_source", None)
-        # The plan's front-end CPUs and nodes are host ids that belong to its CPU list; with auto/none the process's
-        # own cpuset decides them (a pod does not get the CPUs the plan saw).
-        if plan is not None:
-            given.pop("frontend_cpus", None)
-            given.pop("mems", None)
-    return ServeOptions(model, **(given | explicit))
-
-
-# Settings a container can pass as environment variables (a Kubernetes ConfigMap, `docker run --env`), below
-# flags and a plan. Binding variables (DEPLOYKIT_CPUS, _FRONTEND_CPUS, _MEMS) are read above.
-_ENV_SETTINGS = {"DEPLOYKIT_DTYPE": ("dtype", str), "DEPLOYKIT_MAX_MODEL_LEN": ("max_model_len", int),
-                 "DEPLOYKIT_MAX_NUM_SEQS": ("max_num_seqs", int),
-                 "DEPLOYKIT_MAX_NUM_BATCHED_TOKENS": ("max_num_batched_tokens", int),
-                 "DEPLOYKIT_KV_CACHE": ("kv_cache_bytes", parse_size),
-                 "DEPLOYKIT_SERVED_MODEL_NAME": ("served_model_name", str),
-                 "DEPLOYKIT_RESERVED_CPUS": ("reserved_cpus", int), "DEPLOYKIT_THREADS": ("threads", int),
-                 "DEPLOYKIT_USE_SMT": ("use_smt", lambda v: _flag(v))}
-
-
-def _flag(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes"):
-        return True
-    if text.lower() in ("0", "false", "no", ""):
-        return False
-    raise ValueError("expected 1/true or 0/false")
-
-
-def _env_settings(env) -> dict:
-    out = {}
-    for var, (name, parse) in _ENV_SETTINGS.items():
-        text = env.get(var)
-        if text is None or text == "":
-            continue
-        try:
-            out[name] = parse(text)
-        except ValueError as e:
-            raise OptionsError(f"${var}={text!r} is not valid: {e}") from None
-    _check_ranges(out)
-    return out
-
-
-def options_from_args(a: argparse.Namespace, environ: dict | None = None) -> ServeOptions:
-    """`python -m engine serve` flags (sizes as text, the plan as a file) -> ServeOptions."""
-    plan = None
-    if a.plan:
-        try:
-            with open(a.plan) as f:
-                plan = Plan.from_json(f.read())
-        except OSError as e:
-            raise OptionsError(f"cannot read plan {a.plan}: {e.strerror or e}") from None
-        except DeploykitError as e:
-            raise OptionsError(f"plan {a.plan}: " + str(e).replace("\n", "; ")) from None
-    try:
-        kv = parse_size(a.kv_cache) if a.kv_cache is not None else None
-        body = parse_size(a.max_body) if a.max_body is not None else None
-    except ValueError as e:
-        raise OptionsError(str(e)) from None
-    return options(a.model, plan=plan, replica=a.replica, environ=environ, host=a.host, port=a.port, dtype=a.dtype,
-                   max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-                   max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_bytes=kv, binding=a.binding,
-                   frontend_cpus=a.frontend_cpus, mems=a.mems, reserved_cpus=a.reserved_cpus, use_smt=a.use_smt,
-                   threads=a.threads, api_key=a.api_key,
-                   served_model_name=a.served_model_name, max_waiting=a.max_waiting, max_body_bytes=body,
-                   shutdown_timeout=a.shutdown_timeout, stall_timeout=a.stall_timeout, sse_keepalive=a.sse_keepalive,
-                   allowed_origins=_origins(a.allowed_origins), seed=a.seed,
-                   access_log=False if a.no_access_log else None)
-
-
-def _origins(text: str | None) -> tuple[str, ...] | None:
-    if text is None:
-        return None
-    origins = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
-    for o in origins:
-        if o != "*" and not o.startswith(("http://", "https://")):
-            raise OptionsError(f"--allowed-origins: {o!r} is not an origin; write it as scheme://host[:port], e.g. "
-                               "https://app.example.com, or * for any")
-    return origins
 
 
 def resolve_binding(o: ServeOptions):

@@ -6,7 +6,7 @@ import argparse
 import pytest
 
 from engine.errors import OptionsError
-from engine.server.launch import ServeOptions, add_arguments, options_from_args
+from engine.server.options import ServeOptions, add_arguments, options_from_args
 from tests import plans
 
 PLAN = plans.make_plan([plans.replica(0, [0, 1, 2], [3], [0], kv_cache_bytes=1 << 30),
