@@ -44,7 +44,8 @@ class ModelShape:
         return self.num_parameters * DTYPE_BYTES[dtype]
 
     def kv_bytes_per_token(self, dtype: str) -> int:
-        return kv_bytes_per_token(self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim, dtype)
+        elements = modelconfig.kv_elements_per_token(self.num_hidden_layers, self.num_key_value_heads, self.head_dim)
+        return kv_bytes_per_token(elements, dtype)
 
 
 def kv_bytes_per_token(kv_elements_per_token: int, dtype: str) -> int:

@@ -45,8 +45,7 @@ class ModelConfig:
 
     @property
     def kv_elements_per_token(self) -> int:
-        """K and V, every layer: [layers, 2, kv_heads, head_dim] elements of cache per token."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim
+        return kv_elements_per_token(self.num_layers, self.num_kv_heads, self.head_dim)
 
     def count_parameters(self) -> int:
         """The parameter count implied by the shapes (when no weight file says it exactly)."""
@@ -54,6 +53,11 @@ class ModelConfig:
         attn = h * self.num_heads * hd * 2 + h * self.num_kv_heads * hd * 2
         per_layer = attn + 3 * h * self.intermediate_size * self.num_experts + 2 * h
         return self.num_layers * per_layer + self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+def kv_elements_per_token(layers: int, kv_heads: int, head_dim: int) -> int:
+    """K and V, every layer: [layers, 2, kv_heads, head_dim] elements of cache per token."""
+    return layers * 2 * kv_heads * head_dim
 
 
 def read_dir(path: str | Path) -> ModelConfig:

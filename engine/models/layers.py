@@ -1,4 +1,4 @@
-"""Building blocks shared by the native decoder models: linear, RMSNorm, rotary embedding, paged attention."""
+"""Building blocks shared by the native decoder models: RMSNorm, rotary embedding, paged attention, embedding rows."""
 from __future__ import annotations
 
 import math
@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from deploykit import memory
 from engine.errors import ModelLoadError
 
 from engine import kernels
-from engine.kernels import linear, prepare_bias, prepare_weight
 
 
 def embed_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -153,7 +153,7 @@ class AttentionMetadata:
     decode_tables: torch.Tensor | None  # int32 [num_decode, max_blocks], padded with block 0
     decode_lens: torch.Tensor | None    # int32 [num_decode] context lengths incl. the new token
     prefills: list[PrefillChunk]
-    block_size: int = 16
+    block_size: int = memory.KV_BLOCK_TOKENS
     window: int = 0                     # the model's sliding window (0: none)
     mask_dtype: torch.dtype = torch.float32
     _layout: DecodeLayout | None = field(default=None, repr=False)

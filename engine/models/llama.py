@@ -7,6 +7,7 @@ import torch
 
 from engine import kernels
 from engine.errors import ModelLoadError
+from engine.kernels import linear, prepare_bias, prepare_weight
 from engine.kv_cache import KVCache
 from engine.loader import ModelConfig
 from engine.models.layers import (
@@ -16,10 +17,7 @@ from engine.models.layers import (
     Rotary,
     embed_rows,
     head_norm_,
-    linear,
     paged_attention,
-    prepare_bias,
-    prepare_weight,
     rotate_,
     silu_and_mul,
 )
