@@ -123,7 +123,7 @@ def read(path: str | Path) -> Header:
     try:
         size = Path(p).stat().st_size
         with open(p, "rb") as f:
-            return _parse(_Cursor(f, p), p, size)
+            return _parse(_Cursor(f, p, size), p, size)
     except FileNotFoundError:
         raise ModelError("the GGUF file does not exist", path=p) from None
     except IsADirectoryError:
@@ -172,8 +172,8 @@ def _parse(c: _Cursor, path: str, size: int) -> Header:
 class _Cursor:
     """Sequential reads with one clear error for a header cut short."""
 
-    def __init__(self, f, path: str):
-        self.f, self.path, self.pos = f, path, 0
+    def __init__(self, f, path: str, size: int):
+        self.f, self.path, self.pos, self.size = f, path, 0, size
 
     def read(self, n: int) -> bytes:
         data = self.f.read(n)
@@ -191,6 +191,12 @@ class _Cursor:
             raise ModelError(f"a {n}-byte string in the GGUF header: corrupt file?", path=self.path)
         return self.read(n).decode("utf-8", errors="replace")
 
+    def _seek(self, n: int) -> None:
+        if self.pos + n > self.size:  # a corrupt length: seek would go past the end (or overflow)
+            raise ModelError("the GGUF header is cut short: truncated or not a GGUF file", path=self.path)
+        self.f.seek(n, 1)
+        self.pos += n
+
     def value(self, vtype: int):
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
@@ -198,6 +204,8 @@ class _Cursor:
             return self.string()
         if vtype == _ARRAY:
             etype, count = self.unpack("<I"), self.unpack("<Q")
+            if count > self.size:  # every element takes at least a byte
+                raise ModelError(f"a GGUF array claims {count} elements: corrupt file?", path=self.path)
             if count > MAX_ARRAY:
                 self._skip(etype, count)
                 return LongArray(etype, count)
@@ -206,13 +214,10 @@ class _Cursor:
 
     def _skip(self, etype: int, count: int) -> None:
         if etype in _SCALARS:
-            self.f.seek(struct.calcsize(_SCALARS[etype]) * count, 1)
-            self.pos += struct.calcsize(_SCALARS[etype]) * count
+            self._seek(struct.calcsize(_SCALARS[etype]) * count)
         elif etype == _STRING:
             for _ in range(count):
-                n = self.unpack("<Q")
-                self.f.seek(n, 1)
-                self.pos += n
+                self._seek(self.unpack("<Q"))
         else:  # arrays of arrays: walk them
             for _ in range(count):
                 self.value(etype)

@@ -78,12 +78,19 @@ def auto_kv_cache_bytes(per_token: int, max_model_len: int, max_num_seqs: int, a
     without that guarantee, one block."""
     block = per_token * KV_BLOCK_TOKENS
     kv = min(per_token * max_model_len * max_num_seqs, available) // block * block
-    return max(per_token * max_model_len if at_least_one_sequence else block, kv)
+    return max(one_sequence_bytes(per_token, max_model_len) if at_least_one_sequence else block, kv)
+
+
+def one_sequence_bytes(per_token: int, max_model_len: int) -> int:
+    """KV bytes of one max_model_len sequence in whole blocks (the engine pages the cache in blocks: a cache that
+    ends inside a block would make it lower max_model_len)."""
+    return -(-max_model_len // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS * per_token
 
 
 def served_name(source: str) -> str:
-    """A hub id is served under its own name (as vLLM does); a local path under its last component, without .gguf."""
-    if source.startswith(("/", ".", "~")) or not HF_ID.match(source):
+    """A hub id is served under its own name (as vLLM does); a local path (an existing "models/qwen" too) under its
+    last component, without .gguf."""
+    if source.startswith(("/", ".", "~")) or not HF_ID.match(source) or os.path.exists(source):
         name = source.rstrip("/").rsplit("/", 1)[-1] or source
         return name[:-5] if name.endswith(".gguf") and len(name) > 5 else name
     return source

@@ -7,6 +7,7 @@ same way, with the same defaults (transformers' own where a key is absent) and t
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,7 +96,8 @@ def from_hf(cfg: dict, source: str, generation: dict | None = None) -> ModelConf
         for k in (key, *alternatives):
             v = text.get(k)
             if v is not None:
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
+                if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                        or v != int(v)):
                     raise ModelError(f"config.json lacks a usable {key!r}: {v!r} is not an integer", path=where)
                 return int(v)
         return default
@@ -114,7 +116,7 @@ def from_hf(cfg: dict, source: str, generation: dict | None = None) -> ModelConf
              "intermediate_size": integer("intermediate_size", "ffn_dim", default=4 * hidden),
              "max_position_embeddings": integer("max_position_embeddings", "n_positions", "seq_length"),
              "num_experts": integer("num_local_experts", "num_experts", default=1)}
-    _positive(sizes, where)
+    _positive(sizes, where, "config.json")
     # transformers >= 5 nests rope settings in rope_parameters; older checkpoints use rope_theta + rope_scaling.
     rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
     theta = float(rope.pop("rope_theta", text.get("rope_theta", 10000.0)))
@@ -134,10 +136,10 @@ def from_hf(cfg: dict, source: str, generation: dict | None = None) -> ModelConf
         eos_token_ids=_eos_ids(cfg, generation or {}), num_experts=sizes["num_experts"])
 
 
-def _positive(sizes: dict, where: str) -> None:
+def _positive(sizes: dict, where: str, what: str) -> None:
     bad = {k: v for k, v in sizes.items() if v is not None and v < 1}
     if bad:
-        raise ModelError(f"config.json has non-positive sizes: {bad}", path=where,
+        raise ModelError(f"{what} has non-positive sizes: {bad}", path=where,
                          hint="a causal LM needs at least one layer, head and hidden unit")
     heads, kv = sizes["num_attention_heads"], sizes["num_key_value_heads"]
     if heads % kv:
@@ -186,10 +188,10 @@ def from_gguf(header: gguf.Header) -> ModelConfig:
     embed = header.tensor("token_embd.weight")
     if embed is None or len(embed.shape) != 2:
         raise ModelError("the GGUF file has no token_embd.weight [vocab, hidden] tensor", path=header.path)
-    tokens = header.metadata.get("tokenizer.ggml.tokens")
-    vocab = v("vocab_size") or (len(tokens) if tokens is not None else embed.shape[0])
+    # The embedding's rows are the vocabulary the weights have (the token list may be shorter or padded).
+    vocab = v("vocab_size") or embed.shape[0]
     heads = v("attention.head_count")
-    if isinstance(heads, list):  # per-layer head counts (some hybrid models): not a plain decoder
+    if isinstance(heads, list) or isinstance(v("attention.head_count_kv"), list):  # per-layer counts: hybrids
         raise ModelError("per-layer attention head counts are not supported", path=header.path)
     sizes = {"num_hidden_layers": v("block_count"), "num_attention_heads": heads, "hidden_size": v("embedding_length"),
              "vocab_size": vocab, "num_key_value_heads": v("attention.head_count_kv", heads),
@@ -198,8 +200,9 @@ def from_gguf(header: gguf.Header) -> ModelConfig:
     if absent:
         raise ModelError(f"the GGUF metadata lacks {arch}.* values for {', '.join(absent)}", path=header.path,
                          hint="re-convert the model with a current llama.cpp")
+    _positive(sizes, header.path, "the GGUF header")
     sizes["head_dim"] = v("attention.key_length", sizes["hidden_size"] // sizes["num_attention_heads"])
-    _positive(sizes, header.path)
+    _positive(sizes, header.path, "the GGUF header")
     factors = None
     if "rope_freqs.weight" in names:  # llama3-style rope scaling, baked into per-frequency divisors
         factors = header.read_f32(header.tensor("rope_freqs.weight"))
@@ -208,8 +211,8 @@ def from_gguf(header: gguf.Header) -> ModelConfig:
         scaling = {"rope_type": "linear", "factor": float(v("rope.scaling.factor"))}
     elif v("rope.scaling.type") not in (None, "none", "linear"):
         scaling = {"rope_type": str(v("rope.scaling.type"))}  # refused by the engine with the supported list
-    eos = header.metadata.get("tokenizer.ggml.eos_token_id")
-    eot = header.metadata.get("tokenizer.ggml.eot_token_id")
+    # End tokens: end of text, end of turn, end of message (Llama 3.1's tool calls end with <|eom_id|>).
+    ends = [header.metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     return ModelConfig(
         source=header.path, architecture=GGUF_ARCHITECTURES[arch], model_type=arch,
         vocab_size=sizes["vocab_size"], hidden_size=sizes["hidden_size"], num_layers=sizes["num_hidden_layers"],
@@ -218,7 +221,8 @@ def from_gguf(header: gguf.Header) -> ModelConfig:
         max_position_embeddings=sizes["max_position_embeddings"],
         rms_norm_eps=float(v("attention.layer_norm_rms_epsilon", 1e-6)), rope_theta=float(v("rope.freq_base", 10000.0)),
         rope_scaling=scaling, rope_freq_factors=factors, tie_word_embeddings="output.weight" not in names,
-        hidden_act="silu", eos_token_ids=tuple(i for i in (eos, eot) if isinstance(i, int)),
+        hidden_act="silu",
+        eos_token_ids=tuple(dict.fromkeys(i for i in ends if isinstance(i, int) and not isinstance(i, bool))),
         num_experts=int(v("expert_count", 1) or 1))
 
 

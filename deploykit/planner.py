@@ -262,7 +262,7 @@ def _nearest(topo: Topology, node: int, allowed: set[int]) -> int | None:
 
 def _kv_bytes(spec: Spec, i: int, nodes: tuple[int, ...], mem: int, weights: int, per_token: int, max_len: int,
               multi: bool, dtype: str) -> int:
-    one_seq = per_token * max_len
+    one_seq = memory.one_sequence_bytes(per_token, max_len)
     room = headroom(mem)
     where = f"replica {i} (NUMA node{'s' if len(nodes) > 1 else ''} {cpulist.format(nodes)}, {human(mem)})"
     ways = ["placement.strategy: per-socket or single (fewer replicas, each spanning more nodes)" if multi else

@@ -71,7 +71,7 @@ class EngineCore:
             return config.max_model_len
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ModelLoadError(f"max_model_len={config.max_model_len} exceeds the model's "
-                                 f"max_position_embeddings={limit} (config.json); lower max_model_len")
+                                 f"max_position_embeddings={limit} ({self.spec.source}); lower max_model_len")
         return config.max_model_len or limit
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:

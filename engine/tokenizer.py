@@ -94,8 +94,11 @@ def gguf_tokenizer_dir(path: str) -> str:
         with open(out.parent / f"{digest[:32]}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # replicas starting together convert once
             if not (out / "tokenizer.json").is_file():
+                shutil.rmtree(out, ignore_errors=True)  # a conversion cut short (disk full, killed) left it
                 _convert_into(path, out)
         return str(out)
+    except subprocess.TimeoutExpired:
+        raise ModelLoadError(f"converting the tokenizer stored in {path} took over 10 minutes; giving up") from None
     except OSError as e:
         raise ModelLoadError(f"cannot prepare the tokenizer of {path} under {cache_root()}: {e.strerror or e} "
                              "(set DEPLOYKIT_CACHE to a writable directory)") from None
@@ -136,18 +139,37 @@ def _byte_decoder() -> dict[str, int]:
     return {ch: b for b, ch in bytes_to_unicode().items()}
 
 
+_BYTE_LEVEL: dict[int, tuple[object, bool]] = {}  # id(tokenizer) -> (tokenizer, decodes byte-level pieces)
+
+
+def _byte_level(tokenizer) -> bool:
+    """Whether the tokenizer's decoder reads pieces as GPT-2 byte-level text (else: SentencePiece-style pieces,
+    where "▁" is a space and other characters are themselves)."""
+    hit = _BYTE_LEVEL.get(id(tokenizer))
+    if hit is None or hit[0] is not tokenizer:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        found = False
+        if backend is not None:
+            found = '"ByteLevel"' in json.dumps(json.loads(backend.to_str()).get("decoder"))
+        hit = _BYTE_LEVEL[id(tokenizer)] = (tokenizer, found)
+    return hit[1]
+
+
 def token_bytes(tokenizer, token_id: int) -> bytes:
-    """The raw bytes a token stands for (a byte-level BPE piece may be part of a UTF-8 character, whose decoded
-    text is only U+FFFD): GPT-2's byte alphabet, or SentencePiece's <0xNN> byte-fallback pieces."""
+    """The raw bytes a token stands for (a piece may be part of a UTF-8 character, whose decoded text is only
+    U+FFFD): byte-level BPE pieces through GPT-2's byte alphabet, SentencePiece's <0xNN> byte-fallback pieces as
+    that byte, other SentencePiece pieces as their text with "▁" as a space."""
     piece = tokenizer.convert_ids_to_tokens(token_id)
     if piece is None:
         return b""
     if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
         return bytes([int(piece[3:5], 16)])
-    table = _byte_decoder()
-    if all(ch in table for ch in piece):
-        return bytes(table[ch] for ch in piece)
-    return tokenizer.decode([token_id], skip_special_tokens=False).encode()
+    if _byte_level(tokenizer):
+        table = _byte_decoder()
+        if all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return tokenizer.decode([token_id], skip_special_tokens=False).encode()  # an added (special) token
+    return piece.replace("\u2581", " ").encode()
 
 
 if __name__ == "__main__":  # the child process of _convert_into: python -m engine.tokenizer FILE.gguf OUT_DIR

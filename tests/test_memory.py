@@ -120,3 +120,34 @@ def test_gguf_problems_are_model_errors_naming_the_file(tmp_path):
     bad.write_bytes(b"GGUF\x03\x00\x00\x00")
     with pytest.raises(ModelError, match="cut short"):
         memory.shape(ModelSpec(source=str(bad)))
+
+
+def test_an_automatic_kv_cache_holds_one_whole_sequence_in_blocks():
+    """The engine pages the cache in 16-token blocks: a cache ending inside a block would make it lower
+    max_model_len below what the plan promised."""
+    assert memory.one_sequence_bytes(10, 1000) == 1008 * 10
+    assert memory.auto_kv_cache_bytes(10, 1000, 1, available=10_000) == 1008 * 10  # the floor, in whole blocks
+    assert memory.auto_kv_cache_bytes(10, 1000, 4, available=10**9) == 4000 * 10  # every slot, block multiple
+
+
+def test_malformed_gguf_and_config_values_are_model_errors(tmp_path):
+    import struct
+    bad = tmp_path / "huge.gguf"  # one metadata array claiming 2**62 strings
+    bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"a"
+                    + struct.pack("<IIQ", 9, 8, 2**62))
+    with pytest.raises(ModelError, match="corrupt"):
+        memory.shape(ModelSpec(source=str(bad)))
+    d = tmp_path / "nan"
+    d.mkdir()
+    (d / "config.json").write_text('{"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": NaN, '
+                                   '"vocab_size": 10}')
+    with pytest.raises(ModelError, match="usable 'hidden_size'"):
+        memory.shape(ModelSpec(source=str(d)))
+
+
+def test_served_names(tmp_path, monkeypatch):
+    assert memory.served_name("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"
+    assert memory.served_name("/models/qwen/") == "qwen" and memory.served_name("/m/x.Q4_1.gguf") == "x.Q4_1"
+    (tmp_path / "models" / "qwen").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert memory.served_name("models/qwen") == "qwen"  # a local directory, though it looks like a hub id

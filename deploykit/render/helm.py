@@ -66,7 +66,7 @@ def values(plan: Plan) -> dict:
             "threadsPerCore": plan.hardware.threads_per_core,
             "coresLeftToKubelet": node.kubelet_cores(plan),
             "slots": [{"name": str(r.index), "cores": r.cores, "memory": mebibytes(r.memory_limit_bytes),
-                       "kvCache": f"{r.kv_cache_bytes // 2**20}MiB", "numaNode": r.numa_nodes[0], "replicas": 1}
+                       "kvCache": str(r.kv_cache_bytes), "numaNode": r.numa_nodes[0], "replicas": 1}
                       for r in plan.replicas]},
         "nodeFeatures": list(isa.node_features(plan.hardware.isa_tier, m.dtype)),
         "security": {"runAsUser": sec.run_as_user, "runAsGroup": sec.run_as_user,

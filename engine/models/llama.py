@@ -71,8 +71,8 @@ class LlamaModel:
             # One GEMM per projection group; the parts are freed as soon as the fused copy exists.
             w = torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
             if tuple(w.shape) != (rows, cols):
-                raise ModelLoadError(f"{s.source}: {' + '.join(names)} has shape {tuple(w.shape)}, config.json "
-                                     f"implies {(rows, cols)}; the config does not match the weights")
+                raise ModelLoadError(f"{s.source}: {' + '.join(names)} has shape {tuple(w.shape)}, the model's configuration "
+                                     f"implies {(rows, cols)}; the configuration does not match the weights")
             return prepare_weight(w)
 
         def fused_bias(names: list[str]) -> torch.Tensor | None:
@@ -82,7 +82,7 @@ class LlamaModel:
         self.embed = get("model.embed_tokens.weight")
         if tuple(self.embed.shape) != (s.vocab_size, hidden):
             raise ModelLoadError(f"{s.source}: model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
-                                 f"config.json implies {(s.vocab_size, hidden)}; the config does not match the weights")
+                                 f"the model's configuration implies {(s.vocab_size, hidden)}; it does not match the weights")
         self.layers: list[_Layer] = []
         for i in range(s.num_layers):
             p = f"model.layers.{i}."

@@ -97,8 +97,9 @@ def build_app(fe: Frontend, *, api_key: str | None, max_body_bytes: int, allowed
     if not allowed_origins:
         return gated
     from starlette.middleware.cors import CORSMiddleware
+    # allow_headers "*": the OpenAI SDKs send their own (x-stainless-*, openai-*) next to Authorization
     return CORSMiddleware(gated, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
-                          allow_headers=["Authorization", "Content-Type"], max_age=600)
+                          allow_headers=["*"], max_age=600)
 
 
 async def _counted(fe: Frontend, handler) -> Response:

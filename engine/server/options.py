@@ -97,12 +97,13 @@ def _check_ranges(flags: dict) -> None:
     checks = [("port", 0, 65535), ("max_model_len", 1, None), ("max_num_seqs", 1, None), ("reserved_cpus", 0, None),
               ("threads", 1, None),
               ("max_num_batched_tokens", 1, None), ("max_waiting", 0, None), ("shutdown_timeout", 0, None),
-              ("stall_timeout", 0, None), ("sse_keepalive", 0, None)]
+              ("stall_timeout", 0, None), ("sse_keepalive", 0, None), ("kv_cache_bytes", 1, None)]
     for name, lo, hi in checks:
         value = flags.get(name)
         if value is not None and (value < lo or (hi is not None and value > hi)):
             allowed = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
-            raise OptionsError(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
+            flag = "--kv-cache" if name == "kv_cache_bytes" else f"--{name.replace('_', '-')}"
+            raise OptionsError(f"{flag} must be {allowed}, got {value}")
     if flags.get("dtype") is not None:
         try:
             memory.canonical_dtype(flags["dtype"])

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from engine.errors import EXIT_STARTUP, EngineError, RequestError
+from engine.server.channel import Channel
 from engine.messages import (AbortRequest, AddRequest, Call, Fatal, Init, Op, Ops, Ready, Rejected, Reply, Shutdown,
                              StepResult)
 
@@ -90,6 +91,10 @@ class _Loop:
                 rejected.append(Rejected(rid, 500, "the engine failed while running this request: "
                                                    f"{type(e).__name__}: {e}"))
             self.live.clear()
+            if self.core.has_unfinished_requests():
+                # The core still holds requests nobody can abort: every later step would fail again while /health
+                # stays 200. End the process; the front end fails over to 503 and exits, and it is restarted.
+                raise RuntimeError("the engine core is inconsistent after a failed step") from e
             return []
         for o in outputs:
             if o.finished:
@@ -104,8 +109,9 @@ class _Loop:
             log.exception("engine operation %s failed", type(op).__name__)
             if isinstance(op, Call):
                 replies.append(Reply(op.call_id, {"error": f"{type(e).__name__}: {e}"}))
-            elif isinstance(op, AbortRequest):  # the core's state for it is unknown: never leave it running
-                self.live.discard(op.request_id)
+            elif isinstance(op, AbortRequest) and not self.core.has_unfinished_requests():
+                self.live.discard(op.request_id)  # it is gone from the core; otherwise the next step's failure
+                # (the core still runs it) aborts or restarts
 
     def _apply_one(self, op: Op, rejected: list[Rejected], replies: list[Reply]) -> None:
         if isinstance(op, AddRequest):
@@ -168,13 +174,14 @@ def child_main(fd: int) -> int:
 # ---- parent side ----
 
 class EngineProcess:
-    """Starts the child and moves messages; `on_message` / `on_exit` are called on the event loop's thread."""
+    """Starts the child and moves messages through a non-blocking Channel; `on_message` / `on_exit` are called on
+    the event loop's thread."""
 
     def __init__(self, config, binding):
         self.config = config  # engine.config.EngineConfig
         self.binding = binding
         self.proc: subprocess.Popen | None = None
-        self.conn: Connection | None = None
+        self.channel: Channel | None = None
         self.stopping = False
 
     @property
@@ -189,23 +196,16 @@ class EngineProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "engine.server.worker", str(child.fileno())],
                                      pass_fds=(child.fileno(),), env=env, close_fds=True)
         child.close()
-        self.conn = Connection(parent.detach())
-        self.conn.send(Init(self.config, self.binding))
+        self.channel = Channel(parent)
+        self.channel.send_blocking(Init(self.config, self.binding))
 
     def attach(self, loop, on_message: Callable, on_exit: Callable[[int | None], None]) -> None:
         """Read on the event loop itself (no reader thread, so no GIL hand-off per engine step)."""
-        fd = self.conn.fileno()
+        def gone() -> None:
+            waited = loop.run_in_executor(None, self._exit_code)
+            waited.add_done_callback(lambda f: on_exit(f.result()))
 
-        def readable() -> None:
-            try:
-                while self.conn.poll():  # every complete message already buffered; EOF also polls true
-                    on_message(self.conn.recv())
-            except (EOFError, OSError):
-                loop.remove_reader(fd)
-                waited = loop.run_in_executor(None, self._exit_code)
-                waited.add_done_callback(lambda f: on_exit(f.result()))
-
-        loop.add_reader(fd, readable)
+        self.channel.attach(loop, on_message, gone)
 
     def _exit_code(self) -> int | None:
         try:
@@ -214,10 +214,8 @@ class EngineProcess:
             return None
 
     def send(self, ops: list[Op]) -> None:
-        try:
-            self.conn.send(Ops(tuple(ops)))
-        except (OSError, ValueError):
-            pass  # the child is gone; the reader thread reports the exit
+        if self.channel is not None:
+            self.channel.send(Ops(tuple(ops)))  # never blocks; dropped once the child is gone (EOF reports it)
 
     def kill(self) -> None:
         """SIGKILL: for an engine that stopped answering (the watchdog); its socket's EOF reports the exit."""

@@ -234,3 +234,23 @@ def test_no_stop_strings_passes_text_through():
     matcher = StopStringMatcher(())
     assert matcher.feed("abc") == ("abc", False)
     assert matcher.flush() == ""
+
+
+def test_token_bytes_follow_the_tokenizers_decoder():
+    """Chat logprobs carry each token's bytes: a byte-level BPE piece maps through GPT-2's alphabet, a SentencePiece
+    piece is its text with "▁" as a space (not Latin-1), a byte-fallback piece is that byte."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.tokenizer import token_bytes
+    vocab = {"<unk>": 0, "<0xC3>": 1, "▁the": 2, "é": 3, "▁": 4, "t": 5, "h": 6, "e": 7}
+    sp = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace()
+    sp.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=sp)
+    assert token_bytes(tok, 2) == b" the" and token_bytes(tok, 3) == "é".encode() and token_bytes(tok, 1) == b"\xc3"
+    from engine.tinymodel import train_tokenizer
+    bpe = train_tokenizer()
+    ids = bpe.encode("Café 🚀", add_special_tokens=False)
+    assert b"".join(token_bytes(bpe, i) for i in ids) == "Café 🚀".encode()
