@@ -10,7 +10,10 @@ observe  every member as the runtime sees it (state, id, the CPUs and memory nod
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import signal
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -57,6 +60,27 @@ class Runtime(Protocol):
     def tail(self, name: str, member: str, lines: int) -> str: ...
     def logs(self, name: str, members: list[str], follow: bool, tail: int | None) -> None: ...
     def down(self, name: str, volumes: bool, say: Say) -> list[str]: ...
+
+
+@contextlib.contextmanager
+def atomic() -> Iterator[None]:
+    """One step Ctrl-C (or SIGTERM) cannot cut in half: a container created but not yet recorded, a process started
+    but not in state.json. The interrupt is held and raised when the step is done, so rollback sees everything."""
+    held: list[int] = []
+
+    def hold(signum, frame) -> None:
+        if not held:
+            print("interrupted: finishing the current step, then undoing", file=sys.stderr, flush=True)
+        held.append(signum)
+
+    old = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if held:
+            raise KeyboardInterrupt
 
 
 def choose(requested: str, say: Say, state_dir=None) -> Runtime:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import topology
 from ..errors import PlanError, RuntimeFailure
-from . import Change, Observed, Say, build, preflight
+from . import Change, Observed, Say, atomic, build, preflight
 from .deployment import Deployment, Member
 
 LABEL = "deploykit.deployment"
@@ -79,15 +79,18 @@ class DockerRuntime:
             digest = d.config_hash(m, self._settings(d, m, image, network, for_hash=True))
             old = existing.pop(m.name, None)
             if old is not None and old.labels.get(HASH_LABEL) == digest:
-                if old.status != "running":
-                    old.start()
                 change.kept.append(m.name)
-                say(f"{m.name}: unchanged ({old.short_id[:12]}, {old.status})")
+                if old.status != "running":  # stopped by hand, say: same container, started again
+                    old.start()
+                    say(f"{m.name}: unchanged ({old.short_id[:12]}), was {old.status}: started")
+                else:
+                    say(f"{m.name}: unchanged ({old.short_id[:12]})")
                 continue
             if old is not None:
                 self._retire(old, change, say, "its configuration changed")
-            change.created.append(m.name)
-            cid = self._create(d, m, settings, digest)
+            with atomic():
+                change.created.append(m.name)
+                cid = self._create(d, m, settings, digest)
             say(f"{m.name}: started {cid[:12]} ({_placement(m)})")
         for old in existing.values():  # no longer planned (fewer replicas, no load balancer)
             self._retire(old, change, say, "it is no longer in the plan")
@@ -108,6 +111,8 @@ class DockerRuntime:
 
     def rollback(self, d: Deployment, change: Change, say: Say) -> None:
         created = [c for c in (self._get(n) for n in change.created) if c is not None]
+        if not change.kept and not change.retired:  # a first `up`: nothing of this deployment may stay
+            created = self.client.containers.list(all=True, filters={"label": f"{LABEL}={d.name}"})
         _parallel(lambda c: c.remove(force=True), created)
         for ctr in created:
             say(f"{ctr.name}: removed")
@@ -226,8 +231,9 @@ class DockerRuntime:
         try:
             net = self.client.networks.get(d.name)
         except docker.errors.NotFound:
-            self.client.networks.create(d.name, driver="bridge", labels={LABEL: d.name})
-            change.network_created = True
+            with atomic():
+                self.client.networks.create(d.name, driver="bridge", labels={LABEL: d.name})
+                change.network_created = True
             say(f"network {d.name}: created")
             return d.name
         if (net.attrs.get("Labels") or {}).get(LABEL) != d.name:
@@ -282,9 +288,10 @@ class DockerRuntime:
     def _retire(self, old, change: Change, say: Say, why: str) -> None:
         name = old.name
         say(f"{name}: stopping {old.short_id[:12]}, {why}")
-        old.stop()
-        old.rename(name + RETIRED)
-        change.retired.append(name)
+        with atomic():
+            old.stop()
+            old.rename(name + RETIRED)
+            change.retired.append(name)
 
     def _holder(self, port: int) -> str:
         for ctr in self.client.containers.list():

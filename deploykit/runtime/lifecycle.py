@@ -62,20 +62,22 @@ def up(plan: Plan, spec: str, *, runtime: str, state_dir: str | None, timeout: f
             wait_ready(rt, d, change, timeout, say)
         except (Exception, KeyboardInterrupt) as e:  # a bug still undoes what it started, then shows its traceback
             interrupted = isinstance(e, KeyboardInterrupt)
-            if previous is None and not keep_on_failure:
-                (sd.path / "state.json").unlink(missing_ok=True)  # never came up: not a deployment to list
             if keep_on_failure:
                 say(f"{'interrupted' if interrupted else 'up failed'}; left as it is (--keep-on-failure): "
                     f"deploykit status {plan.name} · deploykit logs {plan.name} · deploykit down {plan.name}")
                 raise
-            if not (change.created or change.retired or change.network_created):
-                raise  # nothing was started or stopped: a running deployment stays as it was
-            say(f"{'interrupted' if interrupted else 'up failed'}: undoing what this up started")
-            with _interrupts_ignored():
-                try:
-                    rt.rollback(d, change, say)
-                except Exception as undo:  # report, but keep the original error as the one the user sees
-                    say(f"could not undo everything: {undo}; deploykit down {plan.name} removes the rest")
+            undone = True
+            # Nothing started or stopped (refused by a check): a running deployment stays exactly as it was.
+            if change.created or change.retired or change.network_created:
+                say(f"{'interrupted' if interrupted else 'up failed'}: undoing what this up started")
+                with _interrupts_ignored():
+                    try:
+                        rt.rollback(d, change, say)
+                    except Exception as undo:  # report, but keep the original error as the one the user sees
+                        undone = False
+                        say(f"could not undo everything: {undo}; deploykit down {plan.name} removes the rest")
+            if undone and previous is None:  # never came up: not a deployment `status` should list
+                (sd.path / "state.json").unlink(missing_ok=True)
             raise
         rt.commit(d, change, say)
         sd.save(replace(sd.load() or kept, runtime=rt.name, image=change.image))

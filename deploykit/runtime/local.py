@@ -31,7 +31,7 @@ from pathlib import Path
 from .. import cpulist, topology
 from ..errors import RuntimeFailure
 from ..render import nginx
-from . import Change, Observed, Say, preflight
+from . import Change, Observed, Say, atomic, preflight
 from .deployment import Deployment, Member, probe_host
 from .state import Process, State, StateDir
 
@@ -83,10 +83,11 @@ class LocalRuntime:
                 state = state.without(old.name)
                 d.state.save(state)
                 change.retired.append(m.name)
-            change.created.append(m.name)
-            p = self._start(d, m, argv, cpus, env, digest)
-            state = state.with_process(p)
-            d.state.save(state)  # at once: a crash of `up` from here on still leaves the process findable
+            with atomic():
+                change.created.append(m.name)
+                p = self._start(d, m, argv, cpus, env, digest)
+                state = state.with_process(p)
+                d.state.save(state)  # at once: a crash of `up` from here on still leaves the process findable
             say(f"{m.name}: started pid {p.pid} on port {p.port} ({_placement(m, cpus)}); log {p.log}")
         for old in live.values():
             say(f"{old.name}: stopping pid {old.pid}, it is no longer in the plan")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from tests.runtime.conftest import deploykit, free_port, spec_file
+from tests.runtime.helpers import deploykit, free_port, spec_file
 
 
 def _env(tmp_path, **extra):
