@@ -119,7 +119,7 @@ def wait_ready(rt: Runtime, d: Deployment, change: Change, timeout: float, say_)
         if now - start > timeout:
             logs = "\n".join(f"{n} ({states.get(n, '?')}), last log lines:\n{_indent(rt.tail(d.name, n, 20))}"
                              for n in pending)
-            raise RuntimeFailure(f"not healthy within {timeout:.0f}s: {', '.join(pending)}\n{logs}",
+            raise RuntimeFailure(f"not healthy within {timeout:g}s: {', '.join(pending)}\n{logs}",
                                  hint="a large model can need longer to load: --timeout SECONDS; "
                                       f"deploykit logs {d.name} shows everything")
         if now - last_report >= REPORT_EVERY:

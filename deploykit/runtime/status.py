@@ -27,7 +27,7 @@ def collect(rt: Runtime, name: str, plan: Plan | None, interval: float) -> list[
     ports = {m.name: m.port for m in expected}
     names = [m.name for m in expected] + sorted(n for n in seen if n not in ports)
     address = plan.serving.publish_address if plan else "127.0.0.1"
-    key = os.environ.get(plan.serving.api_key_env) if plan and plan.serving.api_key_env else None
+    key = (os.environ.get(plan.serving.api_key_env) or None) if plan and plan.serving.api_key_env else None
     bases = {n: url(address, ports[n]) for n in names if n in ports}
 
     def first(n: str) -> tuple:

@@ -34,6 +34,7 @@ except ImportError:
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 NAME, OTHER, FAILING = "dkup", "dkup2", "dkupfail"
 IMAGE_NAME = "deploykit-up-test"
+KEY = "docker-test-key"  # the spec names the variable; the value reaches the containers from the environment
 UP_TIMEOUT = 3600  # the first run builds the engine image (torch install, kernel compile): minutes
 
 
@@ -68,7 +69,7 @@ def _ids(name: str) -> dict[str, str]:
 
 
 def _chat(port: int, model: str = NAME) -> str:
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
     reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello!"}], max_tokens=8)
     assert reply.choices[0].finish_reason in ("length", "stop")
     return reply.choices[0].message.content
@@ -101,8 +102,8 @@ def deployed(docker, base_image, tmp_path_factory):
     model = _model(base)
     port = free_port(3)
     image = {"name": IMAGE_NAME, "tag": "t", "base": base_image, "wheelhouse": str(render_image.wheelhouse())}
-    spec = spec_file(base / "spec.yaml", NAME, model, port, image=image)
-    env = {"DEPLOYKIT_STATE_DIR": str(base / "state")}
+    spec = spec_file(base / "spec.yaml", NAME, model, port, image=image, serving={"api_key": {"env": "DKUP_KEY"}})
+    env = {"DEPLOYKIT_STATE_DIR": str(base / "state"), "DKUP_KEY": KEY}
     start = time.monotonic()
     r = deploykit("up", spec, "--runtime", "docker", env=env, timeout=UP_TIMEOUT)
     print(f"first deploykit up: {time.monotonic() - start:.0f}s", file=sys.stderr)
@@ -120,7 +121,7 @@ def test_up_serves_a_chat_completion_through_nginx(deployed):
     err = deployed.first_up.stderr
     assert "runtime: docker" in err and ("Step 1/" in err or "up to date" in err)  # built here, or by an earlier run
     assert isinstance(_chat(deployed.port), str)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{deployed.port}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{deployed.port}/v1", api_key=KEY, max_retries=0)
     stream = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
                                             stream=True, extra_body={"ignore_eos": True})
     assert len([c for c in stream if c.choices and c.choices[0].delta.content]) >= 2
@@ -157,7 +158,7 @@ def test_every_plan_setting_reaches_the_containers(deployed):
             "deploykit.replica"] and len(labels["deploykit.config-hash"]) == 16
         env = dict(e.split("=", 1) for e in cfg["Env"])
         for k, v in want.env:
-            assert v is None or env[k] == v
+            assert env[k] == (KEY if v is None else v)  # None: passed by name from the caller's environment
 
 
 def test_up_again_changes_nothing(deployed):
@@ -187,6 +188,16 @@ def test_logs(deployed):
     assert r.returncode == 0 and "engine ready" in r.stdout, r.stdout[-2000:]
     r = deploykit("logs", NAME, "lb", env=deployed.env)
     assert r.returncode == 0 and "POST /v1/chat/completions" in r.stdout, r.stdout[-2000:]
+    follow = subprocess.Popen([sys.executable, "-m", "deploykit.cli", "logs", NAME, "-f", "--tail", "0"], cwd=ROOT,
+                              env={**os.environ, **deployed.env}, stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2)
+        _chat(deployed.port)
+        time.sleep(2)
+    finally:
+        follow.send_signal(signal.SIGINT)
+    out, _ = follow.communicate(timeout=30)
+    assert follow.returncode == 130 and f"{NAME}-lb | " in out and "POST /v1/chat/completions" in out, out
 
 
 def test_a_changed_spec_replaces_the_replicas_and_keeps_nginx(deployed):
@@ -201,6 +212,26 @@ def test_a_changed_spec_replaces_the_replicas_and_keeps_nginx(deployed):
     assert "reloaded" in r.stderr
     for _ in range(4):  # both new replicas answer through the reloaded nginx
         assert isinstance(_chat(deployed.port), str)
+
+
+def test_a_port_held_by_another_deployment_is_named_before_anything_starts(deployed, tmp_path):
+    spec = spec_file(tmp_path / "clash.yaml", FAILING, deployed.model, deployed.port, cpus=["1"], image=deployed.image)
+    r = deploykit("up", spec, "--runtime", "docker", env=deployed.env)
+    assert r.returncode == 7, r.stderr
+    assert f"port {deployed.port} on 127.0.0.1 is already in use by container {NAME}-lb of deployment {NAME}" in r.stderr
+    assert "Step 1/" not in r.stderr and _labelled(FAILING) == ([], [])
+
+
+def test_a_model_the_containers_uid_cannot_read(deployed, tmp_path):
+    model = tmp_path / "private"
+    model.mkdir(mode=0o700)  # root's, and the containers run as 10001
+    for f in deployed.model.iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    spec = spec_file(tmp_path / "private.yaml", FAILING, model, free_port(3), image=deployed.image)
+    r = deploykit("up", spec, "--runtime", "docker", env=deployed.env)
+    assert r.returncode == 4, r.stderr
+    assert "model files are not readable by UID 10001" in r.stderr and f"chmod -R a+rX {model}" in r.stderr
+    assert _labelled(FAILING) == ([], [])
 
 
 def test_a_failed_update_brings_the_previous_containers_back(deployed, tmp_path):

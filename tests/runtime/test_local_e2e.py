@@ -26,6 +26,7 @@ from tests.runtime.helpers import ROOT, deploykit, free_port, port_free, spec_fi
 
 pytestmark = pytest.mark.slow
 NAME = "dkloc"
+KEY = "local-test-key"  # the spec names the variable; the value only ever lives in the environment
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Local:
         return {m["member"]: m for m in json.loads(r.stdout)["members"]}
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0, timeout=60)
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
 def _marked(state_dir: Path) -> list[int]:
@@ -72,8 +73,8 @@ def _chat(client: openai.OpenAI) -> str:
 def local(tmp_path_factory, tiny_model):
     base = tmp_path_factory.mktemp("local")
     port = free_port(3)
-    spec = spec_file(base / "spec.yaml", NAME, tiny_model, port)
-    env = {"DEPLOYKIT_STATE_DIR": str(base / "state"), "DEPLOYKIT_LOCAL_LB": "builtin"}
+    spec = spec_file(base / "spec.yaml", NAME, tiny_model, port, serving={"api_key": {"env": "DKLOC_KEY"}})
+    env = {"DEPLOYKIT_STATE_DIR": str(base / "state"), "DEPLOYKIT_LOCAL_LB": "builtin", "DKLOC_KEY": KEY}
     r = deploykit("up", spec, "--runtime", "local", env=env)
     try:
         assert r.returncode == 0, r.stderr
@@ -86,9 +87,12 @@ def test_up_prints_the_endpoint_and_serves_chat_through_the_proxy(local):
     out = local.first_up.stdout
     assert f"endpoint: http://127.0.0.1:{local.port}/v1" in out
     assert f"curl -s http://127.0.0.1:{local.port}/v1/chat/completions" in out and "from openai import OpenAI" in out
+    assert 'Authorization: Bearer $DKLOC_KEY' in out and 'os.environ["DKLOC_KEY"]' in out and KEY not in out
     assert "runtime: local" in local.first_up.stderr
     client = local.client()
     assert isinstance(_chat(client), str)
+    with pytest.raises(openai.AuthenticationError):  # the key reached the engines
+        openai.OpenAI(base_url=f"http://127.0.0.1:{local.port}/v1", api_key="wrong", max_retries=0).models.list()
     stream = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
                                             stream=True, extra_body={"ignore_eos": True})
     chunks = [c for c in stream if c.choices and c.choices[0].delta.content]
@@ -122,6 +126,10 @@ def test_status_shows_both_replicas_healthy_on_their_planned_cpus(local):
     assert rows[f"{NAME}-lb"]["health"] == "healthy"
     table = deploykit("status", NAME, env=local.env).stdout
     assert "CPUS (PLAN)" in table and "CPUS (ENGINE)" in table and "TOK/S" in table
+    # /debug/binding needs the key: without it in the environment, status says so instead of guessing
+    r = deploykit("status", NAME, "--format", "json", env={**local.env, "DKLOC_KEY": ""})
+    row = {m["member"]: m for m in json.loads(r.stdout)["members"]}[f"{NAME}-0"]
+    assert row["engine_cpus"] is None and "export DKLOC_KEY" in row["detail"]
 
 
 def test_logs_of_one_replica_and_of_all(local):
@@ -131,6 +139,17 @@ def test_logs_of_one_replica_and_of_all(local):
     assert f"{NAME}-0 | " in r.stdout and f"{NAME}-lb | deploykit-proxy" in r.stdout
     r = deploykit("logs", NAME, "7", env=local.env)
     assert r.returncode == 7 and "no such replica" in r.stderr
+    follow = subprocess.Popen([sys.executable, "-m", "deploykit.cli", "logs", NAME, "0", "-f", "--tail", "0"],
+                              cwd=ROOT, env={**os.environ, **local.env}, stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.5)
+        for _ in range(4):  # least connections over two idle replicas: some reach replica 0
+            _chat(local.client())
+        time.sleep(1.5)
+    finally:
+        follow.send_signal(signal.SIGINT)
+    out, _ = follow.communicate(timeout=30)
+    assert follow.returncode == 130 and "POST /v1/chat/completions" in out, out
 
 
 def test_a_changed_spec_replaces_the_replicas_and_keeps_the_proxy(local):
@@ -183,6 +202,10 @@ def test_a_corrupt_model_fails_with_the_engines_error_and_leaves_nothing(tmp_pat
     port = free_port(3)
     spec = spec_file(tmp_path / "spec.yaml", "dkbad", model, port)
     env = {"DEPLOYKIT_STATE_DIR": str(tmp_path / "state"), "DEPLOYKIT_LOCAL_LB": "builtin"}
+    r = deploykit("up", spec, "--runtime", "local", "--timeout", "300", "--keep-on-failure", env=env)
+    assert r.returncode == 7 and "left as it is (--keep-on-failure)" in r.stderr, r.stderr
+    assert _marked(tmp_path / "state" / "dkbad")  # the proxy still runs, for inspection
+    assert deploykit("down", "dkbad", env=env).returncode == 0 and not _marked(tmp_path / "state" / "dkbad")
     r = deploykit("up", spec, "--runtime", "local", "--timeout", "300", env=env)
     assert r.returncode == 7, r.stderr
     assert "exited during start-up" in r.stderr and "its last log lines" in r.stderr
@@ -190,6 +213,16 @@ def test_a_corrupt_model_fails_with_the_engines_error_and_leaves_nothing(tmp_pat
     assert not _marked(tmp_path / "state" / "dkbad")
     assert all(port_free(port + i) for i in range(3))
     assert not (tmp_path / "state" / "dkbad" / "state.json").exists()  # `status` does not list it as up
+
+
+def test_a_timeout_shows_the_replicas_logs_and_leaves_nothing(tmp_path, tiny_model):
+    port = free_port(3)
+    spec = spec_file(tmp_path / "spec.yaml", "dkslow", tiny_model, port)
+    env = {"DEPLOYKIT_STATE_DIR": str(tmp_path / "state"), "DEPLOYKIT_LOCAL_LB": "builtin"}
+    r = deploykit("up", spec, "--runtime", "local", "--timeout", "0.5", env=env)  # loading takes seconds
+    assert r.returncode == 7, r.stderr
+    assert "not healthy within 0.5s" in r.stderr and "last log lines" in r.stderr and "--timeout SECONDS" in r.stderr
+    assert not _marked(tmp_path / "state" / "dkslow") and all(port_free(port + i) for i in range(3))
 
 
 def test_ctrl_c_during_up_stops_cleanly(tmp_path, tiny_model):
