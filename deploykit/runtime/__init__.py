@@ -2,7 +2,9 @@
 processes on this host). Both take the same Deployment (deployment.py) and offer the same verbs, used by
 `deploykit up / down / status / logs` (lifecycle.py).
 
-apply    start what is missing, replace what changed (config hash), keep the rest; records it in a Change
+apply    start what is missing, replace what changed (config hash), keep the rest; records it in a Change. When the
+         load balancer stays, replicas are replaced one at a time, each healthy before the next goes: the
+         deployment keeps serving through an update
 commit   after every member is healthy: drop what the change superseded
 rollback after a failure or Ctrl-C: remove what the change started, and bring back what it superseded
 observe  every member as the runtime sees it (state, id, the CPUs and memory nodes it confines it to)
@@ -20,6 +22,7 @@ from typing import Protocol
 from ..errors import RuntimeFailure
 
 Say = Callable[[str], None]
+Ready = Callable[[object], None]  # waits until one member (a deployment.Member) is healthy, or raises
 RUNTIMES = ("auto", "docker", "local")
 
 
@@ -53,7 +56,7 @@ class Runtime(Protocol):
     name: str
     where: str  # a few words on what answered, e.g. "Docker 20.10.24 at unix:///var/run/docker.sock"
 
-    def apply(self, d, change: Change, say: Say) -> None: ...
+    def apply(self, d, change: Change, say: Say, ready: Ready) -> None: ...
     def commit(self, d, change: Change, say: Say) -> None: ...
     def rollback(self, d, change: Change, say: Say) -> None: ...
     def observe(self, name: str) -> dict[str, Observed]: ...

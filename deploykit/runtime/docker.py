@@ -14,12 +14,13 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import topology
 from ..errors import PlanError, RuntimeFailure
-from . import Change, Observed, Say, atomic, build, preflight
+from . import Change, Observed, Ready, Say, atomic, build, preflight
 from .deployment import Deployment, Member
 
 LABEL = "deploykit.deployment"
@@ -27,6 +28,7 @@ REPLICA_LABEL = "deploykit.replica"
 HASH_LABEL = "deploykit.config-hash"
 RETIRED = ".replaced"
 API_TIMEOUT = 300  # seconds; a stop waits for the container's own grace period (50 s for engines)
+RELOAD_WAIT = 15.0  # seconds for nginx to swap its workers after SIGHUP
 START_HINT = ("start it: sudo systemctl start docker (without systemd: sudo service docker start; Docker Desktop: "
               "open it), or run without Docker: --runtime local")
 
@@ -55,17 +57,17 @@ class DockerRuntime:
 
     # --- up ----------------------------------------------------------------------------------------------------
 
-    def apply(self, d: Deployment, change: Change, say: Say) -> None:
+    def apply(self, d: Deployment, change: Change, say: Say, ready: Ready) -> None:
         """Fills `change` as it goes, so a failure or Ctrl-C midway can still be rolled back."""
         import docker.errors
         try:
-            self._apply(d, change, say)
+            self._apply(d, change, say, ready)
         except docker.errors.DockerException as e:  # the daemon refused something we did not foresee
             raise RuntimeFailure(f"Docker refused: {getattr(e, 'explanation', None) or e}",
                                  hint=f"see the message; deploykit logs {d.name} shows the containers' output"
                                  ) from None
 
-    def _apply(self, d: Deployment, change: Change, say: Say) -> None:
+    def _apply(self, d: Deployment, change: Change, say: Say, ready: Ready) -> None:
         self._preflight(d)
         existing = self._containers(d.name)
         for name in [n for n in existing if n.endswith(RETIRED)]:  # left by an `up` that crashed: superseded
@@ -74,9 +76,12 @@ class DockerRuntime:
         preflight.ports_free(d, d.members, ours, holder=self._holder)
         image = change.image = build.ensure(self.client, d.plan, d.state.rendered, say)
         network = self._network(d, change, say)
+        digests = {m.name: d.config_hash(m, self._settings(d, m, image, network, for_hash=True)) for m in d.members}
+        lb = next((m for m in d.members if m.replica is None), None)
+        lb_stays = lb is not None and lb.name in existing and existing[lb.name].labels.get(HASH_LABEL) == digests[
+            lb.name] and existing[lb.name].status == "running"
         for m in d.members:
-            settings = self._settings(d, m, image, network)
-            digest = d.config_hash(m, self._settings(d, m, image, network, for_hash=True))
+            settings, digest = self._settings(d, m, image, network), digests[m.name]
             old = existing.pop(m.name, None)
             if old is not None and old.labels.get(HASH_LABEL) == digest:
                 change.kept.append(m.name)
@@ -92,13 +97,14 @@ class DockerRuntime:
                 change.created.append(m.name)
                 cid = self._create(d, m, settings, digest)
             say(f"{m.name}: started {cid[:12]} ({_placement(m)})")
+            if old is not None and lb_stays:  # a rolling update: nginx serves from the others meanwhile
+                say(f"{m.name}: waiting until it is healthy before replacing the next one (nginx keeps serving)")
+                ready(m)
+                self._reload(lb.name, say)
         for old in existing.values():  # no longer planned (fewer replicas, no load balancer)
             self._retire(old, change, say, "it is no longer in the plan")
-        lb = next((m for m in d.members if m.replica is None), None)
-        if lb is not None and lb.name in change.kept and any(n != lb.name for n in change.created):
-            # nginx resolved the replicas' names when it started; a new container may have a new address
-            self.client.containers.get(lb.name).kill(signal="SIGHUP")
-            say(f"{lb.name}: reloaded (replicas were replaced)")
+        if lb is not None and lb.name in change.kept and any(n != lb.name for n in change.created) and not lb_stays:
+            self._reload(lb.name, say)
         change.restarts = {n: o.restarts for n, o in self.observe(d.name).items()}
 
     def commit(self, d: Deployment, change: Change, say: Say) -> None:
@@ -124,7 +130,7 @@ class DockerRuntime:
                 say(f"{name}: the previous container is back ({old.short_id[:12]}); it is starting")
         lb = next((m.name for m in d.members if m.replica is None), None)
         if lb in change.kept and (created or change.retired):
-            self.client.containers.get(lb).kill(signal="SIGHUP")  # back to the previous replicas' addresses
+            self._reload(lb, say)  # back to the previous replicas' addresses
         if change.network_created and not change.kept and not change.retired:
             for net in self.client.networks.list(filters={"label": f"{LABEL}={d.name}"}):
                 net.remove()
@@ -285,6 +291,23 @@ class DockerRuntime:
             raise _refused(d, m, e) from None
         return made["Id"]
 
+    def _reload(self, lb: str, say: Say) -> None:
+        """nginx resolved the replicas' names when it started; a new container may have a new address. SIGHUP
+        re-reads the configuration with fresh workers, which forget which replicas failed; the old workers finish
+        their requests and close their connections. Returns once the new workers serve: until then an old worker
+        still routes by the old addresses, and stopping the next replica would leave it none alive (502)."""
+        ctr = self.client.containers.get(lb)
+        before = _nginx_workers(ctr)
+        ctr.kill(signal="SIGHUP")
+        deadline = time.monotonic() + RELOAD_WAIT
+        while time.monotonic() < deadline:
+            now = _nginx_workers(ctr)
+            if set(now) - set(before) and not any(pid in now and "shutting down" not in now[pid] for pid in before):
+                say(f"{lb}: reloaded (a replica was replaced)")
+                return
+            time.sleep(0.1)
+        say(f"{lb}: reload signalled, but nginx did not start new workers within {RELOAD_WAIT:.0f}s")
+
     def _retire(self, old, change: Change, say: Say, why: str) -> None:
         name = old.name
         say(f"{name}: stopping {old.short_id[:12]}, {why}")
@@ -299,6 +322,13 @@ class DockerRuntime:
                 owner = ctr.labels.get(LABEL)
                 return f"container {ctr.name}" + (f" of deployment {owner}" if owner else "")
         return ""
+
+
+def _nginx_workers(ctr) -> dict[str, str]:
+    """{pid: command} of the nginx worker processes in the container (the Docker API's `top`)."""
+    top = ctr.top()
+    pid, cmd = top["Titles"].index("PID"), len(top["Titles"]) - 1
+    return {p[pid]: p[cmd] for p in top["Processes"] if "worker process" in p[cmd]}
 
 
 def _bindings(ctr) -> list[dict]:

@@ -58,7 +58,7 @@ def up(plan: Plan, spec: str, *, runtime: str, state_dir: str | None, timeout: f
         change = Change()
         start = time.monotonic()
         try:
-            rt.apply(d, change, say)
+            rt.apply(d, change, say, lambda m: wait_ready(rt, d, change, timeout, say, only=(m,)))
             wait_ready(rt, d, change, timeout, say)
         except (Exception, KeyboardInterrupt) as e:  # a bug still undoes what it started, then shows its traceback
             interrupted = isinstance(e, KeyboardInterrupt)
@@ -87,12 +87,13 @@ def up(plan: Plan, spec: str, *, runtime: str, state_dir: str | None, timeout: f
     return 0
 
 
-def wait_ready(rt: Runtime, d: Deployment, change: Change, timeout: float, say_) -> None:
-    """Every member's /health answers 200; a member that exits or restarts meanwhile fails at once with its log.
-    The load balancer is asked only once every replica is healthy: nginx counts a loading replica's 503 as a failure
-    and would shut it out for fail_timeout (30 s) after three of them."""
+def wait_ready(rt: Runtime, d: Deployment, change: Change, timeout: float, say_,
+               only: tuple[Member, ...] | None = None) -> None:
+    """Every member's (or `only` these) /health answers 200; a member that exits or restarts meanwhile fails at once
+    with its log. The load balancer is asked only once every replica is healthy: nginx counts a loading replica's 503
+    as a failure and would shut it out for fail_timeout (30 s) after three of them."""
     start = last_report = time.monotonic()
-    pending: dict[str, Member] = {m.name: m for m in d.members}
+    pending: dict[str, Member] = {m.name: m for m in (only or d.members)}
     states: dict[str, str] = {}
     while True:
         seen = rt.observe(d.name)

@@ -31,7 +31,7 @@ from pathlib import Path
 from .. import cpulist, topology
 from ..errors import RuntimeFailure
 from ..render import nginx
-from . import Change, Observed, Say, atomic, preflight
+from . import Change, Observed, Ready, Say, atomic, preflight
 from .deployment import Deployment, Member, probe_host
 from .state import Process, State, StateDir
 
@@ -50,7 +50,7 @@ class LocalRuntime:
 
     # --- up ----------------------------------------------------------------------------------------------------
 
-    def apply(self, d: Deployment, change: Change, say: Say) -> None:
+    def apply(self, d: Deployment, change: Change, say: Say, ready: Ready) -> None:
         if importlib.util.find_spec("engine") is None or importlib.util.find_spec("torch") is None:
             raise RuntimeFailure("the local runtime runs the bundled engine, which is not installed here",
                                  hint="pip install 'deploykit[engine]' (and torch==2.13.0), or use Docker: "
@@ -67,11 +67,17 @@ class LocalRuntime:
                 state = state.without(p.name)
         preflight.ports_free(d, d.members, {p.port for p in live.values()})
         lb = _lb_kind() if d.plan.serving.load_balancer else None
+        planned = {}
         for m in d.members:
-            argv, cpus = self._command(d, m, lb)
+            argv, cpus, conf = self._command(d, m, lb)
             env = self._env(d, m)
             secret = {k: d.secret(env[k]) for k, v in m.container.env if v is None}
-            digest = d.config_hash(m, {"argv": argv, "cpus": cpus, "env": {**dict(m.container.env), **secret}})
+            planned[m.name] = (argv, cpus, env, d.config_hash(
+                m, {"argv": argv, "cpus": cpus, "env": {**dict(m.container.env), **secret}, "nginx.conf": conf}))
+        lb_name = next((m.name for m in d.members if m.replica is None), None)
+        lb_stays = lb_name in live and live[lb_name].config_hash == planned[lb_name][3]
+        for m in d.members:
+            argv, cpus, env, digest = planned[m.name]
             old = live.pop(m.name, None)
             if old is not None and old.config_hash == digest:
                 change.kept.append(m.name)
@@ -89,6 +95,9 @@ class LocalRuntime:
                 state = state.with_process(p)
                 d.state.save(state)  # at once: a crash of `up` from here on still leaves the process findable
             say(f"{m.name}: started pid {p.pid} on port {p.port} ({_placement(m, cpus)}); log {p.log}")
+            if old is not None and lb_stays:  # a rolling update: the load balancer serves from the others
+                say(f"{m.name}: waiting until it is healthy before replacing the next one")
+                ready(m)
         for old in live.values():
             say(f"{old.name}: stopping pid {old.pid}, it is no longer in the plan")
             self._stop([old])
@@ -172,20 +181,22 @@ class LocalRuntime:
 
     # --- processes ----------------------------------------------------------------------------------------------
 
-    def _command(self, d: Deployment, m: Member, lb: str | None) -> tuple[list[str], list[int]]:
+    def _command(self, d: Deployment, m: Member, lb: str | None) -> tuple[list[str], list[int], str | None]:
+        """argv, CPU affinity, and for nginx the text of its configuration (which the argv only names)."""
         host = d.plan.serving.publish_address.strip("[]")
         cpus = list(cpulist.parse(m.container.cpuset)) if m.container.cpuset else []
         if m.replica is not None:
             return [sys.executable, "-m", "engine", "serve", d.model, "--plan", str(d.rendered("plan.json")),
-                    "--replica", str(m.replica), "--host", host, "--port", str(m.port)], cpus
+                    "--replica", str(m.replica), "--host", host, "--port", str(m.port)], cpus, None
         backend = probe_host(d.plan.serving.publish_address)
         backends = [f"[{backend}]:{r.port}" if ":" in backend else f"{backend}:{r.port}" for r in d.plan.replicas]
         listen = f"[{host}]:{m.port}" if ":" in host else f"{host}:{m.port}"
         if lb == "nginx":
             conf = self._nginx_conf(d, backends, listen)
-            return [shutil.which("nginx") or "nginx", "-p", str(conf.parent), "-c", str(conf), "-e", "stderr"], cpus
+            return ([shutil.which("nginx") or "nginx", "-p", str(conf.parent), "-c", str(conf), "-e", "stderr"], cpus,
+                    conf.read_text())
         return [sys.executable, "-m", "deploykit.runtime.proxy", "--listen", listen,
-                *(a for b in backends for a in ("--backend", b))], cpus
+                *(a for b in backends for a in ("--backend", b))], cpus, None
 
     def _nginx_conf(self, d: Deployment, backends: list[str], listen: str) -> Path:
         where = d.state.path / "nginx"

@@ -24,7 +24,7 @@ import pytest
 from deploykit import cpulist
 from deploykit.plan import Plan
 from deploykit.render.container import containers
-from tests.runtime.helpers import ROOT, deploykit, free_port, port_free, spec_file
+from tests.runtime.helpers import ROOT, Load, deploykit, free_port, port_free, spec_file
 
 try:
     from . import render_image
@@ -200,11 +200,15 @@ def test_logs(deployed):
     assert follow.returncode == 130 and f"{NAME}-lb | " in out and "POST /v1/chat/completions" in out, out
 
 
-def test_a_changed_spec_replaces_the_replicas_and_keeps_nginx(deployed):
+def test_a_changed_spec_replaces_the_replicas_one_at_a_time_and_keeps_nginx_serving(deployed):
     before = _ids(NAME)
     deployed.spec.write_text(deployed.spec.read_text().replace("max_num_seqs: 4", "max_num_seqs: 2"))
-    r = deploykit("up", deployed.spec, env=deployed.env, timeout=UP_TIMEOUT)
+    with Load(deployed.port, NAME, KEY, retries=0, keepalive=False) as load:  # no retries: nginx hides the update
+        r = deploykit("up", deployed.spec, env=deployed.env, timeout=UP_TIMEOUT)
     assert r.returncode == 0, r.stderr
+    assert load.errors == [] and load.ok > 0, load.errors[:3]
+    rolled = r.stderr.index(f"{NAME}-0: waiting until it is healthy"), r.stderr.index(f"{NAME}-1: stopping")
+    assert rolled[0] < rolled[1]  # replica 1 went only once the new replica 0 served
     after = _ids(NAME)
     assert after[f"{NAME}-lb"] == before[f"{NAME}-lb"]
     assert all(after[f"{NAME}-{i}"] != before[f"{NAME}-{i}"] for i in (0, 1))
@@ -218,7 +222,8 @@ def test_a_port_held_by_another_deployment_is_named_before_anything_starts(deplo
     spec = spec_file(tmp_path / "clash.yaml", FAILING, deployed.model, deployed.port, cpus=["1"], image=deployed.image)
     r = deploykit("up", spec, "--runtime", "docker", env=deployed.env)
     assert r.returncode == 7, r.stderr
-    assert f"port {deployed.port} on 127.0.0.1 is already in use by container {NAME}-lb of deployment {NAME}" in r.stderr
+    held = f"port {deployed.port} on 127.0.0.1 is already in use by container {NAME}-lb of deployment {NAME}"
+    assert held in r.stderr
     assert "Step 1/" not in r.stderr and _labelled(FAILING) == ([], [])
 
 

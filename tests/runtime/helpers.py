@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import yaml
@@ -52,3 +53,36 @@ def spec_file(path: Path, name: str, model: Path, port: int, cpus: list[str] | N
 def deploykit(*args, env: dict | None = None, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "deploykit.cli", *map(str, args)], capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, **(env or {})}, timeout=timeout, **kw)
+
+
+class Load:
+    """Chat completions one after another through `port` until stopped: what clients see during an update."""
+
+    def __init__(self, port: int, model: str, api_key: str, retries: int, keepalive: bool = True):
+        """keepalive=False: a new connection per request, so a server closing an idle keep-alive connection just as
+        the next request goes out (a race of every HTTP/1.1 client, not of the update) cannot count as a failure."""
+        import httpx
+        import openai
+        limits = httpx.Limits(max_keepalive_connections=None if keepalive else 0)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key, max_retries=retries,
+                                    timeout=60, http_client=httpx.Client(limits=limits, timeout=60))
+        self.model, self.ok, self.errors = model, 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.client.chat.completions.create(model=self.model, max_tokens=4,
+                                                    messages=[{"role": "user", "content": "Hi"}])
+                self.ok += 1
+            except Exception as e:  # recorded, not raised: the test asserts on all of them
+                self.errors.append(repr(e))
+
+    def __enter__(self) -> "Load":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(120)
