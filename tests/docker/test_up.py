@@ -24,7 +24,7 @@ import pytest
 from deploykit import cpulist
 from deploykit.plan import Plan
 from deploykit.render.container import containers
-from tests.runtime.helpers import ROOT, Load, deploykit, free_port, port_free, spec_file
+from tests.runtime.helpers import ROOT, Load, corrupt_copy, deploykit, free_port, port_free, spec_file
 
 try:
     from . import render_image
@@ -241,14 +241,7 @@ def test_a_model_the_containers_uid_cannot_read(deployed, tmp_path):
 
 def test_a_failed_update_brings_the_previous_containers_back(deployed, tmp_path):
     before = _ids(NAME)
-    model = tmp_path / "corrupt"
-    model.mkdir(mode=0o755)
-    for f in deployed.model.iterdir():
-        (model / f.name).write_bytes(f.read_bytes())
-        (model / f.name).chmod(0o644)
-    weights = model / "model.safetensors"
-    data = weights.read_bytes()
-    weights.write_bytes(data[:8 + int.from_bytes(data[:8], "little") + 16])  # header intact, tensors cut off
+    model = corrupt_copy(deployed.model, tmp_path / "corrupt")
     broken = tmp_path / "broken.yaml"
     broken.write_text(deployed.spec.read_text().replace(str(deployed.model), str(model)))
     r = deploykit("up", broken, env=deployed.env, timeout=UP_TIMEOUT)
@@ -288,14 +281,7 @@ def failing(deployed, tmp_path):
 
 
 def test_a_corrupt_model_fails_with_the_engines_error_and_leaves_nothing(deployed, failing):
-    model = failing / "corrupt"
-    model.mkdir(mode=0o755)
-    for f in deployed.model.iterdir():
-        (model / f.name).write_bytes(f.read_bytes())
-        (model / f.name).chmod(0o644)
-    weights = model / "model.safetensors"
-    data = weights.read_bytes()
-    weights.write_bytes(data[:8 + int.from_bytes(data[:8], "little") + 16])  # header intact, tensors cut off
+    model = corrupt_copy(deployed.model, failing / "corrupt")
     port = free_port(3)
     spec = spec_file(failing / "spec.yaml", FAILING, model, port, image=deployed.image)
     r = deploykit("up", spec, "--runtime", "docker", "--timeout", "600", env=deployed.env, timeout=UP_TIMEOUT)

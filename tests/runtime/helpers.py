@@ -55,6 +55,19 @@ def deploykit(*args, env: dict | None = None, timeout: float = 600, **kw) -> sub
                           cwd=ROOT, env={**os.environ, **(env or {})}, timeout=timeout, **kw)
 
 
+def corrupt_copy(model: Path, dest: Path) -> Path:
+    """A copy of `model` (readable by anyone, as containers need) whose safetensors header, all that planning
+    reads, is intact and whose tensors are cut off: only the engine, loading it, finds out."""
+    dest.mkdir(mode=0o755)
+    for f in model.iterdir():
+        (dest / f.name).write_bytes(f.read_bytes())
+        (dest / f.name).chmod(0o644)
+    weights = dest / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:8 + int.from_bytes(data[:8], "little") + 16])
+    return dest
+
+
 class Load:
     """Chat completions one after another through `port` until stopped: what clients see during an update."""
 

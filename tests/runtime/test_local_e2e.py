@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from deploykit.runtime.local import MARKER
-from tests.runtime.helpers import ROOT, Load, deploykit, free_port, port_free, spec_file
+from tests.runtime.helpers import ROOT, Load, corrupt_copy, deploykit, free_port, port_free, spec_file
 
 pytestmark = pytest.mark.slow
 NAME = "dkloc"
@@ -196,14 +196,7 @@ def test_down_leaves_nothing(local):
 
 
 def test_a_corrupt_model_fails_with_the_engines_error_and_leaves_nothing(tmp_path, tiny_model):
-    model = tmp_path / "corrupt"
-    model.mkdir()
-    for f in tiny_model.iterdir():
-        (model / f.name).write_bytes(f.read_bytes())
-    weights = model / "model.safetensors"
-    data = weights.read_bytes()
-    header = 8 + int.from_bytes(data[:8], "little")
-    weights.write_bytes(data[:header + 16])  # the header (what planning reads) intact, the tensors cut off
+    model = corrupt_copy(tiny_model, tmp_path / "corrupt")
     port = free_port(3)
     spec = spec_file(tmp_path / "spec.yaml", "dkbad", model, port)
     env = {"DEPLOYKIT_STATE_DIR": str(tmp_path / "state"), "DEPLOYKIT_LOCAL_LB": "builtin"}
