@@ -178,6 +178,51 @@ def _doctor(args: argparse.Namespace) -> int:
     return command.run(args)
 
 
+RUNTIME = arg("--runtime", choices=("auto", "docker", "local"), default=None,
+              help="docker (the Docker Engine API) or local (processes); default: the deployment's own runtime, else "
+                   "Docker when it answers, else local")
+STATE_DIR = arg("--state-dir", metavar="DIR", help="where deployments keep their rendered files, state and logs "
+                                                   "(default $DEPLOYKIT_STATE_DIR, else ~/.local/state/deploykit)")
+TARGET = arg("target", nargs="?", metavar="SPEC|NAME", help="a spec file or a deployment name (default: the only "
+                                                            "deployment that is up)")
+
+
+@cli.command("up", "start (or update) a deployment and wait until it is healthy", SPEC, RUNTIME, STATE_DIR,
+             arg("--timeout", type=float, default=900, metavar="SECONDS",
+                 help="how long replicas may take to become healthy (default 900)"),
+             arg("--keep-on-failure", action="store_true", help="leave a failed deployment as it is, to inspect it"))
+def _up(args: argparse.Namespace) -> int:
+    from .runtime import lifecycle
+    _, _, plan = load_plan(args.spec, None)
+    return lifecycle.up(plan, args.spec, runtime=args.runtime or "auto", state_dir=args.state_dir,
+                        timeout=args.timeout, keep_on_failure=args.keep_on_failure)
+
+
+@cli.command("down", "stop and remove a deployment's containers or processes (and its network)", TARGET, RUNTIME,
+             STATE_DIR, arg("--volumes", action="store_true", help="also remove its volumes and state directory"))
+def _down(args: argparse.Namespace) -> int:
+    from .runtime import lifecycle
+    return lifecycle.down(args.target, runtime=args.runtime, state_dir=args.state_dir, volumes=args.volumes)
+
+
+@cli.command("status", "per replica: state, health, planned vs engine CPUs and NUMA nodes, load, tokens/s", TARGET,
+             RUNTIME, STATE_DIR, arg("--format", choices=("table", "json"), default="table"),
+             arg("--interval", type=float, default=1.0, metavar="SECONDS", help="tokens/s sampling window"))
+def _status(args: argparse.Namespace) -> int:
+    from .runtime import lifecycle
+    return lifecycle.status(args.target, runtime=args.runtime, state_dir=args.state_dir, fmt=args.format,
+                            interval=args.interval)
+
+
+@cli.command("logs", "show a deployment's logs (every replica, or one)", TARGET,
+             arg("replica", nargs="?", help="replica index, 'lb', or a member name"), RUNTIME, STATE_DIR,
+             arg("-f", "--follow", action="store_true"), arg("--tail", type=int, metavar="N", help="last N lines"))
+def _logs(args: argparse.Namespace) -> int:
+    from .runtime import lifecycle
+    return lifecycle.logs(args.target, args.replica, runtime=args.runtime, state_dir=args.state_dir,
+                          follow=args.follow, tail=args.tail)
+
+
 def main(argv: list[str] | None = None) -> int:
     return cli.main(argv)
 

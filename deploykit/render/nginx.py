@@ -17,6 +17,12 @@ MAX_BODY = "4m"  # the engine's own request limit: a larger body would pass here
 
 def file(plan: Plan) -> File:
     """Upstreams are replica names: compose service names and run.sh container names are the same."""
-    text = template("nginx.conf.j2", plan=plan, servers=[r.name for r in plan.replicas], max_fails=MAX_FAILS,
-                    fail_timeout=FAIL_TIMEOUT, read_timeout=READ_TIMEOUT, max_body=MAX_BODY)
-    return File("nginx.conf", text.encode())
+    port = plan.serving.port
+    return File("nginx.conf", text(plan, [f"{r.name}:{port}" for r in plan.replicas], str(port), "/tmp").encode())
+
+
+def text(plan: Plan, servers: list[str], listen: str, tmp: str, user: str | None = None) -> str:
+    """`servers` as host:port; `listen` as nginx writes it (port, or address:port); `tmp` holds the pid and temp
+    files. The local runtime renders its own copy (replicas on loopback ports, files in its state directory)."""
+    return template("nginx.conf.j2", plan=plan, servers=servers, listen=listen, tmp=tmp, user=user,
+                    max_fails=MAX_FAILS, fail_timeout=FAIL_TIMEOUT, read_timeout=READ_TIMEOUT, max_body=MAX_BODY)

@@ -1,0 +1,324 @@
+"""`deploykit up / status / logs / down` against the real Docker engine on this 2-CPU machine: two single-CPU
+replicas behind nginx, a chat completion from the `openai` client, every plan setting on the containers, `up` twice
+changes nothing (same container ids), a changed spec replaces only the replicas, a second deployment is untouched by
+the first's `down`, and `down` leaves no container or network. Failure paths: a corrupt model (the engine's own error,
+non-zero exit, nothing left), a failing image build (the failing step shown), Ctrl-C during `up`.
+
+The image is built by `up` itself (offline: the host wheelhouse of render_image.py, on deploykit-base:bookworm).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+from deploykit import cpulist
+from deploykit.plan import Plan
+from deploykit.render.container import containers
+from tests.runtime.helpers import ROOT, Load, corrupt_copy, deploykit, free_port, port_free, spec_file
+
+try:
+    from . import render_image
+except ImportError:
+    import render_image
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+NAME, OTHER, FAILING = "dkup", "dkup2", "dkupfail"
+IMAGE_NAME = "deploykit-up-test"
+KEY = "docker-test-key"  # the spec names the variable; the value reaches the containers from the environment
+UP_TIMEOUT = 3600  # the first run builds the engine image (torch install, kernel compile): minutes
+
+
+@dataclass
+class Deployed:
+    spec: Path
+    env: dict
+    port: int
+    state: Path
+    model: Path
+    first_up: subprocess.CompletedProcess
+    image: dict
+
+    @property
+    def plan(self) -> Plan:
+        return Plan.from_json((self.state / NAME / "rendered" / "plan.json").read_text())
+
+
+def _client():
+    import docker
+    return docker.from_env(timeout=300)
+
+
+def _labelled(name: str) -> tuple[list, list]:
+    c = _client()
+    flt = {"label": f"deploykit.deployment={name}"}
+    return c.containers.list(all=True, filters=flt), c.networks.list(filters=flt)
+
+
+def _ids(name: str) -> dict[str, str]:
+    return {c.name: c.id for c in _labelled(name)[0]}
+
+
+def _chat(port: int, model: str = NAME) -> str:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello!"}], max_tokens=8)
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    return reply.choices[0].message.content
+
+
+def _model(base: Path) -> Path:
+    """A tiny random-weight model readable by the containers' UID (pytest's temp dirs are 0700)."""
+    model = base / "model"
+    subprocess.run([sys.executable, "-m", "engine", "tiny-model", str(model)], check=True, capture_output=True,
+                   cwd=ROOT, timeout=300)
+    model.chmod(0o755)
+    for f in model.iterdir():
+        f.chmod(0o644)
+    return model
+
+
+def _remove_images(built_for: str) -> None:
+    c = _client()
+    for image in c.images.list(filters={"label": f"deploykit.image-built-for={built_for}"}):
+        for tag in image.tags:
+            try:
+                c.images.remove(tag)
+            except Exception:  # in use, or already gone
+                pass
+
+
+@pytest.fixture(scope="module")
+def deployed(docker, base_image, tmp_path_factory):
+    base = tmp_path_factory.mktemp("up")
+    model = _model(base)
+    port = free_port(3)
+    image = {"name": IMAGE_NAME, "tag": "t", "base": base_image, "wheelhouse": str(render_image.wheelhouse())}
+    spec = spec_file(base / "spec.yaml", NAME, model, port, image=image, serving={"api_key": {"env": "DKUP_KEY"}})
+    env = {"DEPLOYKIT_STATE_DIR": str(base / "state"), "DKUP_KEY": KEY}
+    start = time.monotonic()
+    r = deploykit("up", spec, "--runtime", "docker", env=env, timeout=UP_TIMEOUT)
+    print(f"first deploykit up: {time.monotonic() - start:.0f}s", file=sys.stderr)
+    try:
+        assert r.returncode == 0, r.stderr[-6000:]
+        yield Deployed(spec, env, port, base / "state", model, r, image)
+    finally:
+        deploykit("down", NAME, "--volumes", env=env)
+        deploykit("down", OTHER, "--volumes", env=env)
+
+
+def test_up_serves_a_chat_completion_through_nginx(deployed):
+    out = deployed.first_up.stdout
+    assert f"endpoint: http://127.0.0.1:{deployed.port}/v1" in out and "curl -s" in out and "OpenAI(" in out
+    err = deployed.first_up.stderr
+    assert "runtime: docker" in err and ("Step 1/" in err or "up to date" in err)  # built here, or by an earlier run
+    assert isinstance(_chat(deployed.port), str)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{deployed.port}/v1", api_key=KEY, max_retries=0)
+    stream = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                            stream=True, extra_body={"ignore_eos": True})
+    assert len([c for c in stream if c.choices and c.choices[0].delta.content]) >= 2
+
+
+def test_each_replica_container_runs_on_its_own_cpu(deployed):
+    c = _client()
+    for r in deployed.plan.replicas:
+        status = c.containers.get(r.name).exec_run(["cat", "/proc/1/status"]).output.decode()
+        line = next(x for x in status.splitlines() if x.startswith("Cpus_allowed_list:"))
+        assert line.split()[1] == cpulist.format(r.cpus) == str(r.index)
+
+
+def test_every_plan_setting_reaches_the_containers(deployed):
+    c = _client()
+    rendered = deployed.state / NAME / "rendered"
+    profile = (rendered / "seccomp.json").read_text()
+    for want in containers(deployed.plan):
+        a = c.containers.get(want.name).attrs
+        hc, cfg = a["HostConfig"], a["Config"]
+        assert hc["CpusetCpus"] == (want.cpuset or "") and hc["CpusetMems"] == (want.mems or "")
+        assert hc["Memory"] == hc["MemorySwap"] == want.memory
+        assert hc["CapDrop"] == ["ALL"] and (hc["CapAdd"] or []) == list(want.caps_add)
+        assert hc["SecurityOpt"] == ["no-new-privileges", "seccomp=" + profile]
+        assert hc["ReadonlyRootfs"] is want.read_only
+        assert hc["Tmpfs"] == dict([want.tmpfs.split(":", 1)])
+        assert hc["RestartPolicy"]["Name"] == "unless-stopped"
+        assert cfg["User"] == want.user and cfg["StopTimeout"] == want.stop_seconds
+        assert cfg.get("StopSignal") == want.stop_signal
+        assert all(b.endswith(":ro") for b in hc["Binds"])
+        assert {b.split(":")[1] for b in hc["Binds"]} == {m.target for m in want.mounts}
+        labels = cfg["Labels"]
+        assert labels["deploykit.deployment"] == NAME and labels["deploykit.replica"] == dict(want.labels)[
+            "deploykit.replica"] and len(labels["deploykit.config-hash"]) == 16
+        env = dict(e.split("=", 1) for e in cfg["Env"])
+        for k, v in want.env:
+            assert env[k] == (KEY if v is None else v)  # None: passed by name from the caller's environment
+
+
+def test_up_again_changes_nothing(deployed):
+    before = _ids(NAME)
+    r = deploykit("up", deployed.spec, env=deployed.env, timeout=UP_TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    assert _ids(NAME) == before and len(before) == 3
+    assert "runtime: docker" in r.stderr  # auto keeps the deployment on its runtime
+    assert "0 started, 3 unchanged" in r.stderr and "up to date" in r.stderr
+
+
+def test_status_shows_both_replicas_healthy(deployed):
+    r = deploykit("status", NAME, "--format", "json", env=deployed.env)
+    assert r.returncode == 0, r.stderr
+    rows = {m["member"]: m for m in json.loads(r.stdout)["members"]}
+    for rep in deployed.plan.replicas:
+        row = rows[rep.name]
+        assert (row["state"], row["health"]) == ("running", "healthy")
+        assert row["plan_cpus"] == row["engine_cpus"] == row["runtime_cpus"] == str(rep.index)
+        assert row["engine_mems"].startswith(cpulist.format(rep.mems))
+        assert isinstance(row["tokens_per_s"], float) and row["running"] == 0
+    assert rows[f"{NAME}-lb"]["health"] == "healthy" and rows[f"{NAME}-lb"]["state"] == "running"
+
+
+def test_logs(deployed):
+    r = deploykit("logs", NAME, "0", "--tail", "200", env=deployed.env)
+    assert r.returncode == 0 and "engine ready" in r.stdout, r.stdout[-2000:]
+    r = deploykit("logs", NAME, "lb", env=deployed.env)
+    assert r.returncode == 0 and "POST /v1/chat/completions" in r.stdout, r.stdout[-2000:]
+    follow = subprocess.Popen([sys.executable, "-m", "deploykit.cli", "logs", NAME, "-f", "--tail", "0"], cwd=ROOT,
+                              env={**os.environ, **deployed.env}, stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2)
+        _chat(deployed.port)
+        time.sleep(2)
+    finally:
+        follow.send_signal(signal.SIGINT)
+    out, _ = follow.communicate(timeout=30)
+    assert follow.returncode == 130 and f"{NAME}-lb | " in out and "POST /v1/chat/completions" in out, out
+
+
+def test_a_changed_spec_replaces_the_replicas_one_at_a_time_and_keeps_nginx_serving(deployed):
+    before = _ids(NAME)
+    deployed.spec.write_text(deployed.spec.read_text().replace("max_num_seqs: 4", "max_num_seqs: 2"))
+    with Load(deployed.port, NAME, KEY, retries=0, keepalive=False) as load:  # no retries: nginx hides the update
+        r = deploykit("up", deployed.spec, env=deployed.env, timeout=UP_TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    assert load.errors == [] and load.ok > 0, load.errors[:3]
+    rolled = r.stderr.index(f"{NAME}-0: waiting until it is healthy"), r.stderr.index(f"{NAME}-1: stopping")
+    assert rolled[0] < rolled[1]  # replica 1 went only once the new replica 0 served
+    after = _ids(NAME)
+    assert after[f"{NAME}-lb"] == before[f"{NAME}-lb"]
+    assert all(after[f"{NAME}-{i}"] != before[f"{NAME}-{i}"] for i in (0, 1))
+    assert set(after) == {f"{NAME}-0", f"{NAME}-1", f"{NAME}-lb"}  # no *.replaced left behind
+    assert "reloaded" in r.stderr
+    for _ in range(4):  # both new replicas answer through the reloaded nginx
+        assert isinstance(_chat(deployed.port), str)
+
+
+def test_a_port_held_by_another_deployment_is_named_before_anything_starts(deployed, tmp_path):
+    spec = spec_file(tmp_path / "clash.yaml", FAILING, deployed.model, deployed.port, cpus=["1"], image=deployed.image)
+    r = deploykit("up", spec, "--runtime", "docker", env=deployed.env)
+    assert r.returncode == 7, r.stderr
+    held = f"port {deployed.port} on 127.0.0.1 is already in use by container {NAME}-lb of deployment {NAME}"
+    assert held in r.stderr
+    assert "Step 1/" not in r.stderr and _labelled(FAILING) == ([], [])
+
+
+def test_a_model_the_containers_uid_cannot_read(deployed, tmp_path):
+    model = tmp_path / "private"
+    model.mkdir(mode=0o700)  # root's, and the containers run as 10001
+    for f in deployed.model.iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    spec = spec_file(tmp_path / "private.yaml", FAILING, model, free_port(3), image=deployed.image)
+    r = deploykit("up", spec, "--runtime", "docker", env=deployed.env)
+    assert r.returncode == 4, r.stderr
+    assert "model files are not readable by UID 10001" in r.stderr and f"chmod -R a+rX {model}" in r.stderr
+    assert _labelled(FAILING) == ([], [])
+
+
+def test_a_failed_update_brings_the_previous_containers_back(deployed, tmp_path):
+    before = _ids(NAME)
+    model = corrupt_copy(deployed.model, tmp_path / "corrupt")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(deployed.spec.read_text().replace(str(deployed.model), str(model)))
+    r = deploykit("up", broken, env=deployed.env, timeout=UP_TIMEOUT)
+    assert r.returncode == 7 and "exited during start-up" in r.stderr, r.stderr[-4000:]
+    assert "the previous container is back" in r.stderr
+    assert _ids(NAME) == before
+    r = deploykit("up", deployed.spec, env=deployed.env, timeout=UP_TIMEOUT)  # waits for them to be healthy again
+    assert r.returncode == 0 and _ids(NAME) == before, r.stderr[-4000:]
+    assert isinstance(_chat(deployed.port), str)
+
+
+def test_a_second_deployment_is_untouched_by_the_first_down_and_down_leaves_nothing(deployed, tmp_path):
+    port2 = free_port(1)
+    spec2 = spec_file(tmp_path / "other.yaml", OTHER, deployed.model, port2, cpus=["1"], image=deployed.image)
+    r = deploykit("up", spec2, "--runtime", "docker", env=deployed.env, timeout=UP_TIMEOUT)
+    assert r.returncode == 0, r.stderr[-4000:]
+    other = _ids(OTHER)
+    assert len(other) == 1
+    r = deploykit("down", NAME, env=deployed.env)
+    assert r.returncode == 0, r.stderr
+    assert f"removed network {NAME}" in r.stdout
+    assert _labelled(NAME) == ([], [])
+    assert all(port_free(deployed.port + i) for i in range(3))
+    assert _ids(OTHER) == other
+    assert all(c.status == "running" for c in _labelled(OTHER)[0])
+    assert isinstance(_chat(port2, OTHER), str)
+    assert deploykit("down", OTHER, "--volumes", env=deployed.env).returncode == 0
+    assert _labelled(OTHER) == ([], []) and not (deployed.state / OTHER).exists()
+
+
+@pytest.fixture
+def failing(deployed, tmp_path):
+    """A third deployment name; its images are removed afterwards (it never comes up)."""
+    yield tmp_path
+    deploykit("down", FAILING, "--volumes", env=deployed.env)
+    _remove_images(FAILING)
+
+
+def test_a_corrupt_model_fails_with_the_engines_error_and_leaves_nothing(deployed, failing):
+    model = corrupt_copy(deployed.model, failing / "corrupt")
+    port = free_port(3)
+    spec = spec_file(failing / "spec.yaml", FAILING, model, port, image=deployed.image)
+    r = deploykit("up", spec, "--runtime", "docker", "--timeout", "600", env=deployed.env, timeout=UP_TIMEOUT)
+    assert r.returncode == 7, r.stderr[-4000:]
+    assert "exited during start-up" in r.stderr and "ERROR" in r.stderr.split("its last log lines")[1]
+    assert "undoing what this up started" in r.stderr
+    assert _labelled(FAILING) == ([], [])
+    assert all(port_free(port + i) for i in range(3))
+
+
+def test_ctrl_c_during_up_stops_cleanly(deployed, failing):
+    port = free_port(3)
+    spec = spec_file(failing / "spec.yaml", FAILING, deployed.model, port, image=deployed.image)
+    env = {**os.environ, **deployed.env}
+    proc = subprocess.Popen([sys.executable, "-m", "deploykit.cli", "up", str(spec), "--runtime", "docker"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + UP_TIMEOUT
+    while time.monotonic() < deadline and proc.poll() is None and not _labelled(FAILING)[0]:
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted: undoing" in err
+    assert _labelled(FAILING) == ([], [])
+
+
+def test_a_failing_image_build_shows_the_failing_step(deployed, failing):
+    wheels = failing / "wheels"
+    wheels.mkdir()
+    one = next(Path(deployed.image["wheelhouse"]).glob("PyYAML-*.whl"), None) or next(
+        Path(deployed.image["wheelhouse"]).glob("*.whl"))
+    (wheels / one.name).write_bytes(one.read_bytes())  # a wheelhouse missing almost every dependency
+    spec = spec_file(failing / "spec.yaml", FAILING, deployed.model, free_port(3),
+                     image={**deployed.image, "wheelhouse": str(wheels)})
+    r = deploykit("up", spec, "--runtime", "docker", env=deployed.env, timeout=UP_TIMEOUT)
+    assert r.returncode == 7, r.stderr[-3000:]
+    assert "failed at Step" in r.stderr and "pip install --no-index" in r.stderr
+    assert "No matching distribution" in r.stderr and "image.wheelhouse" in r.stderr
+    assert _labelled(FAILING) == ([], [])
