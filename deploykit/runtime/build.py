@@ -22,7 +22,7 @@ from ..errors import RuntimeFailure
 from ..plan import Plan
 
 Say = Callable[[str], None]
-SOURCES = ("pyproject.toml", "README.md", "deploykit", "engine", "images")  # what the deploykit wheel is built from
+SOURCES = ("pyproject.toml", "README.md", "deploykit", "engine", "images", "charts")  # what the deploykit wheel is built from
 BUILD_FILES = ("Dockerfile", ".dockerignore", "entrypoint.sh")
 _NOT_SOURCE = (".pyc", ".so", ".o")
 INPUTS_LABEL = "deploykit.image-inputs"

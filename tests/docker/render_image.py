@@ -20,10 +20,11 @@ import time
 import tomllib
 from pathlib import Path
 
+from deploykit.runtime.build import SOURCES
+
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("DEPLOYKIT_TEST_CACHE", Path.home() / ".cache" / "deploykit-tests"))
 IMAGE_REPO = "deploykit-e2e"
-SOURCES = ("pyproject.toml", "README.md", "deploykit", "engine", "images", "charts")
 BUILD_FILES = ("Dockerfile", ".dockerignore", "entrypoint.sh", "build.sh")
 TIMINGS: dict[str, float] = {}  # what this process built and how long it took (seconds), for reports
 

@@ -22,6 +22,7 @@ import pytest
 
 from deploykit.doctor import fixes
 from deploykit.render import seccomp
+from deploykit.runtime import build
 
 from tests.docker import render_image
 from tests.docker.conftest import TEST_LABEL
@@ -42,7 +43,7 @@ def bundle() -> bytes:
     wheels = render_image.wheelhouse()
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name in ("pyproject.toml", "README.md", "deploykit", "images", "engine"):
+        for name in build.SOURCES:
             tar.add(REPO / name, arcname=f"src/{name}",
                     filter=lambda t: None if "__pycache__" in t.name or t.name.endswith((".so", ".pyc")) else t)
         for whl in sorted(wheels.glob("*.whl")):

@@ -266,7 +266,8 @@ def _binding_in_container(ref: str, model: Path, port: int, out: Path, flags: li
             "--read-only", "--tmpfs", "/tmp:rw,nosuid,nodev,size=1g", "--user", "10001:10001",
             "--volume", f"{model}:/model:ro", "--publish", f"127.0.0.1:{port}:8000",
             "--env", "DEPLOYKIT_CPUS=auto", "--env", "DEPLOYKIT_KV_CACHE=64MiB", "--env", "DEPLOYKIT_MAX_MODEL_LEN=512",
-            *flags, "--entrypoint", "python", ref, "-m", "engine", "serve", "/model", "--port", "8000")
+            *flags, "--entrypoint", "python", ref,
+            "-m", "engine", "serve", "/model", "--host", "0.0.0.0", "--port", "8000")  # the chart's command
     try:
         _wait_healthy(f"http://127.0.0.1:{port}/health", name, _logs(name))
         return json.loads(_get(f"http://127.0.0.1:{port}/debug/binding")[1])["engine"]
