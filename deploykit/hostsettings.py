@@ -140,9 +140,9 @@ def read_with_sources(sysroot: str | Path = "/") -> tuple[HostSettings, tuple[st
                                 hint="take the snapshot again with `deploykit topology snapshot`") from None
     thp = _bracketed(r.text(THP_ENABLED))
     settings = HostSettings(
-        numa_balancing=_int(r.text(NUMA_BALANCING)), thp_enabled=thp, thp_defrag=_bracketed(r.text(THP_DEFRAG)),
-        seccomp_mode=_int(status.get("Seccomp")), no_new_privs=_bool(status.get("NoNewPrivs")),
-        cap_eff=_hex(status.get("CapEff")), env=tuple(sorted(parse_environ(raw_env).items())),
+        numa_balancing=int_field(r.text(NUMA_BALANCING)), thp_enabled=thp, thp_defrag=_bracketed(r.text(THP_DEFRAG)),
+        seccomp_mode=int_field(status.get("Seccomp")), no_new_privs=_bool(status.get("NoNewPrivs")),
+        cap_eff=hex_field(status.get("CapEff")), env=tuple(sorted(parse_environ(raw_env).items())),
         ld_so_preload=preload, probe=result, live=live, env_known=env_known)
     return settings, tuple(sorted(r.seen))
 
@@ -153,14 +153,16 @@ def _bracketed(text: str | None) -> str | None:
     return m.group(1) if m else None
 
 
-def _int(text: str | None) -> int | None:
+def int_field(text: str | None) -> int | None:
+    """A decimal /proc or /sys value, None when absent or not a number."""
     try:
         return int((text or "").strip())
     except ValueError:
         return None
 
 
-def _hex(text: str | None) -> int | None:
+def hex_field(text: str | None) -> int | None:
+    """A hexadecimal /proc value (CapEff: '000001ffffffffff'), None when absent or malformed."""
     try:
         return int((text or "").strip(), 16)
     except ValueError:
@@ -168,5 +170,5 @@ def _hex(text: str | None) -> int | None:
 
 
 def _bool(text: str | None) -> bool | None:
-    value = _int(text)
+    value = int_field(text)
     return None if value is None else bool(value)

@@ -108,7 +108,8 @@ def read(pid: int) -> Proc:
         uid=int(status.get("Uid", "0").split()[0]), threads=tuple(_threads(base)),
         libraries=private("maps", _libraries), env=private("environ", lambda p: hostsettings.parse_environ(
             p.read_bytes())), numa_pages=private("numa_maps", _numa_pages),
-        seccomp=_int(status.get("Seccomp")), cap_eff=_hex(status.get("CapEff")),
+        seccomp=hostsettings.int_field(status.get("Seccomp")),
+        cap_eff=hostsettings.hex_field(status.get("CapEff")),
         mems_allowed=cpulist.parse(status.get("Mems_allowed_list", "") or "0"), unreadable=tuple(unreadable))
 
 
@@ -209,17 +210,3 @@ class _One:
 
 
 _ONE = _One()
-
-
-def _int(text: str | None) -> int | None:
-    try:
-        return int((text or "").strip())
-    except ValueError:
-        return None
-
-
-def _hex(text: str | None) -> int | None:
-    try:
-        return int((text or "").strip(), 16)
-    except ValueError:
-        return None
