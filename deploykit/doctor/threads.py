@@ -188,23 +188,37 @@ def _smt(procs, use, topo: Topology) -> Finding:
 
 
 WAITING = 0.25  # runnable but not running for this share of the window: the thread waits for a CPU
+OWN_SLACK = 0.5  # CPUs of demand above the allowed ones before the process itself is the one oversubscribing
 
 
 def _oversubscribed(procs, use, wait) -> Finding:
-    """Threads that wanted a CPU and waited for one (schedstat's run-queue time), the direct sign of more compute
-    threads than CPUs; a background thread at a few percent never counts."""
+    """Threads that wanted a CPU and waited for one (schedstat's run-queue time). Whose fault it is decides the
+    verdict: when the process's own demand (each thread's ran + waited share) exceeds the CPUs those threads may use,
+    it has more compute threads than CPUs; when it does not, other processes took the CPUs (a shared host or a
+    neighbour on the same cpuset). A background thread at a few percent never counts."""
     waiting = [(p, t, use[p.pid].get(t.tid, 0.0), wait[p.pid].get(t.tid, 0.0)) for p in procs for t in p.threads
                if wait[p.pid].get(t.tid, 0.0) >= WAITING]
-    if len(waiting) >= 2:
-        union = sorted({c for _, t, _, _ in waiting for c in t.allowed})
-        share = sum(w for *_, w in waiting) / len(waiting)
-        return Finding("threads.oversubscribed", FAIL, f"{len(waiting)} threads on CPU(s) {cpulist.format(union)} "
-                       f"spent {share:.0%} of the time waiting for a CPU",
-                       evidence=tuple(f"tid {t.tid} ({t.name}): ran {u:.0%}, waited {w:.0%}, allowed "
-                                      f"{cpulist.format(t.allowed)}" for _, t, u, w in waiting[:8]),
+    if len(waiting) < 2:
+        return Finding("threads.oversubscribed", OK, "no thread kept waiting for a CPU")
+    union = sorted({c for _, t, _, _ in waiting for c in t.allowed})
+    share = sum(w for *_, w in waiting) / len(waiting)
+    demand = sum(min(1.0, use[p.pid].get(t.tid, 0.0) + wait[p.pid].get(t.tid, 0.0))
+                 for p in procs for t in p.threads if set(t.allowed) & set(union))
+    title = f"{len(waiting)} threads on CPU(s) {cpulist.format(union)} spent {share:.0%} of the time waiting for a CPU"
+    evidence = tuple(f"tid {t.tid} ({t.name}): ran {u:.0%}, waited {w:.0%}, allowed {cpulist.format(t.allowed)}"
+                     for _, t, u, w in waiting[:8])
+    evidence += (f"this process tree wanted {demand:.2f} CPUs (ran + waited) of the {len(union)} its waiting threads "
+                 f"may use",)
+    if demand > len(union) + OWN_SLACK:
+        return Finding("threads.oversubscribed", FAIL, title, evidence=evidence,
                        cause="more compute threads than CPUs: every OpenMP barrier waits for a descheduled thread",
                        fix=("OMP_NUM_THREADS = the physical cores the process may use, one thread pinned to each",))
-    return Finding("threads.oversubscribed", OK, "no thread kept waiting for a CPU")
+    return Finding("threads.oversubscribed", WARN, title + ": other processes ran on them", evidence=evidence,
+                   cause=f"the process asked for no more than its {len(union)} CPU(s); the waiting is other work "
+                         "sharing them, so speed depends on the neighbours",
+                   fix=("give the deployment CPUs of its own: a cpuset nothing else uses (deploykit's placement "
+                        "with placement.reserved_cpus for the rest of the host; on Kubernetes, Guaranteed pods "
+                        "with integer CPUs under the static CPU manager policy)",))
 
 
 def _throttled(ctx: Context, used: float, seconds: float) -> Finding | None:

@@ -146,6 +146,23 @@ def test_a_sound_process_has_nothing_critical():
     assert finding(rep, "threads.busy")["title"].startswith("2 of ")
 
 
+def test_neighbours_on_the_same_cpus_are_not_the_process_s_fault():
+    """Two OpenMP threads on two CPUs is sound; two other busy processes on the same CPUs make them wait. doctor
+    says the CPUs are shared (a warning: isolate the deployment), not that the process has too many threads."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    w = Workload(env=clean_env(OMP_NUM_THREADS="2"))
+    try:
+        code, rep, _ = doctor(w.proc.pid)
+    finally:
+        w.close()
+        for sp in spinners:
+            sp.kill()
+            sp.wait()
+    over = finding(rep, "threads.oversubscribed")
+    assert over["level"] == "warn" and over["title"].endswith(": other processes ran on them"), over
+    assert "threads.oversubscribed" not in fails(rep) and code == 0, rep
+
+
 def test_another_users_process_is_a_clear_partial_report():
     """As an unprivileged user, a root process's environ, maps and numa_maps are private: doctor says so and
     judges what it can read (the threads)."""

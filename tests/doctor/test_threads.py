@@ -29,12 +29,14 @@ def proc(pid, ppid, name, threads, *, libs=(TORCH_GOMP,), env=None, pages=None) 
                 env=env or {}, numa_pages=pages, seccomp=0, cap_eff=0, mems_allowed=(0, 1), unreadable=())
 
 
-def sample(before: list[Proc], busy: dict[int, float], seconds: float = 2.0) -> Sample:
-    """`after` = `before` with each thread's CPU time advanced by busy[tid] CPUs over the window."""
-    after = []
+def sample(before: list[Proc], busy: dict[int, float], seconds: float = 2.0,
+           waits: dict[int, float] | None = None) -> Sample:
+    """`after` = `before` with each thread's CPU time advanced by busy[tid] CPUs over the window (and its run-queue
+    time by waits[tid])."""
+    after, waits = [], waits or {}
     for p in before:
         ts = tuple(Thread(t.tid, t.name, t.allowed, t.last_cpu, t.cpu_ns + int(busy.get(t.tid, 0.0) * seconds * 1e9),
-                          t.wait_ns) for t in p.threads)
+                          t.wait_ns + int(waits.get(t.tid, 0.0) * seconds * 1e9)) for t in p.threads)
         after.append(Proc(**{**{f: getattr(p, f) for f in p.__dataclass_fields__}, "threads": ts}))
     return Sample({p.pid: p for p in before}, {p.pid: p for p in after}, seconds)
 
@@ -106,3 +108,23 @@ def test_idle_process_is_not_judged(epyc):
     p = proc(700, 1, "idle", [Thread(700, "idle", tuple(range(384)), 3, 0)], pages={"default": {0: GIB}})
     f = Report("x", tuple(analyse(sample([p], {}), Context(epyc)))).find("threads.busy")
     assert f.level == "info" and "idle, nothing to judge" in f.title and "--seconds" in f.fix[0]
+
+
+@pytest.mark.parametrize("threads, level", [(4, "fail"), (2, "warn")])
+def test_waiting_for_a_cpu_is_blamed_on_whoever_asked_for_too_much(epyc, threads, level):
+    """Threads that ran half the time and waited the other half on CPUs 0-1: four of them are the process's own
+    oversubscription (fail, cut OMP_NUM_THREADS); two of them fit, so neighbours took the CPUs (warn, isolate)."""
+    ts = [Thread(900 + i, "w", (0, 1), i % 2, 0) for i in range(threads)]
+    p = proc(900, 1, "w", ts)
+    half = {t.tid: 0.5 for t in ts}
+    rep = Report("x", tuple(analyse(sample([p], half, waits=half), Context(epyc))))
+    over = rep.find("threads.oversubscribed")
+    assert over.level == level
+    assert over.title.startswith(f"{threads} threads on CPU(s) 0-1 spent 50% of the time waiting for a CPU")
+    assert f"this process tree wanted {threads:.2f} CPUs (ran + waited) of the 2 its waiting threads may use" \
+        in over.evidence
+    if level == "fail":
+        assert over.fix[0].startswith("OMP_NUM_THREADS = the physical cores")
+    else:
+        assert over.title.endswith(": other processes ran on them") and "reserved_cpus" in over.fix[0]
+        assert rep.find("threads.busy").level == "warn"  # busy threads, but slowed by the neighbours
