@@ -22,7 +22,8 @@ from ..errors import RuntimeFailure
 from ..plan import Plan
 
 Say = Callable[[str], None]
-SOURCES = ("pyproject.toml", "README.md", "deploykit", "engine", "images", "charts")  # what the deploykit wheel is built from
+# What the deploykit wheel is built from: the image's input hash and the tests' source bundles use this one list.
+SOURCES = ("pyproject.toml", "README.md", "deploykit", "engine", "images", "charts")
 BUILD_FILES = ("Dockerfile", ".dockerignore", "entrypoint.sh")
 _NOT_SOURCE = (".pyc", ".so", ".o")
 INPUTS_LABEL = "deploykit.image-inputs"
