@@ -222,11 +222,13 @@ def report(b: Binding | None = None) -> dict:
         "planned_cpus": cpulist.format(b.cpus) if b else None,
         "frontend_cpus": cpulist.format(b.frontend_cpus) if b else None,
         "planned_mems": cpulist.format(b.mems) if b else None,
-        "memory_policy": policy, "mems_allowed": cpulist.format(_mems_allowed()),
+        "memory_policy": policy, "mems_allowed": cpulist.format(me.mems_allowed),
         # the main thread's own affinity is narrowed to one CPU; the union is what the process spans
         "threads_allowed_union": cpulist.format({c for t in threads for c in cpulist.parse(t["allowed_cpus"])}),
         "quota_cpus": topo.quota_cpus,
-        "openmp_runtimes": omp_runtimes(), "threads": threads,
+        # from the one /proc read above (maps, status), not read again
+        "openmp_runtimes": sorted(lib for lib in me.libraries or () if OMP_RUNTIMES.search(lib)),
+        "threads": threads,
         "warnings": list(b.warnings) if b else [],
         "notes": list(b.notes) if b else [],
         "libraries": [lib for lib in me.libraries or () if openmp.OMP_RUNTIME.search(lib)

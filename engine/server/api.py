@@ -80,11 +80,7 @@ def build_app(fe: Frontend, *, api_key: str | None, max_body_bytes: int, allowed
         bad = next((t for t in req.tokens if t >= vocab), None)
         if bad is not None:
             raise errors.bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
-        if len(req.tokens) > 4096:  # a long decode would stall every stream served by this loop
-            import asyncio
-            return p.DetokenizeResponse(prompt=await asyncio.get_running_loop().run_in_executor(
-                None, fe.decode, req.tokens))
-        return p.DetokenizeResponse(prompt=fe.decode(req.tokens))
+        return p.DetokenizeResponse(prompt=(await fe.decode_many([req.tokens]))[0])
 
     @app.get("/debug/binding", responses=ERRORS)
     async def debug_binding() -> dict:

@@ -9,6 +9,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from engine import tokenizer as tokenizers
 from engine.errors import RequestError
@@ -21,6 +22,8 @@ from engine.server.worker import EngineProcess
 
 log = logging.getLogger("engine.server")
 LONG_TEXT = 16_384  # characters; longer texts are tokenized off the event loop
+T = TypeVar("T")
+CHARS_PER_TOKEN = 4  # a decode's size in characters, estimated from its token count
 RPC_TIMEOUT = 10.0
 
 
@@ -163,19 +166,29 @@ class Frontend:
             raise from_request_error(e) from None
 
     # ---- tokenizer ----
+    @staticmethod
+    async def _off_loop(size: int, work: Callable[[], T]) -> T:
+        """Run `work` in a thread when it handles more than LONG_TEXT characters in all (one request's whole batch,
+        not each string): a long tokenization would stall every stream served by this loop."""
+        if size > LONG_TEXT:
+            return await asyncio.get_running_loop().run_in_executor(None, work)
+        return work()
+
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) > LONG_TEXT:  # a long encode would stall every stream served by this loop
-            return await asyncio.get_running_loop().run_in_executor(
-                None, functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens))
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return (await self.encode_many([text], add_special_tokens))[0]
+
+    async def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return await self._off_loop(sum(map(len, texts)), lambda: [
+            self.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts])
+
+    async def decode_many(self, prompts: list[list[int]]) -> list[str]:
+        return await self._off_loop(CHARS_PER_TOKEN * sum(map(len, prompts)), lambda: [self.decode(x) for x in prompts])
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
-        render = functools.partial(self._render_chat, messages, add_generation_prompt)
-        if sum(len(m["content"]) for m in messages) + len(messages) * 64 > LONG_TEXT:  # off the event loop
-            return await asyncio.get_running_loop().run_in_executor(None, render)
-        return render()
+        return await self._off_loop(sum(len(m["content"]) for m in messages) + len(messages) * 64,
+                                    functools.partial(self._render_chat, messages, add_generation_prompt))
 
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:

@@ -119,7 +119,7 @@ async def _prompts(fe: Frontend, prompt) -> list[list[int]]:
     if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
     if isinstance(prompt[0], str):
-        return [await fe.encode(s) for s in prompt]
+        return await fe.encode_many(prompt)  # one off-loop decision for the whole batch
     if isinstance(prompt[0], int):
         return [list(prompt)]
     return [list(x) for x in prompt]
@@ -159,7 +159,11 @@ async def create_completion(fe: Frontend, req: p.CompletionRequest, request: Req
     fe.admit(count)  # still room after the (possibly off-loop) tokenizing
     rid, model = f"cmpl-{uuid.uuid4().hex}", fe.model_name
     gen = fe.submit(rid, prompts, [params] * len(prompts), arrival)
-    echo = [fe.decode(prompts[i // req.n]) for i in range(len(gen.choices))] if req.echo else None
+    if req.echo:  # each prompt decoded once, not once per choice
+        texts = await fe.decode_many(prompts)
+        echo = [texts[i // req.n] for i in range(len(gen.choices))]
+    else:
+        echo = None
 
     if req.stream:
         head = {"id": rid, "object": "text_completion", "created": gen.created, "model": model}

@@ -223,3 +223,34 @@ def test_serving_beyond_loopback_without_a_key_warns(tiny_model):
         assert "with no API key" not in s.log()
     finally:
         s.close()
+
+
+def test_a_batch_of_short_prompts_is_tokenized_off_the_event_loop(tiny_model):
+    """The decision is per request, not per string: 64 prompts of 400 characters (25,600 in all, none long alone)
+    are tokenized in one worker thread, so streams on the loop keep flowing; a short batch stays on the loop."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from engine import tokenizer as tokenizers
+    from engine.server.frontend import LONG_TEXT, Frontend
+    real = tokenizers.load(tiny_model)
+    threads = []
+
+    def encode(text, add_special_tokens=True):
+        threads.append(threading.get_ident())
+        return real.encode(text, add_special_tokens=add_special_tokens)
+
+    fe = SimpleNamespace(tokenizer=SimpleNamespace(encode=encode), _off_loop=Frontend._off_loop)
+
+    async def run(texts):
+        threads.clear()
+        ids = await Frontend.encode_many(fe, texts)
+        return ids, set(threads), threading.get_ident()
+
+    batch = ["the cache keeps data close " * 15] * 64
+    assert len(batch[0]) < LONG_TEXT < sum(map(len, batch))
+    ids, used, loop_thread = asyncio.run(run(batch))
+    assert ids == [real.encode(t) for t in batch] and loop_thread not in used and len(used) == 1
+    ids, used, loop_thread = asyncio.run(run(batch[:4]))
+    assert ids == [real.encode(t) for t in batch[:4]] and used == {loop_thread}
