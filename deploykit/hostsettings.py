@@ -2,8 +2,8 @@
 that move pages (NUMA balancing, transparent hugepages), the process's seccomp mode and capabilities, its OpenMP
 and allocator environment, preloaded libraries, and whether the NUMA calls and AMX are allowed here.
 
-Read from the live host or a `--sysroot` snapshot with the same relative paths; `SOURCES` (with the topology
-reader's) is what `topology snapshot` copies. The live probes cannot run on a snapshot, so a snapshot taken live
+Read from the live host or a `--sysroot` snapshot with the same relative paths; `read_with_sources` names every
+path it read, which is what `topology snapshot` copies. The live probes cannot run on a snapshot, so a snapshot taken live
 carries their results in PROBE_FILE.
 """
 
@@ -24,8 +24,6 @@ THP_ENABLED = "sys/kernel/mm/transparent_hugepage/enabled"
 THP_DEFRAG = "sys/kernel/mm/transparent_hugepage/defrag"
 LD_SO_PRELOAD = "etc/ld.so.preload"
 PROBE_FILE = "deploykit/probe.json"  # not a kernel file: the live probes' results, written by `topology snapshot`
-SOURCES = (NUMA_BALANCING, THP_ENABLED, THP_DEFRAG, LD_SO_PRELOAD, "proc/self/status", "proc/self/environ",
-           PROBE_FILE)
 STATUS_KEYS = ("Seccomp", "Seccomp_filters", "NoNewPrivs", "CapEff", "CapBnd")
 # The environment that decides threads, placement and allocation. Only these are ever read or copied into a
 # snapshot or a report: the rest of an environment holds API keys and tokens.

@@ -53,13 +53,16 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
     warnings += group_notes
     quota = topo.quota_cpus / len(groups) if topo.quota_cpus is not None else None
 
+    # One translation of the spec's placement knobs: used here and by the engine's `binding: auto` at start-up.
+    policy = BindingPolicy(
+        reserved_cpus=spec.placement.reserved_cpus if "reserved_cpus" in spec.placement.model_fields_set else None,
+        use_smt=spec.placement.use_smt,
+        threads=None if spec.placement.threads == "auto" else spec.placement.threads)
     choices = []
     for i, (nodes, cands) in enumerate(groups):
         label = f"replica {i}"
-        reserved = spec.placement.reserved_cpus if "reserved_cpus" in spec.placement.model_fields_set else None
-        ch = placement.choose(topo, cands, reserved=reserved, use_smt=spec.placement.use_smt,
-                              threads=None if spec.placement.threads == "auto" else spec.placement.threads,
-                              quota=quota, label=label)
+        ch = placement.choose(topo, cands, reserved=policy.reserved_cpus, use_smt=policy.use_smt,
+                              threads=policy.threads, quota=quota, label=label)
         warnings += ch.notes
         choices.append((nodes, ch, _mems(spec, topo, nodes, label)))
 
@@ -120,10 +123,7 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
             numa_nodes=len(topo.nodes), threads_per_core=topo.threads_per_core, online_cpus=len(topo.cpus),
             allowed_cpus=topo.allowed_cpus, quota_cpus=topo.quota_cpus),
         warnings=tuple(warnings),
-        policy=BindingPolicy(
-            reserved_cpus=spec.placement.reserved_cpus if "reserved_cpus" in spec.placement.model_fields_set else None,
-            use_smt=spec.placement.use_smt,
-            threads=None if spec.placement.threads == "auto" else spec.placement.threads),
+        policy=policy,
     )
 
 

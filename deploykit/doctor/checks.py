@@ -168,9 +168,11 @@ def nodes(topo: Topology) -> list[Finding]:
     return out
 
 
-def numa_calls(topo: Topology, settings: HostSettings) -> Finding:
+def numa_calls(topo: Topology, settings: HostSettings, probed_on: str = "this process's own memory",
+               context: tuple[str, ...] = ()) -> Finding:
+    """`probed_on` and `context` say where the probe ran when it is not doctor's own process (a container)."""
     mode = settings.seccomp_mode
-    ctx = [f"seccomp mode {mode} ({SECCOMP_MODES.get(mode, '?')})" if mode is not None else "seccomp mode unknown"]
+    ctx = [*context, f"seccomp mode {mode} ({SECCOMP_MODES.get(mode, '?')})" if mode is not None else "seccomp mode unknown"]
     if settings.has_sys_nice is not None:
         ctx.append("CAP_SYS_NICE " + ("held" if settings.has_sys_nice else "not held"))
     p = settings.probe
@@ -182,7 +184,7 @@ def numa_calls(topo: Topology, settings: HostSettings) -> Finding:
         return Finding("numa.syscalls", INFO, "NUMA calls not probed (the snapshot has no probe record)",
                        evidence=tuple(ctx))
     calls = ", ".join(f"{n} {errno.errorcode.get(e, e) if e else 'ok'}" for n, e in p.numa_calls)
-    evidence = tuple(ctx) + (f"probe on this process's own memory: {calls}",)
+    evidence = tuple(ctx) + (f"probe on {probed_on}: {calls}",)
     if all(e == errno.ENOSYS for _, e in p.numa_calls):
         return Finding("numa.syscalls", INFO, "the kernel has no NUMA support (ENOSYS): nothing to bind",
                        evidence=evidence)
@@ -203,8 +205,8 @@ def numa_calls(topo: Topology, settings: HostSettings) -> Finding:
     if p.failed:
         return Finding("numa.syscalls", WARN, "NUMA calls failed: " + ", ".join(
             f"{n} {errno.errorcode.get(e, e)}" for n, e in p.failed), evidence=evidence)
-    return Finding("numa.syscalls", OK, "NUMA calls allowed: get_mempolicy, set_mempolicy, mbind, migrate_pages, "
-                   "move_pages", evidence=evidence)
+    return Finding("numa.syscalls", OK, "NUMA calls allowed: " + ", ".join(n for n, _ in p.numa_calls),
+                   evidence=evidence)
 
 
 def balancing(topo: Topology, settings: HostSettings) -> Finding:

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from .. import numa, topology
 from ..errors import TargetError, did_you_mean
-from ..hostsettings import HostSettings, Probe, relevant, status_fields
+from ..hostsettings import CAP_SYS_NICE, HostSettings, Probe, int_field, relevant, status_fields
 from . import checks, fixes, openmp
 from .findings import FAIL, INFO, OK, WARN, Finding, Report, Section
 from .process_target import examine_pid
@@ -127,14 +127,12 @@ def _numa_calls(c, hc: dict, pid: int, topo) -> Finding:
                  if profile == "unconfined" else "a custom seccomp profile") + \
         f"; capabilities: {'all' if 'ALL' in caps else ', '.join(sorted(caps)) or 'none'}"
     settings = HostSettings(numa_balancing=None, thp_enabled=None, thp_defrag=None,
-                            seccomp_mode=int(status["Seccomp"]) if status.get("Seccomp", "").isdigit() else None,
-                            no_new_privs=None, cap_eff=(1 << 23) if nice else 0, env=(), ld_so_preload=(),
-                            probe=probe, live=True)
+                            seccomp_mode=int_field(status.get("Seccomp")), no_new_privs=None,
+                            cap_eff=(1 << CAP_SYS_NICE) if nice else 0, env=(), ld_so_preload=(), probe=probe,
+                            live=True)
     if probe is not None:
-        f = checks.numa_calls(topo, settings)
-        return Finding(f.id, f.level, f.title, cause=f.cause, fix=f.fix, evidence=(
-            described, *(e.replace("this process's own memory", "the memory of a process docker exec started in the "
-                                   "container") for e in f.evidence)))
+        return checks.numa_calls(topo, settings, probed_on="the memory of a process docker exec started in the "
+                                 "container", context=(described,))
     # No python in the image: judge from the configuration (Docker's default profile is known).
     if profile == "default":
         refused = fixes.NUMA_CALLS if not nice else ("migrate_pages", "move_pages")

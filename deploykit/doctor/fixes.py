@@ -8,13 +8,13 @@ import os
 from functools import cache
 from pathlib import Path
 
-from .. import cpulist, placement
+from .. import cpulist, numa, placement
 from ..errors import PlanError
 from ..topology import Topology
 
 SECCOMP_FILE = "seccomp.json"  # Docker form (conditions evaluated by dockerd)
 SECCOMP_OCI_FILE = "seccomp-oci.json"  # flattened for containerd / CRI-O (Kubernetes Localhost profiles)
-NUMA_CALLS = ("get_mempolicy", "set_mempolicy", "mbind", "migrate_pages", "move_pages")
+NUMA_CALLS = numa.PROBED  # the calls doctor probes are the ones a fix must let through
 
 
 @cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .. import topology
+from . import openmp
 from .findings import INFO, Finding, Report, Section
 from .process import Sample, read, sample
 from .threads import Context, analyse
@@ -37,8 +38,8 @@ def _data(s: Sample) -> dict:
     for pid, p in s.after.items():
         use = s.use(pid)
         out.append({"pid": pid, "ppid": p.ppid, "name": p.name, "cmdline": p.cmdline, "uid": p.uid,
-                    "seccomp": p.seccomp, "openmp_runtimes": [lib for lib in p.libraries or () if
-                                                              "omp" in lib.rsplit("/", 1)[-1]],
+                    "seccomp": p.seccomp, "openmp_runtimes": [lib for lib in p.libraries or ()
+                                                              if openmp.runtime_family(lib)],
                     "environment": p.env, "numa_pages": p.numa_pages,
                     "threads": [{"tid": t.tid, "name": t.name, "allowed_cpus": list(t.allowed), "last_cpu": t.last_cpu,
                                  "cpu_use": round(use.get(t.tid, 0.0), 3)} for t in p.threads]})
