@@ -12,6 +12,7 @@ import sys
 from . import __version__
 from .commands import Tool, arg
 from .errors import DeploykitError, exit_code
+from .runtime import RUNTIMES
 
 
 def _describe(e: Exception) -> str:
@@ -178,7 +179,7 @@ def _doctor(args: argparse.Namespace) -> int:
     return command.run(args)
 
 
-RUNTIME = arg("--runtime", choices=("auto", "docker", "local"), default=None,
+RUNTIME = arg("--runtime", choices=RUNTIMES, default=None,
               help="docker (the Docker Engine API) or local (processes); default: the deployment's own runtime, else "
                    "Docker when it answers, else local")
 STATE_DIR = arg("--state-dir", metavar="DIR", help="where deployments keep their rendered files, state and logs "

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from ..errors import RuntimeFailure
 from ..plan import Plan
+from . import Say
 
-Say = Callable[[str], None]
 # What the deploykit wheel is built from: the image's input hash and the tests' source bundles use this one list.
 SOURCES = ("pyproject.toml", "README.md", "deploykit", "engine", "images", "charts")
 BUILD_FILES = ("Dockerfile", ".dockerignore", "entrypoint.sh")

@@ -50,6 +50,11 @@ class Deployment:
     def members(self) -> tuple[Member, ...]:
         return members(self.plan)
 
+    @property
+    def lb(self) -> Member | None:
+        """The load balancer, when the plan has one."""
+        return next((m for m in self.members if m.replica is None), None)
+
     def rendered(self, name: str) -> Path:
         return self.state.rendered / name
 
@@ -57,6 +62,10 @@ class Deployment:
         """The container's environment with pass-through variables (the API key) taken from ours; preflight has
         checked they are set."""
         return {k: (os.environ.get(k, "") if v is None else v) for k, v in c.env}
+
+    def hashed_env(self, c: Container) -> dict[str, str]:
+        """`env(c)` as it enters a config hash: pass-through values (secrets) replaced by `secret()`."""
+        return {k: (self.secret(os.environ.get(k, "")) if v is None else v) for k, v in c.env}
 
     def reads(self, member: Member) -> object:
         """What this member reads from the mounted files, for its config hash."""

@@ -76,12 +76,14 @@ class DockerRuntime:
         preflight.ports_free(d, d.members, ours, holder=self._holder)
         image = change.image = build.ensure(self.client, d.plan, d.state.rendered, say)
         network = self._network(d, change, say)
-        digests = {m.name: d.config_hash(m, self._settings(d, m, image, network, for_hash=True)) for m in d.members}
-        lb = next((m for m in d.members if m.replica is None), None)
+        settings = {m.name: self._settings(d, m, image, network) for m in d.members}
+        digests = {m.name: d.config_hash(m, {**settings[m.name], "environment": d.hashed_env(m.container)})
+                   for m in d.members}
+        lb = d.lb
         lb_stays = lb is not None and lb.name in existing and existing[lb.name].labels.get(HASH_LABEL) == digests[
             lb.name] and existing[lb.name].status == "running"
         for m in d.members:
-            settings, digest = self._settings(d, m, image, network), digests[m.name]
+            digest = digests[m.name]
             old = existing.pop(m.name, None)
             if old is not None and old.labels.get(HASH_LABEL) == digest:
                 change.kept.append(m.name)
@@ -95,7 +97,7 @@ class DockerRuntime:
                 self._retire(old, change, say, "its configuration changed")
             with atomic():
                 change.created.append(m.name)
-                cid = self._create(d, m, settings, digest)
+                cid = self._create(d, m, settings[m.name], digest)
             say(f"{m.name}: started {cid[:12]} ({_placement(m)})")
             if old is not None and lb_stays:  # a rolling update: nginx serves from the others meanwhile
                 say(f"{m.name}: waiting until it is healthy before replacing the next one (nginx keeps serving)")
@@ -128,7 +130,7 @@ class DockerRuntime:
                 old.rename(name)
                 old.start()
                 say(f"{name}: the previous container is back ({old.short_id[:12]}); it is starting")
-        lb = next((m.name for m in d.members if m.replica is None), None)
+        lb = d.lb.name if d.lb else None
         if lb in change.kept and (created or change.retired):
             self._reload(lb, say)  # back to the previous replicas' addresses
         if change.network_created and not change.kept and not change.retired:
@@ -251,9 +253,7 @@ class DockerRuntime:
         """The container's create arguments; `for_hash` replaces secret values by salted hashes."""
         c = m.container
         addr, host_port, port = c.publish.rsplit(":", 2)
-        env = d.env(c)
-        if for_hash:
-            env = {k: (d.secret(v) if dict(c.env)[k] is None else v) for k, v in env.items()}
+        env = d.hashed_env(c) if for_hash else d.env(c)
         security = ["no-new-privileges"]
         if c.seccomp == "unconfined":
             security.append("seccomp=unconfined")

@@ -71,10 +71,9 @@ class LocalRuntime:
         for m in d.members:
             argv, cpus, conf = self._command(d, m, lb)
             env = self._env(d, m)
-            secret = {k: d.secret(env[k]) for k, v in m.container.env if v is None}
             planned[m.name] = (argv, cpus, env, d.config_hash(
-                m, {"argv": argv, "cpus": cpus, "env": {**dict(m.container.env), **secret}, "nginx.conf": conf}))
-        lb_name = next((m.name for m in d.members if m.replica is None), None)
+                m, {"argv": argv, "cpus": cpus, "env": d.hashed_env(m.container), "nginx.conf": conf}))
+        lb_name = d.lb.name if d.lb else None
         lb_stays = lb_name in live and live[lb_name].config_hash == planned[lb_name][3]
         for m in d.members:
             argv, cpus, env, digest = planned[m.name]
@@ -100,7 +99,8 @@ class LocalRuntime:
                 ready(m)
         for old in live.values():
             say(f"{old.name}: stopping pid {old.pid}, it is no longer in the plan")
-            self._stop([old])
+        self._stop(list(live.values()))  # signal all, then wait once
+        for old in live.values():
             state = state.without(old.name)
             change.retired.append(old.name)
         d.state.save(state)
@@ -160,11 +160,11 @@ class LocalRuntime:
         prefix = len(files) > 1
         offsets = {}
         for m, path in files.items():
-            text = path.read_text(errors="replace")
-            lines = text.splitlines()
+            data = path.read_bytes()  # follow from this byte offset: decoded text has other lengths (U+FFFD, \r\n)
+            lines = data.decode(errors="replace").splitlines()
             for line in lines if tail is None else lines[-tail:] if tail else []:
                 sys.stdout.write(f"{m} | {line}\n" if prefix else line + "\n")
-            offsets[m] = len(text.encode())
+            offsets[m] = len(data)
         sys.stdout.flush()
         while follow:
             time.sleep(0.25)
