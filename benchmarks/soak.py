@@ -173,9 +173,11 @@ def verdict(rounds: list[dict], growth_limit: float) -> dict:
         growth = [round(b - a, 1) for a, b in zip(series, series[1:])]
         out[f"rss_{proc}_mb_after_rounds"] = series
         out[f"rss_{proc}_growth_mb"] = growth
-        # converged: the last round added no more than the noise allowance (a leak adds the same every round)
-        out[f"rss_{proc}_converges"] = bool(growth) and growth[-1] <= growth_limit
-    out["pass"] = ok_errors and ok_idle and out["rss_frontend_converges"] and out["rss_engine_converges"]
+        # converged: the last round added no more than the noise allowance (a leak adds the same every round);
+        # None with one round: growth needs two to judge
+        out[f"rss_{proc}_converges"] = growth[-1] <= growth_limit if growth else None
+    out["pass"] = ok_errors and ok_idle and out["rss_frontend_converges"] is not False \
+        and out["rss_engine_converges"] is not False
     return out
 
 
