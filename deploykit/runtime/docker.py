@@ -148,14 +148,19 @@ class DockerRuntime:
     # --- down, status, logs ------------------------------------------------------------------------------------
 
     def down(self, name: str, volumes: bool, say: Say) -> list[str]:
+        import docker.errors
         ctrs = self.client.containers.list(all=True, filters={"label": f"{LABEL}={name}"})
         # all at once, each with its own stop signal and grace: engines drain, nginx finishes open streams
         _parallel(lambda c: c.stop(), [c for c in ctrs if c.status in ("running", "restarting", "paused")])
         _parallel(lambda c: c.remove(force=True, v=volumes), ctrs)
         removed = [f"removed container {c.name}" for c in ctrs]
         for net in self.client.networks.list(filters={"label": f"{LABEL}={name}"}):
-            net.remove()
-            removed.append(f"removed network {net.name}")
+            try:
+                net.remove()
+                removed.append(f"removed network {net.name}")
+            except docker.errors.APIError as e:  # a container of someone else's joined it
+                say(f"network {net.name}: kept, {getattr(e, 'explanation', None) or e}; docker network inspect "
+                    f"{net.name} shows who uses it")
         if volumes:
             for vol in self.client.volumes.list(filters={"label": f"{LABEL}={name}"}):
                 vol.remove(force=True)
