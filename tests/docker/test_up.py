@@ -132,6 +132,15 @@ def test_up_serves_a_chat_completion_through_nginx(deployed):
     assert len([c for c in stream if c.choices and c.choices[0].delta.content]) >= 2
 
 
+def test_the_images_sbom_lies_next_to_the_rendered_files(deployed):
+    """`up` copies the bill of materials its build wrote into the image: the Python packages (torch with its version)
+    and the OS packages (nginx, which every deployment runs)."""
+    bom = json.loads((deployed.state / NAME / "rendered" / "sbom.cdx.json").read_text())
+    versions = {c["name"]: c.get("version") for c in bom["components"]}
+    assert versions["torch"].split("+")[0] == "2.13.0" and versions["nginx"] and versions["deploykit"] == "0.1.0"
+    assert bom["metadata"]["component"]["name"] == IMAGE_NAME
+
+
 def test_each_replica_container_runs_on_its_own_cpu(deployed):
     c = _client()
     for r in deployed.plan.replicas:
