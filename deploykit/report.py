@@ -95,7 +95,7 @@ def plan_text(plan: Plan, topo: Topology) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     out += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
     out += ["", "core map (one cell per physical core: I inference, S inference on every SMT sibling, F front end,"
-                " . not used, x outside the cpuset):"]
+                " . not used, x outside the cpuset" + ("; a space between L3 groups" if topo.l3_groups else "") + "):"]
     allowed = set(topo.allowed_cpus)
     for r in plan.replicas:
         cpus, front = set(r.cpus), set(r.frontend_cpus)
@@ -107,7 +107,11 @@ def plan_text(plan: Plan, topo: Topology) -> str:
                 cells.append("x" if not s & allowed else "S" if len(s & cpus) > 1 else "I" if s & cpus
                              else "F" if s & front else ".")
             out.append(f"  {r.name} node {nid}:")
-            out += ["    " + "".join(cells[i:i + ROW]) for i in range(0, len(cells), ROW)]
+            gaps = [i > 0 and topo.l3_groups and topo.cpu(core[0]).l3 != topo.cpu(cores[i - 1][0]).l3
+                    for i, core in enumerate(cores)]
+            out += ["    " + "".join((" " if gaps[j] and j > i else "") + cells[j]
+                                     for j in range(i, min(i + ROW, len(cells))))
+                    for i in range(0, len(cells), ROW)]
         out.append(f"    OpenMP thread i -> CPU i of [{cpulist.format(r.cpus)}]; memory bound to node(s) "
                    f"{cpulist.format(r.mems)}")
     if plan.serving.load_balancer:

@@ -47,6 +47,13 @@ def kubelet_cores(plan: Plan) -> int:
     return max(1, max(len(r.frontend_cpus) for r in owners) // plan.hardware.threads_per_core)
 
 
+def _l3_cores(plan: Plan) -> int:
+    """Physical cores of one L3 group, when every replica is exactly one whole group (per-l3); else 0."""
+    if plan.layout.strategy == "per-l3" and plan.layout.l3_groups_per_replica == 1:
+        return max(r.cores for r in plan.replicas)
+    return 0
+
+
 def numa_nodes(plan: Plan) -> tuple[int, ...]:
     return tuple(sorted({n for r in plan.replicas for n in r.numa_nodes}))
 
@@ -118,5 +125,7 @@ def files(plan: Plan) -> list[File]:
         File(f"{DIR}/README.md", template("node-README.md.j2", plan=plan, kubelet=kubelet_config(plan),
                                           seccomp_path=SECCOMP_PATH, nodes=numa_nodes(plan),
                                           reserved=cpulist.format(reserved_cpus(plan)),
-                                          kubelet_cores=kubelet_cores(plan)).encode()),
+                                          kubelet_cores=kubelet_cores(plan),
+                                          slots_per_node=-(-len(plan.replicas) // len(kubelet_replicas(plan))),
+                                          l3_cores=_l3_cores(plan)).encode()),
     ]
