@@ -164,16 +164,18 @@ def _replicas_fit(spec: Spec, nodes: tuple[int, ...], mem: int, count: int, weig
     where = f"NUMA node{'s' if len(nodes) > 1 else ''} {cpulist.format(nodes)} ({human(total)} for replicas)"
     if pl.strategy == "per-l3":
         per_group = -(-count * pl.l3_groups_per_replica // best)  # L3 groups per replica for at most `best`
+        path, value = "placement.l3_groups_per_replica", pl.l3_groups_per_replica
         hint = f"placement.l3_groups_per_replica: {per_group}, or placement.strategy: per-numa-node"
+    elif pl.strategy == "per-numa-node":
+        path, value, hint = "placement.replicas_per_node", pl.replicas_per_node, f"placement.replicas_per_node: {best}"
     else:
-        hint = f"placement.replicas_per_node: {best}"
+        path, value, hint = "placement.cpus", count, f"at most {best} CPU lists on these nodes"
     raise PlanError(
         f"{where} cannot hold {count} replicas, each with its own weights: {count} x (weights {human(weights)} + KV "
         f"cache for one {max_len}-token sequence {human(one_seq)} + headroom {human(headroom(mem))}) = "
         f"{human(count * (weights + one_seq + headroom(mem)))} > {human(total)}; at most {best} replica"
-        f"{'s' if best > 1 else ''} fit", path="placement.replicas_per_node" if pl.strategy != "per-l3" else
-        "placement.l3_groups_per_replica", value=pl.replicas_per_node if pl.strategy != "per-l3" else
-        pl.l3_groups_per_replica, hint=hint + f"; or a smaller model.max_model_len (now {max_len})")
+        f"{'s' if best > 1 else ''} fit", path=path, value=value,
+        hint=hint + f"; or a smaller model.max_model_len (now {max_len})")
 
 
 def _security_notes(spec: Spec) -> list[str]:
