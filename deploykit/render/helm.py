@@ -50,7 +50,8 @@ def values(plan: Plan) -> dict:
     secret = sv.api_key_secret or ((f"{plan.name}-api-key", "api-key") if sv.api_key_env else None)
     return {
         "fullnameOverride": plan.name,
-        "image": {"repository": plan.image.name, "tag": plan.image.tag},
+        "image": {"repository": plan.image.name, "tag": plan.image.tag,
+                  **({"digest": plan.image.digest} if plan.image.digest else {})},
         "model": {"source": "pvc", "pvc": {"claimName": f"{plan.name}-model"},
                   "file": m.path.rsplit("/", 1)[-1] if m.is_file and m.path else "",
                   "servedName": m.served_name, "dtype": m.dtype, "maxModelLen": m.max_model_len},
