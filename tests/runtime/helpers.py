@@ -48,10 +48,14 @@ def nothing_listens(port: int) -> bool:
 
 
 def spec_file(path: Path, name: str, model: Path, port: int, cpus: list[str] | None = None, **sections) -> Path:
-    """Two single-CPU replicas (CPUs 0 and 1, one OpenMP thread each, nothing reserved) on loopback."""
+    """Two single-CPU replicas (CPUs 0 and 1, one OpenMP thread each, nothing reserved) on loopback: on a 2-CPU host
+    (this one, CI's) planned with `replicas_per_node: 2`, elsewhere as explicit CPU lists; `cpus` gives explicit
+    lists."""
+    placement = ({"strategy": "per-numa-node", "replicas_per_node": 2} if cpus is None and len(os.sched_getaffinity(0))
+                 == 2 else {"strategy": "explicit", "cpus": cpus or ["0", "1"]})
     spec = {"apiVersion": "deploykit/v1", "kind": "Deployment", "name": name,
             "model": {"source": str(model), "max_model_len": 256},
-            "placement": {"strategy": "explicit", "cpus": cpus or ["0", "1"], "reserved_cpus": 0, "threads": 1},
+            "placement": {**placement, "reserved_cpus": 0, "threads": 1},
             "serving": {"port": port, "publish_address": "127.0.0.1", "kv_cache": "16MiB", "max_num_seqs": 4,
                         "served_model_name": name}}
     for key, value in sections.items():

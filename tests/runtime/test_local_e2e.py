@@ -1,4 +1,5 @@
-"""`deploykit up --runtime local` end to end on this host: two single-CPU engine replicas behind the built-in proxy,
+"""`deploykit up --runtime local` end to end on this host: two single-CPU engine replicas (on a 2-CPU host planned
+with `replicas_per_node: 2`) behind the built-in proxy,
 a chat completion from the `openai` client, each replica on its own CPU, `up` twice changes nothing, `status`,
 `logs`, a changed spec, a crashed replica shown by `status`, `down` leaving nothing; and the failure paths: a corrupt
 model (the engine's own error, non-zero exit, nothing left) and Ctrl-C during `up`.
@@ -100,6 +101,9 @@ def test_up_prints_the_endpoint_and_serves_chat_through_the_proxy(local):
 
 
 def test_each_replica_runs_on_its_own_cpu(local):
+    plan = json.loads((local.state / NAME / "rendered" / "plan.json").read_text())
+    if len(os.sched_getaffinity(0)) == 2:  # planned by replicas_per_node: 2, one thread each
+        assert plan["layout"]["replicas_per_node"] == 2 and [r["cpus"] for r in plan["replicas"]] == [[0], [1]]
     procs = local.processes()
     for i in (0, 1):
         status = Path(f"/proc/{procs[f'{NAME}-{i}']}/status").read_text()
