@@ -22,6 +22,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     kv_cache_bytes: int | None = None       # None -> enough for max_num_seqs x max_model_len, capped
     block_size: int = memory.KV_BLOCK_TOKENS
+    prefix_caching: bool = True             # reuse cached KV blocks of identical prompt prefixes
     seed: int = 0
     served_model_name: str | None = None
 

@@ -47,7 +47,8 @@ class EngineCore:
         self.model = build_model(spec, self.dtype, self.max_model_len)
         kv = KVCache(spec.num_layers, num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
                      self.dtype) if is_native(spec) else None
-        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        # Prefix caching shares blocks of the paged pool; the transformers fallback keeps its own caches.
+        self.allocator = BlockAllocator(num_blocks, config.block_size, config.prefix_caching and is_native(spec))
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, kv, config.block_size)
         self.sampler = Sampler()
@@ -56,10 +57,10 @@ class EngineCore:
         self._arrivals = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
-        log.info("engine core: %s (%s, %s), max_model_len=%d, KV cache %d blocks x %d tokens (%.1f MiB)",
-                 spec.architecture, "native" if is_native(spec) else "transformers", self.dtype_name,
+        log.info("engine core: %s (%s, %s), max_model_len=%d, KV cache %d blocks x %d tokens (%.1f MiB), prefix "
+                 "caching %s", spec.architecture, "native" if is_native(spec) else "transformers", self.dtype_name,
                  self.max_model_len, num_blocks, config.block_size, num_blocks * config.block_size
-                 * bytes_per_token / 2**20)
+                 * bytes_per_token / 2**20, "on" if self.allocator.prefix_caching else "off")
         _log_kernels(self.dtype, getattr(self.model, "step_weights", None) is not None)
 
     def _context_len(self, config: EngineConfig) -> int:
@@ -107,8 +108,7 @@ class EngineCore:
         if not batch:
             return []
         sampled, logits = self.runner.execute(batch)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+        self.scheduler.computed(batch)
         if not sampled:
             return []
         result = self.sampler(logits, [seq.sampling for seq in sampled])
@@ -136,10 +136,13 @@ class EngineCore:
         return None
 
     def stats(self) -> EngineStats:
+        a = self.allocator
         return EngineStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                           kv_cache_usage=self.allocator.usage(), prompt_tokens_total=self._prompt_tokens,
+                           kv_cache_usage=a.usage(), prompt_tokens_total=self._prompt_tokens,
                            generation_tokens_total=self._generation_tokens,
-                           num_preemptions=self.scheduler.num_preemptions)
+                           num_preemptions=self.scheduler.num_preemptions, kv_blocks_total=a.num_blocks,
+                           kv_blocks_active=a.num_active, kv_blocks_cached=a.num_cached,
+                           prefix_cache_queries_total=a.queries, prefix_cache_hits_total=a.hits)
 
 
 def _log_kernels(dtype: torch.dtype, fused_step: bool) -> None:

@@ -28,10 +28,15 @@ class TokenOutput:
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    kv_cache_usage: float = 0.0  # fraction of KV blocks referenced by requests (active), 0..1
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_preemptions: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_active: int = 0  # referenced by running requests
+    kv_blocks_cached: int = 0  # unreferenced, holding a prefix a later request may reuse (evicted when needed)
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # of those, tokens whose prefill was skipped
 
 
 # ---- front end -> core ----

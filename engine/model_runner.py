@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.kv_cache import KVCache
-from engine.models.layers import AttentionMetadata, PrefillChunk, additive, contiguous_blocks
+from engine.models.layers import PREFILL_TILE, AttentionMetadata, PrefillChunk, contiguous_blocks
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
@@ -35,13 +35,13 @@ class ModelRunner:
             hidden = hidden[torch.tensor(rows)]
         return sampled, self.model.compute_logits(hidden)
 
-    def _window_mask(self, start: int, end: int) -> torch.Tensor | None:
-        """Queries at positions [start, end) over keys [0, end): causal and within the sliding window; None when the
-        window hides no key from these queries (plain causal attention is then the same)."""
-        if not self.window or end - self.window <= 0:
-            return None
-        q, k = torch.arange(start, end)[:, None], torch.arange(end)[None, :]
-        return additive((k <= q) & (k > q - self.window), self.model.dtype)      # [end - start, end]
+    def _tile_blocks(self, table: list[int], end: int):
+        """Blocks for keys up to the end of the last prefill tile: the table, padded with any blocks (those keys are
+        masked). The ones after its last block when they exist, so a contiguous table stays a view."""
+        pad = -(-(-(-end // PREFILL_TILE) * PREFILL_TILE) // self.block_size) - len(table)
+        after = table[-1] + 1
+        extra = list(range(after, after + pad)) if after + pad <= self.kv.layers[0].shape[0] else table[:1] * pad
+        return contiguous_blocks(table + extra)
 
     def _prepare(self, order: list[tuple[Sequence, int]]):
         bs = self.block_size
@@ -63,13 +63,8 @@ class ModelRunner:
             if n == 1:
                 dec_tables.append(bt[:nblocks])
                 dec_ctx.append(end)
-            elif c == 0:
-                prefills.append(PrefillChunk(row, n, None, end, None, self._window_mask(0, end)))
             else:
-                # Later chunk of a long prompt: attend to the cached prefix plus itself, causally.
-                mask = additive(torch.arange(end)[None, :] <= torch.arange(c, end)[:, None], self.model.dtype)
-                prefills.append(PrefillChunk(row, n, contiguous_blocks(bt[:nblocks]), end, mask,   # [n, end]
-                                             self._window_mask(c, end)))
+                prefills.append(PrefillChunk(row, n, c, self._tile_blocks(bt[:nblocks], end)))
             if end == seq.num_tokens:
                 sampled.append(seq)
                 rows.append(row + n - 1)

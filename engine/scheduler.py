@@ -1,4 +1,5 @@
-"""Continuous batching: which sequences run this step and how many tokens each feeds (chunked prefill)."""
+"""Continuous batching: which sequences run this step and how many tokens each feeds (chunked prefill), starting
+each admitted prompt after the blocks the prefix cache already holds."""
 from __future__ import annotations
 
 from collections import deque
@@ -58,24 +59,38 @@ class Scheduler:
             counts.append(n)
             budget -= n
         # Admitting new work in the same step that had to evict would just evict it again next step.
+        later: list[Sequence] = []  # their next prompt block is being computed this step: admitted with it cached
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
-            if not self.allocator.can_grow(seq.block_table, seq.num_computed_tokens + n):
+            seq = self.waiting[0]  # nothing computed: new, or preempted
+            hit = self.allocator.match(seq)
+            if self.allocator.in_flight(seq, hit):
+                later.append(self.waiting.popleft())
+                continue
+            start = len(hit) * self.allocator.block_size
+            n = min(seq.num_tokens - start, budget)
+            if not self.allocator.can_admit(hit, start + n):
                 break
             self.waiting.popleft()
-            self.allocator.grow(seq.block_table, seq.num_computed_tokens + n)
+            self.allocator.admit(seq, hit)
+            self.allocator.grow(seq.block_table, start + n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             seqs.append(seq)
             counts.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(later))
         return ScheduledBatch(seqs, counts, preempted)
+
+    def computed(self, batch: ScheduledBatch) -> None:
+        """The model ran the batch: its tokens' K/V are in the cache, and the blocks they filled become cacheable."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.allocator.commit(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.allocator.release(seq.block_table)
-        seq.num_computed_tokens = 0
+        self.allocator.release(seq.block_table)  # its full blocks stay cached: readmission may find them
+        seq.num_computed_tokens = seq.num_committed_blocks = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

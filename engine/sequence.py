@@ -23,6 +23,9 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0         # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache key of each full block of token_ids
+    num_committed_blocks: int = 0        # leading blocks of block_table already offered to the prefix cache
+    num_prefill_tokens: int = 0          # tokens at (re)admission: their K/V come from prefill, the rest from decode
     finish_reason: str | None = None
 
     @property

@@ -126,14 +126,25 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 Blocks = torch.Tensor | slice   # block ids to gather, or a contiguous run of blocks (a view, no copy)
 
 
+# Prefill attention runs in tiles of this many query positions, aligned to absolute positions, each over the keys up
+# to the tile's end. SDPA's CPU kernel picks its blocking from the call's shapes, so one query's result would depend
+# on how its prompt was split (chunked prefill, tokens taken from the prefix cache); tiled, it depends on its position
+# alone, and a prompt computes bitwise the same K/V however much of it was cached. Costs ~T/2 masked keys per query.
+PREFILL_TILE = 64
+
+
 @dataclass(slots=True)
 class PrefillChunk:
     start: int                          # first row of this chunk in the flattened batch
     length: int                         # query tokens in the chunk
-    blocks: Blocks | None               # the sequence's blocks when earlier tokens are cached; None if fresh
-    context_len: int                    # cached + new tokens the queries attend to
-    mask: torch.Tensor | None           # [length, context_len] additive, causal aligned to the end
-    window_mask: torch.Tensor | None = None  # the same, also hiding keys >= window behind each query
+    position: int                       # position of its first token; the tokens before it are in the cache
+    blocks: Blocks                      # the sequence's blocks covering [0, end rounded up to PREFILL_TILE), padded
+    masks: dict = field(default_factory=dict)  # window -> the tiles' additive mask, built by the first layer
+
+    @property
+    def tiles(self) -> tuple[int, int]:
+        """First and last + 1 tile the chunk's positions fall in."""
+        return self.position // PREFILL_TILE, -(-(self.position + self.length) // PREFILL_TILE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +210,38 @@ def _context(kv_layer: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     return torch.index_select(kv_layer.view(nb, -1), 0, blocks).view(-1, 2, n_kv, d)
 
 
+def _tile_mask(end: int, window: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, end] additive: row r sees key k iff k <= end - T + r (and k > end - T + r - window). Tile j of a prompt
+    (queries jT + r over keys [0, (j + 1) T)) takes its last (j + 1) T columns: then k <= jT + r, causal."""
+    t = PREFILL_TILE
+    q, k = torch.arange(end - t, end)[:, None], torch.arange(end)[None, :]
+    allowed = (k <= q) & (k > q - window) if window else k <= q
+    return additive(allowed, dtype)
+
+
+def _prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, c: PrefillChunk, scale: float, window: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """q [L, Hq, D] at positions [c.position, c.position + L), their K/V already in the cache -> [L, Hq, D]."""
+    t = PREFILL_TILE
+    j0, j1 = c.tiles
+    end = j1 * t
+    ctx = _context(kv_layer, c.blocks)[:end].permute(1, 2, 0, 3).unsqueeze(1)   # [2, 1, Hkv, end, D]
+    first = c.position - j0 * t
+    qp = q.new_zeros((j1 - j0) * t, q.shape[1], q.shape[2])                     # whole tiles; the rest is padding
+    qp[first:first + c.length] = q
+    qp = qp.transpose(0, 1).unsqueeze(0)                                         # [1, Hq, tiles * T, D]
+    mask = c.masks.get(window)
+    if mask is None:
+        mask = c.masks[window] = _tile_mask(end, window, dtype)                  # [T, end]
+    outs = []
+    for j in range(j0, j1):
+        keys = (j + 1) * t
+        outs.append(F.scaled_dot_product_attention(qp[:, :, (j - j0) * t:(j - j0 + 1) * t], ctx[0, :, :, :keys],
+                                                   ctx[1, :, :, :keys], attn_mask=mask[:, end - keys:], scale=scale,
+                                                   enable_gqa=True))              # [1, Hq, T, D]
+    return torch.cat(outs, 2)[0, :, first:first + c.length].transpose(0, 1)     # [L, Hq, D]
+
+
 def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
                     scale: float, window: int = 0) -> torch.Tensor:
     """q [N, Hq, D], kv_new [N, 2, Hkv, D] (this step's K and V), kv_layer [NB, bs, 2, Hkv, D] -> [N, Hq, D].
@@ -230,18 +273,7 @@ def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_layer: torch.Tenso
     if out is None and len(meta.prefills) > 1:
         out = q.new_empty(q.shape)
     for c in meta.prefills:
-        qp = q[c.start:c.start + c.length].transpose(0, 1).unsqueeze(0)          # [1, Hq, L, D]
-        wmask = c.window_mask if window else None   # None: the window hides nothing in this chunk
-        if c.blocks is None:
-            ctx = kv_new[c.start:c.start + c.length]                             # [L, 2, Hkv, D]
-            ctx = ctx.permute(1, 2, 0, 3).unsqueeze(1)                           # [2, 1, Hkv, L, D]
-            o = F.scaled_dot_product_attention(qp, ctx[0], ctx[1], is_causal=wmask is None, attn_mask=wmask,
-                                               scale=scale, enable_gqa=True)
-        else:
-            ctx = _context(kv_layer, c.blocks)[:c.context_len].permute(1, 2, 0, 3).unsqueeze(1)  # [2,1,Hkv,C,D]
-            o = F.scaled_dot_product_attention(qp, ctx[0], ctx[1], attn_mask=c.mask if wmask is None else wmask,
-                                               scale=scale, enable_gqa=True)
-        o = o[0].transpose(0, 1)                                                 # [L, Hq, D]
+        o = _prefill_attention(q[c.start:c.start + c.length], kv_layer, c, scale, window, meta.mask_dtype)
         if out is None:
             return o
         out[c.start:c.start + c.length] = o

@@ -25,15 +25,26 @@ class _CoreCollector:
         for name, doc, value in (
                 ("deploykit_num_requests_running", "Requests in the running batch.", s.num_running),
                 ("deploykit_num_requests_waiting", "Requests queued for a batch slot.", s.num_waiting),
-                ("deploykit_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0-1).", s.kv_cache_usage),
+                ("deploykit_kv_cache_usage_ratio", "Fraction of KV-cache blocks referenced by requests (0-1); "
+                 "cached blocks are not counted.", s.kv_cache_usage),
                 ("deploykit_engine_up", "1 while the engine process is serving.", float(self._up()))):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric(m, value)
             yield g
+        g = GaugeMetricFamily("deploykit_kv_cache_blocks", "KV-cache blocks by state: active (referenced by requests), "
+                              "cached (a reusable prefix, evicted when needed), free.", labels=["model_name", "state"])
+        for state, n in (("active", s.kv_blocks_active), ("cached", s.kv_blocks_cached),
+                         ("free", s.kv_blocks_total - s.kv_blocks_active - s.kv_blocks_cached)):
+            g.add_metric([self._model, state], n)
+        yield g
         for name, doc, value in (
                 ("deploykit_prompt_tokens", "Prompt tokens admitted to the engine.", s.prompt_tokens_total),
                 ("deploykit_generation_tokens", "Tokens generated.", s.generation_tokens_total),
-                ("deploykit_num_preemptions", "Requests preempted for lack of KV cache.", s.num_preemptions)):
+                ("deploykit_num_preemptions", "Requests preempted for lack of KV cache.", s.num_preemptions),
+                ("deploykit_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 s.prefix_cache_queries_total),
+                ("deploykit_prefix_cache_hits", "Prompt tokens found in the prefix cache (their prefill skipped).",
+                 s.prefix_cache_hits_total)):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(m, value)
             yield c

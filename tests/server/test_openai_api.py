@@ -183,6 +183,18 @@ def test_the_metrics_port_serves_the_same_metrics_and_no_api(server):
     assert post.status_code == 405  # no such method there: the API is only on the API port
 
 
+def test_prefix_cache_metrics_count_a_repeated_prompt(client, server):
+    prompt = [(37 * i) % 900 + 50 for i in range(40)]  # 2 full 16-token blocks a repeat may reuse, 8 more tokens
+    queries = server.metric("deploykit_prefix_cache_queries_total")
+    hits = server.metric("deploykit_prefix_cache_hits_total")
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, **GREEDY).choices[0].text
+    assert client.completions.create(model="tiny", prompt=prompt, max_tokens=3, **GREEDY).choices[0].text == first
+    assert server.metric("deploykit_prefix_cache_queries_total") - queries == 80
+    assert server.metric("deploykit_prefix_cache_hits_total") - hits == 32
+    blocks = {s: server.metric("deploykit_kv_cache_blocks", state=s) for s in ("active", "cached", "free")}
+    assert blocks["active"] == 0 and blocks["cached"] >= 2 and blocks["free"] > 0
+
+
 def test_debug_binding_reports_the_engine_process(server):
     rep = server.get("/debug/binding").json()
     engine = rep["engine"]
