@@ -134,7 +134,9 @@ def _check(out: str, files, spec: str) -> int:
 @cli.command("serve", "run a replica of the plan on this host with the bundled engine (no Docker)", SPEC,
              arg("--replica", type=int, default=0, help="which replica of the plan (default 0)"),
              arg("--host", help="listen address (default: serving.publish_address)"),
-             arg("--port", type=int, help="listen port (default: the replica's port; 0 = any free port)"))
+             arg("--port", type=int, help="listen port (default: the replica's port; 0 = any free port)"),
+             arg("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                 help="reuse the KV cache of prompt prefixes seen before (default: serving.prefix_caching)"))
 def _serve(args: argparse.Namespace) -> int:
     """Run one replica of the plan on this host without Docker, with the plan handed to the engine as an object
     (the containers' entry point reads the same plan from plan.json)."""
@@ -160,7 +162,8 @@ def _serve(args: argparse.Namespace) -> int:
     host = (args.host or plan.serving.publish_address).strip("[]")  # Docker writes IPv6 as [::]; bind() does not
     try:
         options = launch.options(plan.model.path, plan=plan, replica=args.replica, host=host,
-                                 port=replica.port if args.port is None else args.port)
+                                 port=replica.port if args.port is None else args.port,
+                                 prefix_caching=args.prefix_caching)
     except EngineError as e:
         raise PlanError(str(e)) from None
     if len(plan.replicas) > 1:

@@ -82,6 +82,7 @@ class ServingPlan:
     api_key_env: str | None
     api_key_secret: tuple[str, str] | None  # (secret name, key)
     load_balancer: bool
+    prefix_caching: bool = True  # the engine reuses the KV cache of prompt prefixes it has seen
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,7 +115,7 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
         serving=ServingPlan(port=sv.port, publish_address=sv.publish_address, max_num_seqs=sv.max_num_seqs,
                             max_num_batched_tokens=sv.max_num_batched_tokens, api_key_env=key_env,
                             api_key_secret=(key.secret, key.key) if key is not None and hasattr(key, "secret")
-                            else None, load_balancer=multi),
+                            else None, load_balancer=multi, prefix_caching=sv.prefix_caching),
         image=ImagePlan(name=spec.image.name, tag=spec.image.tag, base=spec.image.base,
                         wheelhouse=spec.image.wheelhouse, digest=spec.image.digest),
         security=SecurityPlan(seccomp=spec.security.seccomp, run_as_user=spec.security.run_as_user,

@@ -225,6 +225,7 @@ class ServingSpec(_Model):
     max_num_seqs: PosInt = 16
     max_num_batched_tokens: PosInt = 2048
     kv_cache: Literal["auto"] | int = "auto"
+    prefix_caching: StrictBool = True  # reuse the KV cache of prompt prefixes seen before (shared system prompts)
     api_key: Annotated[
         Union[Annotated[ApiKeyFromEnv, Tag("env")], Annotated[ApiKeyFromSecret, Tag("secret")]],
         Discriminator(lambda v: "secret" if (isinstance(v, dict) and "env" not in v

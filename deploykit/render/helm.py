@@ -56,6 +56,8 @@ def values(plan: Plan) -> dict:
                   "file": m.path.rsplit("/", 1)[-1] if m.is_file and m.path else "",
                   "servedName": m.served_name, "dtype": m.dtype, "maxModelLen": m.max_model_len},
         "engine": {"port": sv.port, "maxNumSeqs": sv.max_num_seqs, "maxNumBatchedTokens": sv.max_num_batched_tokens,
+                   # written only when off: the chart's default is on, and values files state what differs
+                   **({} if sv.prefix_caching else {"prefixCaching": False}),
                    "apiKey": {"secretName": secret[0] if secret else "", "key": secret[1] if secret else "api-key"}},
         "binding": {"reservedCpus": plan.policy.reserved_cpus, "useSmt": plan.policy.use_smt,
                     "threads": plan.policy.threads},

@@ -25,6 +25,7 @@ class ServeOptions:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     kv_cache_bytes: int | None = None
+    prefix_caching: bool = True  # reuse the KV of identical prompt prefixes across requests
     binding: str = "auto"  # auto | none | CPU list
     frontend_cpus: str | None = None  # CPU list; "" = share the inference CPUs
     mems: str | None = None  # NUMA node list
@@ -50,7 +51,8 @@ class ServeOptions:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
                             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                            kv_cache_bytes=self.kv_cache_bytes, seed=self.seed, served_model_name=self.model_name)
+                            kv_cache_bytes=self.kv_cache_bytes, prefix_caching=self.prefix_caching, seed=self.seed,
+                            served_model_name=self.model_name)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--kv-cache", default=None, metavar="SIZE", help="KV cache size, e.g. 4GiB")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV cache of prompt prefixes seen before, e.g. a shared system prompt (default: on; "
+                        "env DEPLOYKIT_PREFIX_CACHING=0 turns it off)")
     p.add_argument("--binding", default=None, metavar="auto|none|CPULIST",
                    help="engine CPUs: auto (this cpuset), none, or a list like 0-3,8 (env DEPLOYKIT_CPUS)")
     p.add_argument("--frontend-cpus", default=None, metavar="CPULIST",
@@ -129,7 +134,8 @@ def options(model: str, *, plan: Plan | None = None, replica: int = 0, environ: 
         r, sv = plan.replicas[replica], plan.serving
         given |= {"dtype": plan.model.dtype, "max_model_len": plan.model.max_model_len,
                   "max_num_seqs": sv.max_num_seqs, "max_num_batched_tokens": sv.max_num_batched_tokens,
-                  "kv_cache_bytes": r.kv_cache_bytes, "binding": cpulist.format(r.cpus), "binding_source": "plan",
+                  "kv_cache_bytes": r.kv_cache_bytes, "prefix_caching": sv.prefix_caching,
+                  "binding": cpulist.format(r.cpus), "binding_source": "plan",
                   "frontend_cpus": cpulist.format(r.frontend_cpus), "mems": cpulist.format(r.mems),
                   "served_model_name": plan.model.served_name}
         if sv.api_key_env:
@@ -164,6 +170,7 @@ _ENV_SETTINGS = {"DEPLOYKIT_DTYPE": ("dtype", str), "DEPLOYKIT_MAX_MODEL_LEN": (
                  "DEPLOYKIT_MAX_NUM_SEQS": ("max_num_seqs", int),
                  "DEPLOYKIT_MAX_NUM_BATCHED_TOKENS": ("max_num_batched_tokens", int),
                  "DEPLOYKIT_KV_CACHE": ("kv_cache_bytes", parse_size),
+                 "DEPLOYKIT_PREFIX_CACHING": ("prefix_caching", lambda v: _flag(v)),
                  "DEPLOYKIT_SERVED_MODEL_NAME": ("served_model_name", str),
                  "DEPLOYKIT_METRICS_PORT": ("metrics_port", int),
                  "DEPLOYKIT_RESERVED_CPUS": ("reserved_cpus", int), "DEPLOYKIT_THREADS": ("threads", int),
@@ -211,7 +218,8 @@ def options_from_args(a: argparse.Namespace, environ: dict | None = None) -> Ser
     return options(a.model, plan=plan, replica=a.replica, environ=environ, host=a.host, port=a.port,
                    metrics_port=a.metrics_port, dtype=a.dtype,
                    max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-                   max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_bytes=kv, binding=a.binding,
+                   max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_bytes=kv,
+                   prefix_caching=a.prefix_caching, binding=a.binding,
                    frontend_cpus=a.frontend_cpus, mems=a.mems, reserved_cpus=a.reserved_cpus, use_smt=a.use_smt,
                    threads=a.threads, api_key=a.api_key,
                    served_model_name=a.served_model_name, max_waiting=a.max_waiting, max_body_bytes=body,

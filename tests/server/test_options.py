@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -97,3 +98,13 @@ def test_binding_auto_over_a_plan_drops_the_plans_host_cpu_ids(plan):
     o = options("--plan", plan, "--binding", "auto", "--reserved-cpus", "1", env={"MY_KEY": "k"})
     assert (o.binding, o.binding_source, o.frontend_cpus, o.mems, o.reserved_cpus) == ("auto", None, None, None, 1)
     assert o.kv_cache_bytes == 1 << 30  # sizes still come from the plan
+
+
+def test_prefix_caching_is_on_unless_a_flag_the_environment_or_the_plan_turns_it_off(tmp_path):
+    assert options().engine_config().prefix_caching is True
+    assert options("--no-prefix-caching").engine_config().prefix_caching is False
+    assert options(env={"DEPLOYKIT_PREFIX_CACHING": "0"}).prefix_caching is False
+    off = plans.write(dataclasses.replace(PLAN, serving=dataclasses.replace(PLAN.serving, prefix_caching=False)),
+                      tmp_path / "plan.json")
+    assert options("--plan", off, env={"MY_KEY": "k"}).prefix_caching is False
+    assert options("--plan", off, "--prefix-caching", env={"MY_KEY": "k"}).prefix_caching is True
