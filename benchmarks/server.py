@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
@@ -56,9 +57,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def one_stream(port: int, prompt: list[int], max_tokens: int) -> tuple[float, int, int]:
-    """(time to first token, SSE events before [DONE], completion tokens from the usage chunk) over one raw
-    HTTP/1.1 connection."""
+@dataclass(frozen=True)
+class Stream:
+    ttft: float  # request sent -> first token event
+    events: int  # token events before [DONE]
+    tokens: int  # completion tokens from the usage chunk
+    gaps: tuple[float, ...]  # seconds between consecutive token events (events read together: 0 apart)
+
+
+async def one_stream(port: int, prompt: list[int], max_tokens: int) -> Stream:
+    """One streamed greedy completion over a raw HTTP/1.1 connection (SSE events counted, not parsed)."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                        "stream": True, "stream_options": {"include_usage": True}}).encode()
     t0 = time.perf_counter()
@@ -66,29 +74,95 @@ async def one_stream(port: int, prompt: list[int], max_tokens: int) -> tuple[flo
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     await writer.drain()
-    buf, events, ttft = b"", 0, None
+    buf, events, ttft, last, gaps = b"", 0, None, None, []
     while b"data: [DONE]" not in buf:
         data = await reader.read(65536)
         if not data:
             raise RuntimeError(f"connection closed early: {buf[-300:]!r}")
-        if ttft is None and b"data: {" in data:
-            ttft = time.perf_counter() - t0
-        events += data.count(b"data: {")
+        now = time.perf_counter()
+        n = data.count(b"data: {")
+        if n:
+            if ttft is None:
+                ttft = now - t0
+            else:
+                gaps.append(now - last)
+            gaps += [0.0] * (n - 1)
+            last = now
+        events += n
         buf = buf[-4096:] + data
     writer.close()
     usage = re.findall(rb'"completion_tokens":\s*(\d+)', buf)
     if not usage:
         raise RuntimeError(f"no usage chunk before [DONE]: {buf[-300:]!r}")
-    return ttft or 0.0, events - 1, int(usage[-1])  # the usage chunk is an event too
+    # the usage chunk is an event too: the last one, and not a token
+    return Stream(ttft or 0.0, events - 1, int(usage[-1]), tuple(gaps[:-1]))
 
 
 async def http_round(port: int, prompts: list[list[int]], max_tokens: int) -> dict:
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one_stream(port, p, max_tokens) for p in prompts))
     wall = time.perf_counter() - t0
-    ttfts = sorted(r[0] for r in results)
-    return {"wall_s": wall, "tokens": sum(r[2] for r in results), "events": sum(r[1] for r in results),
-            "ttft_p50_s": ttfts[len(ttfts) // 2]}
+    ttfts = sorted(r.ttft for r in results)
+    gaps = sorted(g for r in results for g in r.gaps)
+    return {"wall_s": wall, "tokens": sum(r.tokens for r in results), "events": sum(r.events for r in results),
+            "ttft_p50_s": ttfts[len(ttfts) // 2], "itl_p50_s": gaps[len(gaps) // 2],
+            "itl_p99_s": gaps[int(len(gaps) * 0.99)], "itl_max_s": gaps[-1]}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+def clean_env() -> dict:
+    """This environment without OpenMP or deploykit settings: the server and the direct run bind themselves."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_", "DEPLOYKIT_"))}
+
+
+class Server:
+    """`python -m engine serve MODEL ARGS` on a free loopback port: `with Server(...) as port`, healthy inside, sent
+    SIGTERM and awaited on the way out. Its log goes to LOGDIR."""
+
+    def __init__(self, model: str, logdir: str, *args: str, env: dict | None = None):
+        self.port = free_port()
+        self.log = open(f"{logdir}/server-{self.port}.log", "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", model, "--host", "127.0.0.1", "--port",
+                                      str(self.port), "--no-access-log", *args], cwd=ROOT, env=env or clean_env(),
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+    def __enter__(self) -> int:
+        import httpx
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return self.port
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise SystemExit(f"server did not start:\n{Path(self.log.name).read_text()}")
+            time.sleep(0.2)
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(60)
+        self.log.close()
+
+
+def variant(text: str) -> tuple[str, list[str], dict]:
+    """NAME=ARGS: a server configuration to measure, e.g. "nice=--frontend-nice 10" or "env=VAR=1 --flag"."""
+    name, _, rest = text.partition("=")
+    env = dict(w.split("=", 1) for w in rest.split() if "=" in w and not w.startswith("-"))
+    return name, [w for w in rest.split() if not ("=" in w and not w.startswith("-"))], env
 
 
 def main() -> None:
@@ -102,6 +176,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--binding", default="auto", help="as `serve --binding`; the direct run uses the same")
     ap.add_argument("--frontend-cpus", default=None, help="as `serve --frontend-cpus`")
+    ap.add_argument("--variant", action="append", type=variant, default=[], metavar="NAME=ARGS",
+                    help="a server configuration (extra serve flags, VAR=VALUE environment); repeatable: every "
+                         "variant is measured in the same run, rounds interleaved (default: one, 'serve')")
     a = ap.parse_args()
     tmp = tempfile.TemporaryDirectory(prefix="bench-server-")
     model = a.model
@@ -111,69 +188,75 @@ def main() -> None:
                                 intermediate=a.hidden * 3)
     max_len = a.prompt_tokens + a.max_tokens
     prompts = [[(7 * i + 13 * j) % 900 + 3 for j in range(a.prompt_tokens)] for i in range(a.streams)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_", "DEPLOYKIT_"))}
-
     direct = subprocess.Popen([sys.executable, "-c", DIRECT, json.dumps(
         {"model": model, "max_model_len": max_len, "streams": a.streams, "max_tokens": a.max_tokens,
          "prompts": prompts, "binding": a.binding, "frontend_cpus": a.frontend_cpus})],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=clean_env())
 
     def direct_round() -> dict:
         direct.stdin.write("go\n")
         direct.stdin.flush()
         return json.loads(direct.stdout.readline())
 
-    port = free_port()
-    log = open(f"{tmp.name}/server.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "engine", "serve", model, "--host", "127.0.0.1", "--port",
-                               str(port), "--max-model-len", str(max_len), "--max-num-seqs", str(a.streams),
-                               "--no-access-log", "--binding", a.binding,
-                               *(["--frontend-cpus", a.frontend_cpus] if a.frontend_cpus else [])], cwd=ROOT,
-                              env=env, stdout=log, stderr=subprocess.STDOUT)
+    common = ["--max-model-len", str(max_len), "--max-num-seqs", str(a.streams), "--binding", a.binding,
+              *(["--frontend-cpus", a.frontend_cpus] if a.frontend_cpus else [])]
+    variants = a.variant or [("serve", [], {})]
+    servers = {name: Server(model, tmp.name, *common, *args, env=clean_env() | env) for name, args, env in variants}
+    rounds: dict[str, list[dict]] = {"direct": [], **{name: [] for name in servers}}
     try:
-        import httpx
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"server did not start:\n{Path(log.name).read_text()}")
-            time.sleep(0.2)
-        direct_round(), asyncio.run(http_round(port, prompts, a.max_tokens))  # warm-up
-        direct_rounds, http_rounds = [], []
-        for _ in range(a.rounds):  # alternate, so both see the same background load
-            direct_rounds.append(direct_round())
-            http_rounds.append(asyncio.run(http_round(port, prompts, a.max_tokens)))
+        ports = {name: s.__enter__() for name, s in servers.items()}
+        direct_round()
+        for port in ports.values():  # warm-up
+            asyncio.run(http_round(port, prompts, a.max_tokens))
+        for _ in range(a.rounds):  # interleaved, so every configuration sees the same background load
+            rounds["direct"].append(direct_round())
+            for name, port in ports.items():
+                front = servers[name].proc.pid
+                engine = children(front)[0]
+                cpu = cpu_seconds(front), cpu_seconds(engine)
+                r = asyncio.run(http_round(port, prompts, a.max_tokens))
+                r["frontend_cpu_s"], r["engine_cpu_s"] = cpu_seconds(front) - cpu[0], cpu_seconds(engine) - cpu[1]
+                rounds[name].append(r)
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
+        for s in servers.values():
+            s.__exit__()
         direct.stdin.close()
         direct.wait(60)
 
-    best_direct = min(direct_rounds, key=lambda r: r["wall_s"])
-    best_http = min(http_rounds, key=lambda r: r["wall_s"])
-    d_tps = best_direct["tokens"] / best_direct["wall_s"]
-    h_tps = best_http["tokens"] / best_http["wall_s"]
-    print(json.dumps({
+    def best(rs: list[dict]) -> dict:
+        return min(rs, key=lambda r: r["wall_s"])
+
+    d = best(rounds["direct"])
+    d_tps = d["tokens"] / d["wall_s"]
+    out = {
         "model": {"path": model if a.model else f"random hidden={a.hidden} layers={a.layers}"},
         "streams": a.streams, "max_tokens": a.max_tokens, "prompt_tokens": a.prompt_tokens,
         "cpus": len(os.sched_getaffinity(0)), "binding": a.binding, "frontend_cpus": a.frontend_cpus or "shared",
-        "direct": {"tokens_per_s": round(d_tps, 1), "wall_s": round(best_direct["wall_s"], 3),
-                   "rounds_wall_s": [round(r["wall_s"], 3) for r in direct_rounds]},
-        "http_sse": {"tokens_per_s": round(h_tps, 1), "wall_s": round(best_http["wall_s"], 3),
-                     "ttft_p50_s": round(best_http["ttft_p50_s"], 4), "sse_events": best_http["events"],
-                     "rounds_wall_s": [round(r["wall_s"], 3) for r in http_rounds]},
-        "overhead_pct": round(100 * (1 - h_tps / d_tps), 2),  # best round vs best round
-        "overhead_pct_median": round(100 * (median(r["wall_s"] for r in http_rounds)
-                                            / median(r["wall_s"] for r in direct_rounds) - 1), 2),
+        "direct": {"tokens_per_s": round(d_tps, 1), "wall_s": round(d["wall_s"], 3),
+                   "rounds_wall_s": [round(r["wall_s"], 3) for r in rounds["direct"]]},
         "target_overhead_pct": 5.0,
-        "meets_target": 100 * (1 - h_tps / d_tps) < 5.0,
-        "tokens_checked": {"direct": best_direct["tokens"], "http_usage": best_http["tokens"],
-                           "expected": a.streams * a.max_tokens},
-    }, indent=2))
+        "expected_tokens": a.streams * a.max_tokens,
+    }
+    for name, args, env in variants:
+        rs = rounds[name]
+        h = best(rs)
+        overhead = 100 * (1 - h["tokens"] / h["wall_s"] / d_tps)  # best round vs best round
+        out[name] = {
+            "serve_args": " ".join([*args, *(f"{k}={v}" for k, v in env.items())]),
+            "tokens_per_s": round(h["tokens"] / h["wall_s"], 1), "wall_s": round(h["wall_s"], 3),
+            "overhead_pct": round(overhead, 2),
+            "overhead_pct_median": round(100 * (median(r["wall_s"] for r in rs)
+                                                / median(r["wall_s"] for r in rounds["direct"]) - 1), 2),
+            "meets_target": overhead < 5.0, "tokens_checked": h["tokens"], "sse_events": h["events"],
+            "ttft_p50_s": round(median(r["ttft_p50_s"] for r in rs), 4),
+            # CPU time per generated token: the front end's is what it takes from the inference CPUs when it shares them
+            "frontend_cpu_us_per_token": round(1e6 * median(r["frontend_cpu_s"] / r["tokens"] for r in rs), 1),
+            "engine_cpu_us_per_token": round(1e6 * median(r["engine_cpu_s"] / r["tokens"] for r in rs), 1),
+            "itl_p50_ms": round(1000 * median(r["itl_p50_s"] for r in rs), 2),
+            "itl_p99_ms": round(1000 * median(r["itl_p99_s"] for r in rs), 2),
+            "itl_max_ms": round(1000 * max(r["itl_max_s"] for r in rs), 2),
+            "rounds_wall_s": [round(r["wall_s"], 3) for r in rs]}
+    print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
