@@ -1,7 +1,7 @@
 """Prefix caching on chat traffic that shares a system prompt: engine-side and over HTTP, with the cache off (the
 baseline) and on, in one run. Prints JSON on stdout (progress on stderr).
 
-Run: flock /tmp/deploykit-heavy.lock python benchmarks/prefix_cache.py [--model DIR] [--system-tokens 1024]
+Run: flock -o /tmp/deploykit-heavy.lock python benchmarks/prefix_cache.py [--model DIR] [--system-tokens 1024]
      [--chats 16] [--turns 3] [--skip-http]
 
 Two loads, each run with `--no-prefix-caching` and then with the cache on (the default):
@@ -11,7 +11,8 @@ Two loads, each run with `--no-prefix-caching` and then with the cache on (the d
          conversation so far + a new user line, 32 new tokens, sent as soon as the previous turn ended. Generated
          tokens per second, cache on against off (target >= 1.5x). The conversation records each reply as a fixed
          32-token line (the same for both runs and both sides; the server streams text, whose token ids a client
-         cannot know exactly), so the blocks a reply filled while decoding are not reused here: tests cover that.
+         cannot know exactly); the engine never caches blocks filled while decoding anyway: the next turn prefills
+         the reply, and the turn after reuses it.
 Engine-side, EngineCore runs in a child process pinned like `python -m engine serve --binding auto`; over HTTP the
 server streams completions of token-id prompts (no chat template: the same tokens both ways). Without --model the
 random-weight Qwen2-shaped bf16 model of benchmarks/engine.py is used (generated once).
