@@ -177,6 +177,12 @@ class BlockAllocator:
                 del self._computing[h]
         seq.num_committed_blocks = full
 
+    def forget(self, seq) -> None:
+        """seq finished or was aborted: blocks it meant to compute are no longer promised to anyone waiting."""
+        for h in seq.block_hashes[seq.num_committed_blocks:]:
+            if self._computing.get(h) is seq:
+                del self._computing[h]
+
     def check(self) -> None:
         """Assert the bookkeeping is consistent (tests): every block is exactly one of active, cached, free."""
         free, lru = set(self._free), set(self._lru)

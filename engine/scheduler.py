@@ -101,6 +101,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+        self.allocator.forget(seq)
         self.allocator.release(seq.block_table)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

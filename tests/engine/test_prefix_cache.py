@@ -30,6 +30,7 @@ def _idle(a: BlockAllocator) -> None:
     """Nothing runs: no block is referenced, and every block is free or cached."""
     a.check()
     assert a.num_active == 0 and a.num_free == a.num_blocks and a.usage() == 0.0
+    assert not a._computing  # no promise of a block outlives the sequence that made it (aborts included)
 
 
 def _drain(core: EngineCore) -> dict[str, list[int]]:
