@@ -1,0 +1,268 @@
+"""Tool calls in the output formats models are trained on, each with its parser (whole text or streamed), the
+grammar that forces a call (tool_choice `required` or a named function), and the instructions that describe the
+tools when a model's chat template cannot render them itself:
+
+  hermes       Hermes / Qwen2.5 / Qwen3:  <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>  (repeated)
+  llama3_json  Llama 3.1+:                {"name": ..., "parameters": {...}}  (several joined by "; ")
+
+Streaming and whole-text parsing are one code path (a whole text is fed as one delta), so a stream always adds up
+to the non-streaming answer. Text that is not a well-formed call stays content: nothing the model wrote is lost.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from engine import grammar
+
+MAX_NAME = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Function:
+    """A function the request offers the model."""
+    name: str
+    description: str | None = None
+    parameters: dict = field(default_factory=lambda: {"type": "object"})  # JSON Schema of the arguments
+    strict: bool = False
+
+    def openai(self) -> dict:
+        """The chat-completions form templates are written for."""
+        fn = {"name": self.name, "parameters": self.parameters}
+        if self.description:
+            fn["description"] = self.description
+        return {"type": "function", "function": fn}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(slots=True)
+class Parsed:
+    """What one delta of model text turned into."""
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+def _call(obj, args_key: str) -> ToolCall | None:
+    """{"name": str, args_key: object} -> a call; anything else is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get(args_key, obj.get("arguments", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def held_back(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`: text that may be the start of the
+    tag, held back until the next delta settles it."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class Format:
+    name = ""
+    args_key = "arguments"
+
+    def stream(self) -> Stream:
+        raise NotImplementedError
+
+    def parse(self, text: str) -> Parsed:
+        s = self.stream()
+        out = s.feed(text)
+        end = s.finish()
+        return Parsed(out.content + end.content, out.calls + end.calls)
+
+    def call_schema(self, fn: Function) -> dict:
+        """The JSON Schema of one call of `fn` in this format."""
+        return {"type": "object", "properties": {"name": {"const": fn.name}, self.args_key: fn.parameters},
+                "required": ["name", self.args_key], "additionalProperties": False}
+
+    def calls_rule(self, functions: list[Function], parallel: bool, tag) -> str:
+        """Lark rules `calls: ...` forcing one call (or, with parallel, one or more) of the given functions.
+        `tag(text)` spells a format tag: the tokenizer's single token for it when it has one."""
+        raise NotImplementedError
+
+    def instructions(self, functions: list[Function]) -> str:
+        """How to call the tools, for a template that cannot list them (added to the system message)."""
+        raise NotImplementedError
+
+    def write(self, calls: list[tuple[str, dict]]) -> str:
+        """Earlier calls (name, arguments) as the model writes them, for a template that cannot render them."""
+        raise NotImplementedError
+
+
+def _any_call(fmt: Format, functions: list[Function]) -> str:
+    # one %json with anyOf, not one rule per function: llguidance documents alternatives of %json as unsupported
+    return grammar.lark_json({"anyOf": [fmt.call_schema(f) for f in functions]})
+
+
+def _listing(functions: list[Function]) -> str:
+    return "\n".join(json.dumps(f.openai(), ensure_ascii=False) for f in functions)
+
+
+class Hermes(Format):
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def stream(self) -> Stream:
+        return _TaggedStream(self.OPEN, self.CLOSE)
+
+    def calls_rule(self, functions: list[Function], parallel: bool, tag) -> str:
+        more = ' ("\\n" call)*' if parallel else ""
+        return (f"calls: call{more}\ncall: {tag(self.OPEN)} \"\\n\" call_body \"\\n\" {tag(self.CLOSE)}\n"
+                f"call_body: {_any_call(self, functions)}")
+
+    def instructions(self, functions: list[Function]) -> str:
+        return ("You can call functions. To call one, answer with a block like this, one block per call:\n"
+                f'{self.OPEN}\n{{"name": "function name", "arguments": {{"parameter": "value"}}}}\n{self.CLOSE}\n'
+                f"The functions (JSON Schema), one per line:\n<tools>\n{_listing(functions)}\n</tools>")
+
+    def write(self, calls: list[tuple[str, dict]]) -> str:
+        return "\n".join(f"{self.OPEN}\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n{self.CLOSE}"
+                         for n, a in calls)
+
+
+class Llama3Json(Format):
+    name = "llama3_json"
+    args_key = "parameters"
+    PYTHON_TAG = "<|python_tag|>"  # a special token: skipped by the detokenizer, stripped here if it shows
+
+    def stream(self) -> Stream:
+        return _JsonStream(self.args_key, self.PYTHON_TAG)
+
+    def calls_rule(self, functions: list[Function], parallel: bool, tag) -> str:
+        more = ' ("; " call)*' if parallel else ""
+        return f"calls: call{more}\ncall: {_any_call(self, functions)}"
+
+    def instructions(self, functions: list[Function]) -> str:
+        return ("You can call functions. To call one, answer with only a JSON object "
+                '{"name": function name, "parameters": {argument name: value}}; separate several calls with "; ".\n'
+                f"The functions (JSON Schema), one per line:\n{_listing(functions)}")
+
+    def write(self, calls: list[tuple[str, dict]]) -> str:
+        return "; ".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False) for n, a in calls)
+
+
+FORMATS: dict[str, Format] = {f.name: f for f in (Hermes(), Llama3Json())}
+
+
+class Stream:
+    def feed(self, delta: str) -> Parsed:
+        raise NotImplementedError
+
+    def finish(self) -> Parsed:
+        raise NotImplementedError
+
+
+class _TaggedStream(Stream):
+    """Content until an opening tag; each tagged block's JSON becomes a call when its closing tag arrives. A
+    possible partial tag at the end of a delta is held back until the next one settles it."""
+
+    def __init__(self, open_tag: str, close_tag: str):
+        self.open, self.close = open_tag, close_tag
+        self.buf = ""
+        self.in_call = False
+        self.called = False  # after a call, whitespace (between calls, before the end) is not content
+
+    def feed(self, delta: str) -> Parsed:
+        out = Parsed()
+        self.buf += delta
+        while True:
+            if not self.in_call:
+                if self.called:
+                    self.buf = self.buf.lstrip()
+                at = self.buf.find(self.open)
+                if at < 0:
+                    keep = held_back(self.buf, self.open)
+                    out.content += self.buf[: len(self.buf) - keep]
+                    self.buf = self.buf[len(self.buf) - keep:]
+                    return out
+                out.content += self.buf[:at]
+                self.buf, self.in_call = self.buf[at + len(self.open):], True
+            at = self.buf.find(self.close)
+            if at < 0:
+                return out
+            body, self.buf, self.in_call = self.buf[:at], self.buf[at + len(self.close):], False
+            call = _parse_json_call(body, "arguments")
+            if call is None:
+                out.content += self.open + body + self.close
+            else:
+                out.calls.append(call)
+                self.called = True
+
+    def finish(self) -> Parsed:
+        buf, self.buf = self.buf, ""
+        if not self.in_call:
+            return Parsed(content=buf.strip() if self.called else buf)
+        call = _parse_json_call(buf, "arguments")  # cut short (max_tokens) yet whole: still a call
+        return Parsed(calls=[call]) if call is not None else Parsed(content=self.open + buf)
+
+
+def _parse_json_call(body: str, args_key: str) -> ToolCall | None:
+    try:
+        return _call(json.loads(body), args_key)
+    except ValueError:
+        return None
+
+
+class _JsonStream(Stream):
+    """A reply whose first non-space character is `{` is held to the end and read as calls (objects joined by ";"
+    or whitespace); if it is not all calls it is content after all. Any other reply streams as content."""
+
+    def __init__(self, args_key: str, prefix: str):
+        self.args_key, self.prefix = args_key, prefix
+        self.buf = ""
+        self.mode: str | None = None  # None: undecided, "json", "content"
+
+    def feed(self, delta: str) -> Parsed:
+        if self.mode == "content":
+            return Parsed(content=delta)
+        self.buf += delta
+        if self.mode is None:
+            head = self.buf.lstrip()
+            if head.startswith(self.prefix):
+                head = head[len(self.prefix):].lstrip()
+            if not head or self.prefix.startswith(head):
+                return Parsed()  # only spaces or part of the prefix so far
+            self.mode = "json" if head.startswith("{") else "content"
+            if self.mode == "content":
+                buf, self.buf = self.buf, ""
+                return Parsed(content=buf)
+        return Parsed()
+
+    def finish(self) -> Parsed:
+        buf, self.buf = self.buf, ""
+        if self.mode != "json":
+            return Parsed(content=buf)
+        text = buf.strip().removeprefix(self.prefix).strip()
+        calls, decoder, at = [], json.JSONDecoder(), 0
+        while at < len(text):
+            try:
+                obj, at = decoder.raw_decode(text, at)
+            except ValueError:
+                return Parsed(content=buf)
+            call = _call(obj, self.args_key)
+            if call is None:
+                return Parsed(content=buf)
+            calls.append(call)
+            while at < len(text) and text[at] in " \t\r\n;":
+                at += 1
+        return Parsed(calls=calls)
