@@ -19,15 +19,16 @@ _SEEN_CAP = 1024  # distinct names remembered; a client inventing names per requ
 _NO_STORE = "this server stores nothing"
 _ONE_TIER = "one service tier"
 _NOTHING = "no effect on a self-hosted model"
+_NO_KEY = "prefix reuse needs no key"
 IGNORED: dict[str, dict[str, str]] = {
     "completions": {"user": _NOTHING},
     "chat": {"user": _NOTHING, "metadata": _NO_STORE, "store": _NO_STORE, "service_tier": _ONE_TIER,
-             "safety_identifier": _NOTHING, "prompt_cache_key": "prefix reuse needs no key",
-             "prompt_cache_retention": "prefix reuse needs no key", "modalities": "text is the only modality",
+             "safety_identifier": _NOTHING, "prompt_cache_key": _NO_KEY,
+             "prompt_cache_retention": _NO_KEY, "modalities": "text is the only modality",
              "verbosity": "the model's length is steered by max_tokens only"},
     "responses": {"user": _NOTHING, "metadata": "echoed back, not stored", "store": _NO_STORE,
                   "service_tier": _ONE_TIER, "safety_identifier": _NOTHING,
-                  "prompt_cache_key": "prefix reuse needs no key", "prompt_cache_retention": "prefix reuse needs no key",
+                  "prompt_cache_key": _NO_KEY, "prompt_cache_retention": _NO_KEY,
                   "include": "nothing extra to include", "truncation": "an input over the context is a 400",
                   "max_tool_calls": "calls are bounded by parallel_tool_calls and max_output_tokens",
                   "top_logprobs": "not reported by this endpoint; use /v1/chat/completions",

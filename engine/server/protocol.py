@@ -1,6 +1,7 @@
 """OpenAI wire format: pydantic request models (validation at the HTTP edge) and response models."""
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
@@ -37,7 +38,26 @@ def _utf8(text: str) -> str:
     return text
 
 
+def _utf8_json(value):
+    """A free-form JSON value that reaches a template, a tokenizer or the grammar compiler: every string (keys too)
+    Unicode, every number finite (Python's JSON reader takes NaN, which no JSON writer may emit)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            _utf8(v)
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"contains {v}, which is not JSON; send finite numbers")
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return value
+
+
 Text = Annotated[str, AfterValidator(_utf8)]
+JSONObject = Annotated[dict[str, Any], AfterValidator(_utf8_json)]
 PositiveInt = Annotated[int, Field(ge=1)]
 # OpenAI allows [a-zA-Z0-9_-]{1,64}; dots and colons too here (MCP clients name tools "server.tool")
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
@@ -54,7 +74,7 @@ class JSONSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
     name: Text = "response"
     description: Text | None = None
-    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    schema_: JSONObject = Field(default_factory=lambda: {"type": "object"}, alias="schema")
     strict: bool | None = None  # the output always follows the schema (grammar-constrained), strict or not
 
 
@@ -132,7 +152,7 @@ class FunctionDef(BaseModel):
     model_config = _LENIENT
     name: FunctionName
     description: Text | None = None
-    parameters: dict[str, Any] | None = None  # JSON Schema; none = any object
+    parameters: JSONObject | None = None  # JSON Schema; none = any object
     strict: bool | None = None
 
 
@@ -166,7 +186,7 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # leave the last (assistant) message open and continue it
-    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. {"enable_thinking": false}
+    chat_template_kwargs: JSONObject | None = None  # extra template variables, e.g. {"enable_thinking": false}
 
 
 class TokenizeRequest(BaseModel):

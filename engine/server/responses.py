@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
@@ -57,7 +57,7 @@ class ResponseTool(BaseModel):
     type: p.Text
     name: p.FunctionName | None = None
     description: p.Text | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: p.JSONObject | None = None
     strict: bool | None = None
 
 
@@ -71,7 +71,7 @@ class TextFormat(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: p.Text | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: p.JSONObject | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -104,7 +104,7 @@ class ResponsesRequest(BaseModel):
     min_p: p._ranged("min_p") = 0.0
     repetition_penalty: p._ranged("repetition_penalty") = 1.0
     seed: int | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: p.JSONObject | None = None
 
 
 PARAMS = {"tools": "tools", "tool_choice": "tool_choice", "format": "text"}
@@ -163,6 +163,8 @@ def messages(req: ResponsesRequest) -> list[Message]:
         else:
             raise bad_request(f"{where} is of type {kind!r}; this server takes message, function_call, "
                               "function_call_output and reasoning items", "input")
+    if not out:
+        raise bad_request("input holds no message, call or call output", "input")
     return out
 
 

@@ -29,9 +29,10 @@ class Function:
 
     def openai(self) -> dict:
         """The chat-completions form templates are written for."""
-        fn = {"name": self.name, "parameters": self.parameters}
+        fn: dict = {"name": self.name}  # in OpenAI's order: templates print the object as it is
         if self.description:
             fn["description"] = self.description
+        fn["parameters"] = self.parameters
         return {"type": "function", "function": fn}
 
 

@@ -95,3 +95,16 @@ def test_binding_auto_over_a_plan_drops_the_plans_host_cpu_ids(plan):
     o = options("--plan", plan, "--binding", "auto", "--reserved-cpus", "1", env={"MY_KEY": "k"})
     assert (o.binding, o.binding_source, o.frontend_cpus, o.mems, o.reserved_cpus) == ("auto", None, None, None, 1)
     assert o.kv_cache_bytes == 1 << 30  # sizes still come from the plan
+
+
+def test_parsers_come_from_flags_or_the_environment_with_or_without_a_plan(plan):
+    assert (options().tool_call_parser, options().reasoning_parser) == ("auto", "auto")
+    o = options("--tool-call-parser", "llama3_json", "--reasoning-parser", "none")
+    assert (o.tool_call_parser, o.reasoning_parser) == ("llama3_json", "none")
+    env = {"MY_KEY": "k", "DEPLOYKIT_TOOL_CALL_PARSER": "hermes", "DEPLOYKIT_REASONING_PARSER": "deepseek_r1"}
+    o = options("--plan", plan, env=env)  # a plan holds neither: a container sets them in its environment
+    assert (o.tool_call_parser, o.reasoning_parser) == ("hermes", "deepseek_r1")
+    with pytest.raises(OptionsError, match="DEPLOYKIT_REASONING_PARSER.*one of auto, none"):
+        options(env={"DEPLOYKIT_REASONING_PARSER": "think"})
+    with pytest.raises(SystemExit):  # argparse names the choices
+        options("--tool-call-parser", "mistral")
