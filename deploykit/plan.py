@@ -89,6 +89,7 @@ class ImagePlan:
     tag: str
     base: str
     wheelhouse: str | None
+    digest: str | None = None  # sha256:... of the pushed image: Kubernetes names it by content
 
     @property
     def ref(self) -> str:

@@ -112,7 +112,7 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
                             api_key_secret=(key.secret, key.key) if key is not None and hasattr(key, "secret")
                             else None, load_balancer=multi),
         image=ImagePlan(name=spec.image.name, tag=spec.image.tag, base=spec.image.base,
-                        wheelhouse=spec.image.wheelhouse),
+                        wheelhouse=spec.image.wheelhouse, digest=spec.image.digest),
         security=SecurityPlan(seccomp=spec.security.seccomp, run_as_user=spec.security.run_as_user,
                               read_only_root=spec.security.read_only_root, sys_nice=spec.security.sys_nice),
         targets=spec.targets,

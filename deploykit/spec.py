@@ -251,17 +251,27 @@ class ServingSpec(_Model):
 _IMAGE_NAME = re.compile(r"^[a-z0-9]+([._/-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*$")
 _IMAGE_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _IMAGE_REF = re.compile(r"^[a-z0-9]+([._/:-][a-z0-9]+)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?$")
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
 class ImageSpec(_Model):
     name: str = "deploykit-engine"
     tag: str = "0.1.0"
-    base: str = "python:3.11-slim-bookworm"
+    base: str = "python:3.11-slim-bookworm"  # NAME:TAG@sha256:DIGEST pins the Dockerfile's FROM lines by content
     wheelhouse: str | None = None  # a local directory of wheels: the image builds with pip --no-index
+    digest: str | None = None  # the pushed image's sha256:...: Kubernetes objects then name it by content
 
     _name = field_validator("name")(_matches(_IMAGE_NAME, "image name", "registry.example.com/llm/engine"))
     _tag = field_validator("tag")(_matches(_IMAGE_TAG, "image tag", "0.1.0 or 2026-11-22"))
     _base = field_validator("base")(_matches(_IMAGE_REF, "base image reference", "python:3.11-slim-bookworm"))
+
+    @field_validator("digest")
+    @classmethod
+    def _digest(cls, v: str | None) -> str | None:
+        if v is not None and not _DIGEST.match(v):
+            raise ValueError("not an image digest; sha256: and 64 hex digits, as the registry (or `docker inspect "
+                             "--format '{{.RepoDigests}}'`) shows it for the pushed image")
+        return v
 
 
 class SecuritySpec(_Model):

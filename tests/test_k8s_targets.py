@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import policies
+
 if os.environ.get("DEPLOYKIT_REQUIRE_DOCKER") == "1":  # CI installs the kubernetes extra: never a silent skip
     import helm_python as helm
     import kubernetes_validate as kv
@@ -61,6 +63,32 @@ def test_one_guaranteed_pod_per_numa_node(case, pods):
         assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     (ns,) = [o for o in objs.values() if o["kind"] == "Namespace"]
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    # Deny by default: each pod is selected by a NetworkPolicy admitting only its API port, with no egress.
+    assert policies.check_engine_pods(list(objs.values())) == pods
+
+
+def test_a_pushed_image_digest_pins_the_pods_and_a_changed_digest_is_drift(tmp_path):
+    spec = yaml.safe_load((ROOT / "examples" / "xeon-amx-2s.yaml").read_text())
+    digest = "sha256:" + "ab" * 32
+    spec["image"] = {**spec.get("image", {}), "digest": digest}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "out"
+    r = cli("render", path, "-o", out, "--target", "helm", "--target", "manifests")
+    assert r.returncode == 0, r.stderr
+    name = spec["image"].get("name", "deploykit-engine")
+    for dep in (out / "k8s").glob("deployment-*.yaml"):
+        (c,) = yaml.safe_load(dep.read_text())["spec"]["template"]["spec"]["containers"]
+        assert c["image"] == f"{name}@{digest}"
+    assert yaml.safe_load((out / "helm" / "values.yaml").read_text())["image"]["digest"] == digest
+    spec["image"]["digest"] = "sha256:" + "cd" * 32
+    path.write_text(yaml.safe_dump(spec))
+    r = cli("render", path, "-o", out, "--target", "helm", "--target", "manifests", "--check")
+    assert r.returncode == 8 and f"-        image: {name}@{digest}" in r.stdout, r.stdout[-3000:]
+    spec["image"]["digest"] = "sha256:xyz"
+    path.write_text(yaml.safe_dump(spec))
+    r = cli("validate", path)
+    assert r.returncode == 2 and "image.digest" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_values_file_carries_the_plan_and_no_host_cpu_ids():

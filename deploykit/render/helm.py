@@ -9,7 +9,6 @@ binds to the cpuset the kubelet gives it (binding auto), with the plan's policy.
 from __future__ import annotations
 
 import math
-from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -18,6 +17,7 @@ from .. import __version__, isa
 from ..plan import Plan
 from . import node
 from .output import File
+from .templating import package_dir
 
 CHART = "deploykit"
 VALUES = "helm/values.yaml"
@@ -26,11 +26,7 @@ _SKIP = ("__pycache__", ".pyc", "__init__.py")
 
 
 def chart_dir() -> Path:
-    """Installed: the deploykit.chart package data; a plain checkout on PYTHONPATH: <repo>/charts/deploykit."""
-    try:
-        return Path(str(resources.files("deploykit.chart")))
-    except ModuleNotFoundError:
-        return Path(__file__).resolve().parents[2] / "charts" / CHART
+    return package_dir("deploykit.chart", f"charts/{CHART}")
 
 
 def chart_files(prefix: str = f"helm/{CHART}") -> list[File]:
@@ -54,7 +50,8 @@ def values(plan: Plan) -> dict:
     secret = sv.api_key_secret or ((f"{plan.name}-api-key", "api-key") if sv.api_key_env else None)
     return {
         "fullnameOverride": plan.name,
-        "image": {"repository": plan.image.name, "tag": plan.image.tag},
+        "image": {"repository": plan.image.name, "tag": plan.image.tag,
+                  **({"digest": plan.image.digest} if plan.image.digest else {})},
         "model": {"source": "pvc", "pvc": {"claimName": f"{plan.name}-model"},
                   "file": m.path.rsplit("/", 1)[-1] if m.is_file and m.path else "",
                   "servedName": m.served_name, "dtype": m.dtype, "maxModelLen": m.max_model_len},

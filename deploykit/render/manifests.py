@@ -27,14 +27,24 @@ def values(plan: Plan) -> dict:
     return {**helm.values(plan), "managedBy": "deploykit", "namespace": {"create": True, "podSecurity": level}}
 
 
+def missing() -> OutputError | None:
+    """Why this target cannot render here, or None: Helm's engine is an optional dependency (the kubernetes extra).
+    Imported, not just looked up: an installed package whose native library fails to load is missing too."""
+    try:
+        import helm_python  # noqa: F401
+        return None
+    except ImportError:
+        pass
+    return OutputError("--target manifests renders the chart with Helm's engine, which is not installed",
+                       path="--target", value="manifests",
+                       hint="pip install 'deploykit[kubernetes]' (helm-python-sdk; no helm binary needed)")
+
+
 def objects(plan: Plan) -> list[dict]:
     """Every object of the chart for this plan, in a stable order (kind, then name)."""
-    try:
-        import helm_python
-    except ImportError:
-        raise OutputError("--target manifests renders the chart with Helm's engine, which is not installed",
-                          path="--target", value="manifests",
-                          hint="pip install 'deploykit[kubernetes]' (helm-python-sdk; no helm binary needed)") from None
+    if (unavailable := missing()) is not None:
+        raise unavailable
+    import helm_python
     try:
         with helm_python.Chart.load(str(helm.chart_dir())) as chart:
             rendered = chart.render(values=values(plan), name=plan.name, namespace=plan.name)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+import httpx
 import pytest
 
 from deploykit import cpulist
@@ -175,6 +176,16 @@ def test_metrics_follow_the_requests(client, server):
     assert server.metric("deploykit_num_requests_running") == 0
     assert server.metric("deploykit_kv_cache_usage_ratio") == 0
     assert server.metric("deploykit_engine_up") == 1
+
+
+def test_the_metrics_port_serves_the_same_metrics_and_no_api(server):
+    """What the chart's NetworkPolicy opens to the monitoring namespace: /metrics, and nothing of the API."""
+    scrape = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10)
+    assert scrape.status_code == 200 and "deploykit_engine_up" in scrape.text
+    generated = server.metric("deploykit_generation_tokens_total")  # through the API port
+    assert f'deploykit_generation_tokens_total{{model_name="tiny"}} {generated}' in scrape.text
+    post = httpx.post(f"http://127.0.0.1:{server.metrics_port}/v1/completions", json={"model": "tiny"}, timeout=10)
+    assert post.status_code == 405  # no such method there: the API is only on the API port
 
 
 def test_debug_binding_reports_the_engine_process(server):

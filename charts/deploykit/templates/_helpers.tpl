@@ -55,6 +55,16 @@ app.kubernetes.io/component: engine
 {{- printf "%s-%s" ($full | trunc (int (sub 62 (len (toString .slot.name))))) (toString .slot.name) | trimSuffix "-" }}
 {{- end }}
 
+{{/* The cluster DNS pods, as a NetworkPolicyPeer list entry. */}}
+{{- define "deploykit.dnsPeer" -}}
+- namespaceSelector:
+    matchLabels:
+      kubernetes.io/metadata.name: {{ .Values.networkPolicy.dns.namespace }}
+  podSelector:
+    matchLabels:
+      {{- toYaml .Values.networkPolicy.dns.podLabels | nindent 6 }}
+{{- end }}
+
 {{- define "deploykit.image" -}}
 {{- if .Values.image.digest }}
 {{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
@@ -143,6 +153,12 @@ Every problem the schema cannot express, collected and reported at once (a user 
 {{- end }}
 {{- if and $v.namespace.create (eq $v.namespace.podSecurity "baseline") $v.security.sysNice }}
 {{- $errors = append $errors "security.sysNice: CAP_SYS_NICE fails Pod Security \"baseline\": set namespace.podSecurity=privileged or drop it" }}
+{{- end }}
+{{- if eq (int $v.metrics.port) (int $v.engine.port) }}
+{{- $errors = append $errors (printf "metrics.port: %v is engine.port too; the metrics listener needs a port of its own" $v.metrics.port) }}
+{{- end }}
+{{- if and $v.networkPolicy.enabled $v.metrics.serviceMonitor.enabled (not $v.networkPolicy.metricsNamespace) }}
+{{- $errors = append $errors "networkPolicy.metricsNamespace: required with metrics.serviceMonitor.enabled (the namespace Prometheus runs in); the NetworkPolicy would refuse its scrapes" }}
 {{- end }}
 {{- if $errors }}
 {{- fail (printf "\n\ndeploykit chart: %d problem(s) in the values:\n  - %s\n" (len $errors) (join "\n  - " $errors)) }}
