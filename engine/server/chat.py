@@ -133,11 +133,14 @@ def check_tools(turn: ChatTurn) -> list[Function]:
     return turn.functions
 
 
-def _check_schema(schema: dict, what: str, param: str) -> None:
-    err = grammar.check(grammar.json_schema(schema))
+def schema_grammar(schema: dict, what: str, param: str) -> str:
+    """The grammar of JSON documents valid for `schema`; a 400 naming what llguidance cannot enforce."""
+    g = grammar.json_schema(schema)
+    err = grammar.check(g)
     if err is not None:
         raise bad_request(f"{what} cannot be enforced: {err}. Remove or rewrite the unsupported parts of the "
                           "schema", param)
+    return g
 
 
 def build_grammar(tpl: ChatTemplate, turn: ChatTurn, functions: list[Function], prompt: str) -> str | None:
@@ -152,12 +155,12 @@ def build_grammar(tpl: ChatTemplate, turn: ChatTurn, functions: list[Function], 
         chosen = [f for f in functions if turn.tool_choice == "required" or f.name == turn.tool_name]
         for i, f in enumerate(functions):
             if f in chosen:
-                _check_schema(f.parameters, f"{p['tools']}[{i}] ({f.name}) parameters", p["tools"])
+                schema_grammar(f.parameters, f"{p['tools']}[{i}] ({f.name}) parameters", p["tools"])
         rules.append(tpl.format.calls_rule(chosen, turn.parallel_tool_calls, tpl.tag))
         body = "calls"
     else:
         schema = turn.output.schema if fmt == "json_schema" else {"type": "object"}
-        _check_schema(schema, f"{p['format']} schema", p["format"])
+        document = schema_grammar(schema, f"{p['format']} schema", p["format"])
         rules.append(f"json_body: {grammar.lark_json(schema)}")
         body = "json_body"
         if functions:  # tools under auto: a call is as welcome as the document
@@ -165,18 +168,27 @@ def build_grammar(tpl: ChatTemplate, turn: ChatTurn, functions: list[Function], 
             body = "json_body | calls"
     thinking = tpl.thinks and not _CLOSED_AT_END.search(prompt)
     if not thinking and not forced and not functions:
-        return grammar.json_schema(schema)  # a plain JSON document: no Lark needed
+        return document  # a plain JSON document: no Lark needed
     if not thinking:
         start = f"start: {body}"
-    elif prompt_opens_thinking(prompt):
-        start = f"start: thought ({body})\nthought: /(.|\\n)*/ {tpl.tag(CLOSE)} /[ \\n]*/"
     else:
-        start = f"start: think? ({body})\nthink: {tpl.tag(OPEN)} /(.|\\n)*/ {tpl.tag(CLOSE)} /[ \\n]*/"
+        opened = prompt_opens_thinking(prompt)
+        start = f"start: {'thought' if opened else 'thought?'} ({body})\n" + _thought(tpl, opened)
     g = grammar.lark("\n".join([start, *rules]))
     err = grammar.check(g)
     if err is not None:
         raise bad_request(f"the output cannot be constrained: {err}", p["tools"] if forced else p["format"])
     return g
+
+
+def _thought(tpl: ChatTemplate, opened: bool) -> str:
+    """Lark rule `thought`: the thinking before the constrained part, up to </think> and the blank after it. When
+    </think> is one token, text can never contain it, so any text runs until it comes; spelled out, the text is a
+    lazy terminal that ends at the first </think>."""
+    head = "" if opened else f"{tpl.tag(OPEN)} "
+    if tpl.tag(CLOSE) == CLOSE:
+        return f"thought: {head}/(.|\\n)*/ {CLOSE} /[ \\n]*/"
+    return f"thought: {head}thought_text /[ \\n]*/\nthought_text[lazy]: /(.|\\n)*<\\/think>/"
 
 
 async def prepare(fe, turn: ChatTurn) -> Prepared:

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from engine import grammar
 from engine.errors import RequestError
 from engine.params import SamplingParams
 from engine.server import chat, fields
@@ -134,15 +133,10 @@ async def _events(gen: Generation, chunk, start: list[str], usage_chunk) -> Asyn
 
 def _completion_grammar(fmt: p.ResponseFormat | None) -> str | None:
     """response_format on a completion: the text itself must be the JSON document."""
-    if fmt is None or fmt.type == "text":
+    out = output_format(fmt, "response_format")
+    if out is None:
         return None
-    schema = fmt.json_schema.schema_ if fmt.type == "json_schema" and fmt.json_schema else {"type": "object"}
-    g = grammar.json_schema(schema)
-    err = grammar.check(g)
-    if err is not None:
-        raise bad_request(f"response_format schema cannot be enforced: {err}. Remove or rewrite the unsupported "
-                          "parts of the schema", "response_format")
-    return g
+    return chat.schema_grammar(out.schema or {"type": "object"}, "response_format schema", "response_format")
 
 
 async def _prompts(fe: Frontend, prompt) -> list[list[int]]:

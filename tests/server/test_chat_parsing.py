@@ -180,6 +180,12 @@ def test_forced_json_may_follow_thinking(qwen3):
     assert walk(tok, closed, '{"a": 1}') and not walk(tok, closed, '<think>\nx\n</think>\n\n{"a": 1}')
     opened = build_grammar(qwen3, turn, [], "<|im_start|>assistant\n<think>\n")
     assert walk(tok, opened, 'so, one\n</think>\n\n{"a": 1}')
+    spelled = ChatTemplate(train_tokenizer(), reasoning_parser="qwen3")  # <think> is no token of its own here
+    g = build_grammar(spelled, turn, [], "<|im_start|>assistant\n")
+    assert walk(spelled.tokenizer, g, '<think>\nit is a number\n</think>\n\n{"a": 1}')
+    assert walk(spelled.tokenizer, g, '{"a": 1}') and not walk(spelled.tokenizer, g, '<think>x {"a": 1}')
+    g = build_grammar(spelled, turn, [], "<|im_start|>assistant\n<think>\n")
+    assert walk(spelled.tokenizer, g, 'one</think>\n{"a": 1}')
 
 
 def test_forced_calls_in_either_format(qwen3):
