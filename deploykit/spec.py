@@ -156,9 +156,14 @@ Hardware = Annotated[
 ]
 
 
+STRATEGIES = ("per-numa-node", "per-socket", "per-l3", "single", "explicit")
+
+
 class PlacementSpec(_Model):
-    strategy: Literal["per-numa-node", "per-socket", "single", "explicit"] = "per-numa-node"
+    strategy: Literal[STRATEGIES] = "per-numa-node"
     numa_nodes: tuple[NonNegInt, ...] | None = None
+    replicas_per_node: PosInt = 1  # per-numa-node: split each node's physical cores into this many replicas
+    l3_groups_per_replica: PosInt = 1  # per-l3: adjacent L3 groups of one NUMA node per replica
     cpus: tuple[tuple[int, ...], ...] | None = None  # explicit: one CPU list per replica
     memory_nodes: tuple[NonNegInt, ...] = ()  # extra memory-only (e.g. CXL) nodes added to every replica's mems
     reserved_cpus: NonNegInt = 1
@@ -187,6 +192,11 @@ class PlacementSpec(_Model):
             raise ValueError("strategy 'explicit' needs cpus: one CPU list per replica, e.g. ['0-31', '32-63']")
         if self.cpus and self.strategy != "explicit":
             raise ValueError("cpus is only used with strategy: explicit; set it or remove cpus")
+        if self.replicas_per_node != 1 and self.strategy != "per-numa-node":
+            raise ValueError(f"replicas_per_node is only used with strategy: per-numa-node (got {self.strategy}); "
+                             "for one replica per L3 group use strategy: per-l3")
+        if self.l3_groups_per_replica != 1 and self.strategy != "per-l3":
+            raise ValueError(f"l3_groups_per_replica is only used with strategy: per-l3 (got {self.strategy})")
         if self.cpus and self.numa_nodes is not None:
             raise ValueError("numa_nodes does not apply to strategy: explicit (the CPU lists decide the nodes)")
         if self.cpus:

@@ -334,3 +334,16 @@ def test_chart_defaults_file_documents_every_key():
     top = [i for i, line in enumerate(text) if line and not line.startswith((" ", "#"))]
     assert all(text[i - 1].lstrip().startswith("#") or text[i + 1].lstrip().startswith("#") or
                text[i + 1].lstrip().startswith(("-", "enabled")) or ":" in text[i] for i in top)
+
+
+def test_a_slot_can_leave_the_kubelet_nothing_so_its_pod_requests_whole_l3_groups():
+    values = CASES["l3-slots-values.yaml"]
+    objs = objects(render(values), tests=False)
+    cpu = {o["metadata"]["name"]: o["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"]
+           for o in objs if o["kind"] == "Deployment"}
+    assert cpu == {"qwen3-8b-l3-0": "16", "qwen3-8b-l3-1": "16", "qwen3-8b-l3-2": "14"}
+    bad = copy.deepcopy(values)
+    bad["placement"]["slots"][0]["coresLeftToKubelet"] = 8
+    with pytest.raises(helm.HelmError, match=r"placement.slots\[0\].cores: 8 minus coresLeftToKubelet 8 leaves no "
+                                             r"core"):
+        render(bad)

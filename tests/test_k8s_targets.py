@@ -91,6 +91,24 @@ def test_a_pushed_image_digest_pins_the_pods_and_a_changed_digest_is_drift(tmp_p
     assert r.returncode == 2 and "image.digest" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_per_l3_pods_request_whole_l3_groups_and_the_kubelet_aligns_by_uncore_cache():
+    """24 pods, one per CCD of 8 cores: each requests its whole L3 group (16 CPUs), but one per NUMA node gives the
+    kubelet its reserved core; the kubelet config asks the CPU manager to align pods by uncore cache."""
+    case = ROOT / "manifests" / "examples" / "epyc-9655-2s-per-l3"
+    deployments = [yaml.safe_load(p.read_text()) for p in sorted((case / "k8s").glob("deployment-*.yaml"))]
+    cpus = sorted(d["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] for d in deployments)
+    assert len(deployments) == 24 and cpus == ["14"] * 2 + ["16"] * 22
+    assert {d["spec"]["template"]["metadata"]["annotations"]["deploykit.io/l3-groups"] for d in deployments} == {"1"}
+    kubelet = yaml.safe_load((case / "node" / "kubelet-config.yaml").read_text())
+    assert kubelet["cpuManagerPolicyOptions"] == {"full-pcpus-only": "true", "prefer-align-cpus-by-uncorecache": "true"}
+    assert kubelet["reservedSystemCPUs"] == "95,191,287,383"
+    readme = (case / "node" / "README.md").read_text()
+    assert "prefer-align-cpus-by-uncorecache" in readme and "8 physical cores per group" in readme
+    for name in ("epyc-9655-2s", "epyc-9655-2s-nps4", "xeon-amx-2s"):  # one replica per node: nothing to align
+        other = yaml.safe_load((ROOT / "manifests/examples" / name / "node/kubelet-config.yaml").read_text())
+        assert "prefer-align-cpus-by-uncorecache" not in other["cpuManagerPolicyOptions"]
+
+
 def test_values_file_carries_the_plan_and_no_host_cpu_ids():
     values = yaml.safe_load((ROOT / "manifests/examples/epyc-9655-2s-nps4/helm/values.yaml").read_text())
     slots = values["placement"]["slots"]

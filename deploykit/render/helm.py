@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from .. import __version__, isa
-from ..plan import Plan
+from ..plan import Plan, Replica
 from . import node
 from .output import File
 from .templating import package_dir
@@ -62,14 +62,25 @@ def values(plan: Plan) -> dict:
         "placement": {
             "threadsPerCore": plan.hardware.threads_per_core,
             "coresLeftToKubelet": node.kubelet_cores(plan),
-            "slots": [{"name": str(r.index), "cores": r.cores, "memory": mebibytes(r.memory_limit_bytes),
-                       "kvCache": str(r.kv_cache_bytes), "numaNode": r.numa_nodes[0], "replicas": 1}
-                      for r in plan.replicas]},
+            "slots": [_slot(plan, r) for r in plan.replicas]},
         "nodeFeatures": list(isa.node_features(plan.hardware.isa_tier, m.dtype)),
         "security": {"runAsUser": sec.run_as_user, "runAsGroup": sec.run_as_user,
                      "readOnlyRootFilesystem": sec.read_only_root, "sysNice": sec.sys_nice},
         "seccomp": {"type": SECCOMP_TYPES[sec.seccomp]},
     }
+
+
+def _slot(plan: Plan, r: Replica) -> dict:
+    slot = {"name": str(r.index), "cores": r.cores, "memory": mebibytes(r.memory_limit_bytes),
+            "kvCache": str(r.kv_cache_bytes), "numaNode": r.numa_nodes[0], "replicas": 1}
+    if len(plan.replicas) > len(node.kubelet_replicas(plan)):  # several slots per NUMA node
+        # Only the node's kubelet replica leaves the kubelet its cores; the others request every core they were
+        # planned with, so a per-L3 pod asks for whole L3 groups.
+        if node.kubelet_cores(plan) and r not in node.kubelet_replicas(plan):
+            slot["coresLeftToKubelet"] = 0
+        if r.l3_groups:
+            slot["l3Groups"] = len(r.l3_groups)
+    return slot
 
 
 def values_yaml(plan: Plan) -> str:

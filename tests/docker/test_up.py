@@ -29,7 +29,7 @@ import pytest
 from deploykit import cpulist
 from deploykit.plan import Plan
 from deploykit.render.container import containers
-from tests.runtime.helpers import ROOT, Load, corrupt_copy, deploykit, free_port, port_free, spec_file
+from tests.runtime.helpers import ROOT, Load, corrupt_copy, deploykit, free_port, nothing_listens, spec_file
 
 try:
     from . import render_image
@@ -420,7 +420,7 @@ def test_a_second_deployment_is_untouched_by_the_first_down_and_down_leaves_noth
     assert r.returncode == 0, r.stderr
     assert f"removed network {NAME}-internal" in r.stdout and f"removed network {NAME}-edge" in r.stdout
     assert _labelled(NAME) == ([], [])
-    assert all(port_free(deployed.port + i) for i in range(3))
+    assert all(nothing_listens(deployed.port + i) for i in range(3))
     assert _ids(OTHER) == other
     assert all(c.status == "running" for c in _labelled(OTHER)[0])
     assert isinstance(_chat(port2, OTHER), str)
@@ -445,7 +445,7 @@ def test_a_corrupt_model_fails_with_the_engines_error_and_leaves_nothing(deploye
     assert "exited during start-up" in r.stderr and "ERROR" in r.stderr.split("its last log lines")[1]
     assert "undoing what this up started" in r.stderr
     assert _labelled(FAILING) == ([], [])
-    assert all(port_free(port + i) for i in range(3))
+    assert all(nothing_listens(port + i) for i in range(3))
 
 
 def test_ctrl_c_during_up_stops_cleanly(deployed, failing):

@@ -195,3 +195,6 @@ def test_debug_binding_reports_the_engine_process(server):
     omp = [t for t in engine["threads"] if t["omp_thread"] is not None]
     assert len(omp) == engine["omp_threads"] >= 1
     assert set(cpulist.parse(engine["planned_cpus"])) <= os.sched_getaffinity(0)
+    # each OpenMP thread's L3 group, from the host's cache files (this host: one L3 shared by its CPUs)
+    groups = {g[0]: set(cpulist.parse(g[1])) for g in engine["topology"]["l3_groups"]}
+    assert groups and all(int(cpulist.parse(t["allowed_cpus"])[0]) in groups[t["l3"]] for t in omp)

@@ -73,9 +73,14 @@ app.kubernetes.io/component: engine
 {{- end }}
 {{- end }}
 
+{{/* Physical cores a slot leaves to the kubelet: its own coresLeftToKubelet, else placement.coresLeftToKubelet. */}}
+{{- define "deploykit.slotLeft" -}}
+{{- if hasKey .slot "coresLeftToKubelet" }}{{ int .slot.coresLeftToKubelet }}{{ else }}{{ int .root.Values.placement.coresLeftToKubelet }}{{ end }}
+{{- end }}
+
 {{/* Logical CPUs a slot's pod requests: whole physical cores (full-pcpus-only admits nothing else). */}}
 {{- define "deploykit.slotCpus" -}}
-{{- mul (sub (int .slot.cores) (int .root.Values.placement.coresLeftToKubelet)) (int .root.Values.placement.threadsPerCore) }}
+{{- mul (sub (int .slot.cores) (int (include "deploykit.slotLeft" .))) (int .root.Values.placement.threadsPerCore) }}
 {{- end }}
 
 {{- define "deploykit.resources" -}}
@@ -125,9 +130,10 @@ Every problem the schema cannot express, collected and reported at once (a user 
 {{- end }}
 {{- $names := dict }}
 {{- range $i, $slot := $v.placement.slots }}
-{{- $cores := sub (int $slot.cores) (int $v.placement.coresLeftToKubelet) }}
+{{- $left := int (include "deploykit.slotLeft" (dict "root" $ "slot" $slot)) }}
+{{- $cores := sub (int $slot.cores) $left }}
 {{- if lt $cores 1 }}
-{{- $errors = append $errors (printf "placement.slots[%d].cores: %v minus placement.coresLeftToKubelet %v leaves no core" $i $slot.cores $v.placement.coresLeftToKubelet) }}
+{{- $errors = append $errors (printf "placement.slots[%d].cores: %v minus coresLeftToKubelet %v leaves no core" $i $slot.cores $left) }}
 {{- else if and (not (kindIs "invalid" $v.binding.reservedCpus)) (ge (int $v.binding.reservedCpus) $cores) }}
 {{- $errors = append $errors (printf "binding.reservedCpus: %v leaves no core for inference in slot %v (%d cores requested)" $v.binding.reservedCpus $slot.name $cores) }}
 {{- end }}
