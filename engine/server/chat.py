@@ -18,7 +18,7 @@ from engine import grammar
 from engine.server.errors import bad_request
 from engine.server.reasoning import CLOSE, OPEN, ThinkSplitter, prompt_opens_thinking
 from engine.server.templates import ChatTemplate, Message
-from engine.server.tools import Format, Function, Stream, ToolCall
+from engine.server.tools import ArgsPiece, Format, Function, Stream, ToolCall
 
 _CLOSED_AT_END = re.compile(r"</think>\s*\Z")
 
@@ -50,14 +50,19 @@ class ChatTurn:
 class Delta:
     reasoning: str = ""
     content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)  # completed in this delta
+    pieces: list[ArgsPiece] = field(default_factory=list)  # calls' arguments as they stream
+
+    def add(self, other: Delta) -> Delta:
+        return Delta(self.reasoning + other.reasoning, self.content + other.content, self.calls + other.calls,
+                     self.pieces + other.pieces)
 
 
 class ChatOutput:
     """One choice's text -> reasoning, content and tool calls, as increments (`feed`, `finish`) and in total."""
 
-    def __init__(self, thinking: ThinkSplitter | None, tools: Stream | None):
-        self.thinking, self.tools = thinking, tools
+    def __init__(self, thinking: ThinkSplitter | None, tools: Stream | None, max_calls: int | None = None):
+        self.thinking, self.tools, self.max_calls = thinking, tools, max_calls
         self.reasoning, self.content, self.calls = "", "", []
 
     def _route(self, reasoning: str, content: str, end: bool) -> Delta:
@@ -67,10 +72,11 @@ class ChatOutput:
         else:
             parsed = self.tools.feed(content)
             if end:
-                tail = self.tools.finish()
-                parsed.content += tail.content
-                parsed.calls += tail.calls
-            d.content, d.calls = parsed.content, parsed.calls
+                parsed.add(self.tools.finish())
+            d.content, d.calls, d.pieces = parsed.content, parsed.calls, parsed.pieces
+            if self.max_calls is not None:  # parallel_tool_calls false: calls after the first are dropped
+                d.calls = d.calls[: max(0, self.max_calls - len(self.calls))]
+                d.pieces = [pc for pc in d.pieces if pc.index < self.max_calls]
         self.reasoning += d.reasoning
         self.content += d.content
         self.calls += d.calls
@@ -96,9 +102,23 @@ class ChatOutput:
         return out
 
 
-def openai_call(c: ToolCall, index: int | None = None) -> dict:
-    d = {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-    return d if index is None else {"index": index, **d}
+def openai_call(c: ToolCall) -> dict:
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+
+
+def call_deltas(pieces: list[ArgsPiece]) -> list[dict]:
+    """Streamed arguments in OpenAI's delta shape, one entry per call and chunk: the entry that announces a call
+    carries index, id, type and name; later ones index and the next arguments text."""
+    out: list[dict] = []
+    for pc in pieces:
+        if out and out[-1]["index"] == pc.index:
+            out[-1]["function"]["arguments"] += pc.text
+        elif pc.first:
+            out.append({"index": pc.index, "id": pc.id, "type": "function",
+                        "function": {"name": pc.name, "arguments": pc.text}})
+        else:
+            out.append({"index": pc.index, "function": {"arguments": pc.text}})
+    return out
 
 
 def finish_reason(out: ChatOutput, reason: str | None) -> str | None:
@@ -111,10 +131,11 @@ class Prepared:
     grammar: str | None
     format: Format | None  # the tool-call format to parse, None when no tools may be called
     opens_thinking: bool | None  # None: no reasoning parser
+    max_calls: int | None = None  # 1 when parallel_tool_calls is false
 
     def output(self) -> ChatOutput:
         thinking = None if self.opens_thinking is None else ThinkSplitter(self.opens_thinking)
-        return ChatOutput(thinking, self.format.stream() if self.format else None)
+        return ChatOutput(thinking, self.format.stream() if self.format else None, self.max_calls)
 
 
 def check_tools(turn: ChatTurn) -> list[Function]:
@@ -203,4 +224,5 @@ async def prepare(fe, turn: ChatTurn) -> Prepared:
         continue_final_message=turn.continue_final_message, kwargs=turn.template_kwargs))
     g = build_grammar(tpl, turn, functions, prompt)
     return Prepared(prompt, g, tpl.format if functions else None,
-                    prompt_opens_thinking(prompt) if tpl.thinks else None)
+                    prompt_opens_thinking(prompt) if tpl.thinks else None,
+                    None if turn.parallel_tool_calls else 1)

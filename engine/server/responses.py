@@ -24,7 +24,7 @@ from engine.server.errors import APIError, bad_request, from_request_error
 from engine.server.frontend import Frontend
 from engine.server.serving import EventStream, arguments_object, collect, dumps, usage_of
 from engine.server.templates import Message
-from engine.server.tools import Function
+from engine.server.tools import Function, ToolCall
 
 _ITEM = ConfigDict(extra="ignore", allow_inf_nan=False)
 TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text", "summary_text", "refusal")
@@ -300,6 +300,7 @@ async def _events(gen, shape: Shape, out: chat.ChatOutput) -> AsyncIterator[str]
         return f"event: {kind}\ndata: {dumps({'type': kind, 'sequence_number': seq - 1, **body})}\n\n"
 
     open_item: dict | None = None  # the reasoning or message item deltas go to
+    calls_at: dict[str, int] = {}  # call id -> output index of its function_call item
 
     def close(status: str = "completed") -> list[str]:
         nonlocal open_item
@@ -345,16 +346,23 @@ async def _events(gen, shape: Shape, out: chat.ChatOutput) -> AsyncIterator[str]
         lines = write("reasoning", d.reasoning) if d.reasoning else []
         if d.content and (d.content.strip() or (open_item is not None and open_item["type"] == "message")):
             lines += write("message", d.content)
+        for pc in d.pieces:  # a call's item opens with its first piece; its arguments stream as deltas
+            if pc.first:
+                lines += close()
+                shape.items.append(_call_item(ToolCall(pc.id, pc.name, ""), "in_progress"))
+                calls_at[pc.id] = len(shape.items) - 1
+                lines.append(event("response.output_item.added", output_index=calls_at[pc.id],
+                                   item=dict(shape.items[-1])))
+            if pc.text:
+                index = calls_at[pc.id]
+                lines.append(event("response.function_call_arguments.delta", delta=pc.text,
+                                   item_id=shape.items[index]["id"], output_index=index))
         for c in d.calls:
-            lines += close()
-            shape.items.append(_call_item(c, "in_progress", ""))
-            index = len(shape.items) - 1
-            lines.append(event("response.output_item.added", output_index=index, item=dict(shape.items[-1])))
-            where = {"item_id": shape.items[-1]["id"], "output_index": index}
-            lines.append(event("response.function_call_arguments.delta", delta=c.arguments, **where))
+            index = calls_at[c.id]
+            where = {"item_id": shape.items[index]["id"], "output_index": index}
             lines.append(event("response.function_call_arguments.done", arguments=c.arguments, **where))
-            shape.items[-1] = _call_item(c, "completed") | {"id": shape.items[-1]["id"]}
-            lines.append(event("response.output_item.done", output_index=index, item=shape.items[-1]))
+            shape.items[index] = _call_item(c, "completed")
+            lines.append(event("response.output_item.done", output_index=index, item=shape.items[index]))
         return lines
 
     yield event("response.created", response=shape.response("in_progress"))

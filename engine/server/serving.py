@@ -319,20 +319,19 @@ async def create_chat_completion(fe: Frontend, req: p.ChatCompletionRequest, req
         start = [f"data: {dumps({**head, 'choices': [{'index': i, **role}], **extra})}\n\n" for i in range(req.n)]
 
         def chunk(i: int, ro) -> dict | None:
-            out, called = outs[i], len(outs[i].calls)
+            out = outs[i]
             d = out.feed(ro.text)
             if ro.finished:
-                end = out.finish()
-                d = chat.Delta(d.reasoning + end.reasoning, d.content + end.content, d.calls + end.calls)
-            if not (d.reasoning or d.content or d.calls) and not ro.finished and not ro.logprobs:
+                d = d.add(out.finish())
+            if not (d.reasoning or d.content or d.pieces) and not ro.finished and not ro.logprobs:
                 return None
             delta: dict = {}
             if d.reasoning:
                 delta["reasoning_content"] = d.reasoning
             if d.content:
                 delta["content"] = d.content
-            if d.calls:
-                delta["tool_calls"] = [chat.openai_call(c, called + k) for k, c in enumerate(d.calls)]
+            if d.pieces:
+                delta["tool_calls"] = chat.call_deltas(d.pieces)
             lp = {"content": _chat_logprobs(fe, ro.logprobs)} if ro.logprobs is not None and req.logprobs else None
             reason = chat.finish_reason(out, ro.finish_reason) if ro.finished else None
             return {**head, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}],

@@ -7,10 +7,15 @@ tools when a model's chat template cannot render them itself:
 
 Streaming and whole-text parsing are one code path (a whole text is fed as one delta), so a stream always adds up
 to the non-streaming answer. Text that is not a well-formed call stays content: nothing the model wrote is lost.
+A Hermes call whose JSON opens with `{"name": ..., "arguments": {` streams its arguments as the model writes them
+(OpenAI's delta shape: the first piece carries the call's id and name, later ones only text); from then on it is a
+call, and what the model writes after the arguments object, before </tool_call>, is dropped. Other calls stream
+as one piece when they are complete.
 """
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -47,11 +52,29 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+@dataclass(frozen=True, slots=True)
+class ArgsPiece:
+    """A piece of a call's arguments text as it streams; every call's pieces add up to its `arguments`."""
+    index: int  # the call's position among the reply's calls
+    id: str
+    name: str
+    text: str
+    first: bool  # the piece that announces the call (with id and name)
+
+
 @dataclass(slots=True)
 class Parsed:
-    """What one delta of model text turned into."""
+    """What one delta of model text turned into: content, calls completed in it (whole), and the pieces of
+    arguments it streamed (for streaming responses)."""
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)
+    pieces: list[ArgsPiece] = field(default_factory=list)
+
+    def add(self, other: Parsed) -> Parsed:
+        self.content += other.content
+        self.calls += other.calls
+        self.pieces += other.pieces
+        return self
 
 
 def _call(obj, args_key: str) -> ToolCall | None:
@@ -87,9 +110,7 @@ class Format:
 
     def parse(self, text: str) -> Parsed:
         s = self.stream()
-        out = s.feed(text)
-        end = s.finish()
-        return Parsed(out.content + end.content, out.calls + end.calls)
+        return s.feed(text).add(s.finish())
 
     def call_schema(self, fn: Function) -> dict:
         """The JSON Schema of one call of `fn` in this format."""
@@ -166,22 +187,106 @@ FORMATS: dict[str, Format] = {f.name: f for f in (Hermes(), Llama3Json())}
 
 
 class Stream:
+    def __init__(self):
+        self.count = 0  # calls announced so far
+
     def feed(self, delta: str) -> Parsed:
         raise NotImplementedError
 
     def finish(self) -> Parsed:
         raise NotImplementedError
 
+    def _whole(self, out: Parsed, call: ToolCall) -> None:
+        """A call complete at once: one piece with all its arguments."""
+        out.calls.append(call)
+        out.pieces.append(ArgsPiece(self.count, call.id, call.name, call.arguments, True))
+        self.count += 1
+
+
+# the head of a Hermes call whose arguments are an object: they can stream from its `{`
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)+)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+
+
+class _Args:
+    """The arguments object of a call being streamed: where it starts in the buffer, how much was sent, and a
+    brace count (outside strings) that finds where it closes."""
+
+    __slots__ = ("call", "start", "sent", "end", "scanned", "depth", "in_str", "esc")
+
+    def __init__(self, call: ToolCall, start: int):
+        self.call, self.start, self.sent, self.end = call, start, start, None
+        self.scanned, self.depth, self.in_str, self.esc = start, 0, False, False
+
+    def scan(self, text: str, limit: int) -> None:
+        i = self.scanned
+        while self.end is None and i < limit:
+            ch = text[i]
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+            elif ch == '"':
+                self.in_str = True
+            elif ch == "{":
+                self.depth += 1
+            elif ch == "}":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = i + 1
+            i += 1
+        self.scanned = i
+
+    def piece(self, text: str, limit: int, index: int) -> ArgsPiece | None:
+        """The arguments text after what was sent, up to `limit` (or the object's close)."""
+        self.scan(text, limit)
+        upto = self.end if self.end is not None else limit
+        if upto <= self.sent:
+            return None
+        piece = text[self.sent:upto]
+        self.sent = upto
+        return ArgsPiece(index, self.call.id, self.call.name, piece, False)
+
 
 class _TaggedStream(Stream):
-    """Content until an opening tag; each tagged block's JSON becomes a call when its closing tag arrives. A
-    possible partial tag at the end of a delta is held back until the next one settles it."""
+    """Content until an opening tag; each tagged block's JSON becomes a call when its closing tag arrives (its
+    arguments stream before that when the block opens as a call). A possible partial tag at the end of a delta is
+    held back until the next one settles it."""
 
     def __init__(self, open_tag: str, close_tag: str):
+        super().__init__()
         self.open, self.close = open_tag, close_tag
         self.buf = ""
         self.in_call = False
+        self.args: _Args | None = None  # the call whose arguments are streaming
         self.called = False  # after a call, whitespace (between calls, before the end) is not content
+
+    def _stream_args(self, out: Parsed, limit: int) -> None:
+        if self.args is None:
+            m = _HEAD.match(self.buf)
+            if m is None:
+                return
+            try:
+                name = json.loads(f'"{m.group(1)}"')
+            except ValueError:
+                return
+            self.args = _Args(ToolCall(call_id(), name, ""), m.end())
+            self.count += 1
+            out.pieces.append(ArgsPiece(self.count - 1, self.args.call.id, name, "", True))
+        piece = self.args.piece(self.buf, limit, self.count - 1)
+        if piece is not None:
+            out.pieces.append(piece)
+
+    def _end_args(self, out: Parsed, limit: int) -> None:
+        """The streamed call is complete: its arguments are the object (or, cut short, all there is)."""
+        a, self.args = self.args, None
+        piece = a.piece(self.buf, limit, self.count - 1)
+        if piece is not None:
+            out.pieces.append(piece)
+        out.calls.append(ToolCall(a.call.id, a.call.name, self.buf[a.start:a.sent]))
+        self.called = True
 
     def feed(self, delta: str) -> Parsed:
         out = Parsed()
@@ -200,21 +305,37 @@ class _TaggedStream(Stream):
                 self.buf, self.in_call = self.buf[at + len(self.open):], True
             at = self.buf.find(self.close)
             if at < 0:
+                self._stream_args(out, len(self.buf) - held_back(self.buf, self.close))
                 return out
+            self._stream_args(out, at)
+            if self.args is not None:
+                self._end_args(out, at)
+                self.buf, self.in_call = self.buf[at + len(self.close):], False
+                continue
             body, self.buf, self.in_call = self.buf[:at], self.buf[at + len(self.close):], False
             call = _parse_json_call(body, "arguments")
             if call is None:
                 out.content += self.open + body + self.close
             else:
-                out.calls.append(call)
+                self._whole(out, call)
                 self.called = True
 
     def finish(self) -> Parsed:
+        out = Parsed()
+        if self.in_call and self.args is not None:  # cut short (max_tokens): the arguments written so far
+            self._end_args(out, len(self.buf))
+            self.buf, self.in_call = "", False
+            return out
         buf, self.buf = self.buf, ""
         if not self.in_call:
-            return Parsed(content=buf.strip() if self.called else buf)
+            out.content = buf.strip() if self.called else buf
+            return out
         call = _parse_json_call(buf, "arguments")  # cut short (max_tokens) yet whole: still a call
-        return Parsed(calls=[call]) if call is not None else Parsed(content=self.open + buf)
+        if call is None:
+            out.content = self.open + buf
+        else:
+            self._whole(out, call)
+        return out
 
 
 def _parse_json_call(body: str, args_key: str) -> ToolCall | None:
@@ -229,6 +350,7 @@ class _JsonStream(Stream):
     or whitespace); if it is not all calls it is content after all. Any other reply streams as content."""
 
     def __init__(self, args_key: str, prefix: str):
+        super().__init__()
         self.args_key, self.prefix = args_key, prefix
         self.buf = ""
         self.mode: str | None = None  # None: undecided, "json", "content"
@@ -266,4 +388,7 @@ class _JsonStream(Stream):
             calls.append(call)
             while at < len(text) and text[at] in " \t\r\n;":
                 at += 1
-        return Parsed(calls=calls)
+        out = Parsed()
+        for call in calls:
+            self._whole(out, call)
+        return out

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from engine import grammar
-from engine.server.chat import ChatTurn, OutputFormat, build_grammar
+from engine.server.chat import ChatOutput, ChatTurn, OutputFormat, build_grammar, call_deltas
 from engine.server.errors import APIError
 from engine.server.reasoning import ThinkSplitter, prompt_opens_thinking
 from engine.server.templates import ChatTemplate, Message
@@ -28,13 +28,18 @@ def splits(text: str, seed: int) -> list[str]:
 
 
 def streamed(fmt, text: str, seed: int):
+    """(content, calls) of `text` fed in pieces; each call's streamed arguments add up to its arguments, in the
+    order OpenAI's deltas need (the announcing piece first, with id and name)."""
     s = fmt.stream()
-    content, calls = "", []
-    for piece in splits(text, seed):
-        out = s.feed(piece)
-        content, calls = content + out.content, calls + out.calls
-    end = s.finish()
-    return content + end.content, [(c.name, json.loads(c.arguments)) for c in calls + end.calls]
+    content, calls, pieces = "", [], []
+    for piece in [*splits(text, seed), None]:
+        out = s.feed(piece) if piece is not None else s.finish()
+        content, calls, pieces = content + out.content, calls + out.calls, pieces + out.pieces
+    for i, c in enumerate(calls):
+        mine = [p for p in pieces if p.id == c.id]
+        assert [p.first for p in mine] == [True] + [False] * (len(mine) - 1) and mine[0].name == c.name
+        assert "".join(p.text for p in mine) == c.arguments and {p.index for p in mine} == {i}
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
 
 
 HERMES = [
@@ -70,6 +75,29 @@ def test_tool_calls_whole_and_streamed(fmt, text, content, calls):
     for seed in range(20):
         assert streamed(fmt, text, seed) == (content, calls)
     assert all(c.id.startswith("call_") for c in whole.calls) and len({c.id for c in whole.calls}) == len(calls)
+
+
+def test_hermes_arguments_stream_before_the_call_closes():
+    """A call opened as {"name": ..., "arguments": { streams its arguments as they come (braces and quotes inside
+    strings do not end them); what follows the arguments object inside the tag is dropped."""
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": "}\\"{", "b": {"c": 2}}, "x": 1}\n</tool_call>'
+    s, seen = FORMATS["hermes"].stream(), []
+    for ch in text[:-len("</tool_call>")]:
+        seen += s.feed(ch).pieces
+    assert not seen[0].text and seen[0].first and seen[0].name == "add"
+    assert "".join(p.text for p in seen) == '{"a": "}\\"{", "b": {"c": 2}}'
+    end = s.feed("</tool_call>")
+    (call,) = end.calls
+    assert json.loads(call.arguments) == {"a": '}"{', "b": {"c": 2}} and not end.content
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    two = "\n".join(f'<tool_call>\n{{"name": "{n}", "arguments": {{}}}}\n</tool_call>' for n in "ab")
+    for max_calls, names in ((None, ["a", "b"]), (1, ["a"])):
+        out = ChatOutput(None, FORMATS["hermes"].stream(), max_calls)
+        pieces = out.feed(two[:70]).pieces + out.feed(two[70:]).pieces + out.finish().pieces
+        assert [c["function"]["name"] for c in out.message()["tool_calls"]] == names
+        assert [d.get("function", {}).get("name") for d in call_deltas(pieces) if "id" in d] == names
 
 
 THINK = [
