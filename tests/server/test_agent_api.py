@@ -94,11 +94,12 @@ def test_streamed_tool_calls_use_openais_delta_shape(qc):
 
 def test_parallel_tool_calls_streamed_and_whole(qc):
     """parallel_tool_calls (the default) lets the forced grammar repeat the call; min_tokens keeps the random
-    model from ending after the first. Every call validates; streamed, they arrive as indexes 0, 1, ... and
-    the SDK's accumulated message equals the non-streamed one."""
+    model from ending after the first (130: more than the longest call, twelve \\uXXXX escapes in `city`, takes).
+    Every call validates; streamed, they arrive as indexes 0, 1, ... and the SDK's accumulated message equals the
+    non-streamed one."""
     strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]  # the SDK parses them
     kw = {"model": "m", "messages": ASK, "tools": strict, "tool_choice": "required", "temperature": 1.0,
-          "seed": 3, "max_tokens": 300, "extra_body": {**NO_THINK, "min_tokens": 40}}
+          "seed": 3, "max_tokens": 600, "extra_body": {**NO_THINK, "min_tokens": 130}}
     r = qc.chat.completions.create(**kw)
     calls = r.choices[0].message.tool_calls
     assert len(calls) >= 2 and len({c.id for c in calls}) == len(calls)
