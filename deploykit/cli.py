@@ -224,6 +224,16 @@ def _logs(args: argparse.Namespace) -> int:
                           follow=args.follow, tail=args.tail)
 
 
+from .bench.command import ARGS as BENCH_ARGS  # noqa: E402 - argparse only; httpx/rich load when bench runs
+
+
+@cli.command("bench", "load-test an OpenAI-compatible endpoint or a deployment (TTFT, inter-token latency, "
+                      "throughput per concurrency); --sweep measures a spec's placements", *BENCH_ARGS)
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import command
+    return command.run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     return cli.main(argv)
 
