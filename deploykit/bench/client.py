@@ -2,7 +2,8 @@
 
 Every request is timed from the moment it is sent: time to the first content chunk (TTFT), the gaps between
 content chunks (inter-token latencies), end to end. Output tokens come from the usage chunk
-(`stream_options.include_usage`); a server that sends none is counted by content chunks, and the result says so.
+(`stream_options.include_usage`); for a server that sends none, a stream that ended with finish_reason "length"
+made max_tokens tokens, and any other is counted by its content chunks; each result says which.
 A request that fails in any way (HTTP 4xx/5xx, a refused or dropped connection, an error inside the stream, a
 stream that ends before `[DONE]`) is a Result with `error` set: counted and sampled, never raised.
 """
@@ -56,8 +57,12 @@ class Result:
     itl: tuple[float, ...] = ()  # gaps between consecutive content chunks
     output_tokens: int = 0
     prompt_tokens: int | None = None  # from the usage chunk
-    counted: str = "usage"  # "usage": from the usage chunk; "chunks": counted content chunks (no usage sent)
+    # where output_tokens comes from: "usage" (the usage chunk); without one, "length" (the stream ended with
+    # finish_reason length: it generated max_tokens) or "chunks" (content chunks counted: a chunk can hold several
+    # tokens when a server holds back partial UTF-8, so this may undercount)
+    counted: str = "usage"
     chunks: int = 0  # content chunks received
+    finish_reason: str | None = None
     error: str | None = None
     status: int | None = None  # HTTP status, when there was one
 
@@ -89,7 +94,7 @@ async def one(client, w: Workload, prompt: str, index: int, level_start: float) 
     start = sent - level_start
     stamps: list[float] = []
     usage: dict | None = None
-    status = None
+    status = finish = None
 
     def failed(error: str) -> Result:
         return Result(index, start, time.perf_counter() - sent, stamps[0] - sent if stamps else None,
@@ -123,6 +128,8 @@ async def one(client, w: Workload, prompt: str, index: int, level_start: float) 
                     return failed(f"error in the stream: {_error_text(chunk)}")
                 if _content(chunk, w.chat):
                     stamps.append(time.perf_counter())
+                for choice in chunk.get("choices") or ():
+                    finish = choice.get("finish_reason") or finish
                 if chunk.get("usage"):
                     usage = chunk["usage"]
             if not done:
@@ -133,11 +140,12 @@ async def one(client, w: Workload, prompt: str, index: int, level_start: float) 
         return failed(f"{type(e).__name__}: {str(e) or 'connection failed'}"[:ERROR_TEXT])
     end = time.perf_counter()
     tokens = usage.get("completion_tokens") if usage else None
+    counted = "usage" if isinstance(tokens, int) else "length" if finish == "length" else "chunks"
     return Result(index, start, end - sent, stamps[0] - sent if stamps else None,
                   tuple(b - a for a, b in zip(stamps, stamps[1:])),
-                  output_tokens=tokens if isinstance(tokens, int) else len(stamps),
-                  prompt_tokens=usage.get("prompt_tokens") if usage else None,
-                  counted="usage" if isinstance(tokens, int) else "chunks", chunks=len(stamps), status=status)
+                  output_tokens={"usage": tokens, "length": w.max_tokens}.get(counted, len(stamps)),
+                  prompt_tokens=usage.get("prompt_tokens") if usage else None, counted=counted, chunks=len(stamps),
+                  finish_reason=finish, status=status)
 
 
 def new_client(w: Workload, concurrency: int):

@@ -113,9 +113,12 @@ def notes(doc: dict) -> list[str]:
         c = lv["concurrency"]
         for e in lv["error_samples"]:
             out.append(f"concurrency {c}: {e['count']} x {e['error']}")
+        if lv["tokens_from"].get("length"):
+            out.append(f"concurrency {c}: the server sent no usage chunk for {lv['tokens_from']['length']} request(s); "
+                       "they ended with finish_reason length, so each made max_tokens tokens")
         if lv["tokens_from"].get("chunks"):
             out.append(f"concurrency {c}: the server sent no usage chunk for {lv['tokens_from']['chunks']} request(s): "
-                       "their tokens are counted content chunks")
+                       "their tokens are counted content chunks (a chunk may hold several)")
         if lv["short_requests"]:
             out.append(f"concurrency {c}: {lv['short_requests']} request(s) ended before max_tokens (EOS or a stop; "
                        "the server may not honour ignore_eos)")

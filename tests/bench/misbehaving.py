@@ -1,7 +1,8 @@
 """A real HTTP server on loopback that misbehaves on purpose, for `deploykit bench`'s error handling: it serves
 /v1/models, then answers completions in turn with a good stream, a 500, a 429, a stream whose connection is cut
-mid-body, and an error event inside the stream. No usage chunk and no /tokenize: bench must count chunks and
-estimate prompt lengths, and say so."""
+mid-body, and an error event inside the stream; "grouped" streams its tokens two to a chunk and ends with
+finish_reason "length", as servers that hold back partial UTF-8 do. No usage chunk and no /tokenize: bench must
+count chunks (or trust "length") and estimate prompt lengths, and say so."""
 from __future__ import annotations
 
 import itertools
@@ -61,6 +62,15 @@ class Misbehaving:
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
+                if what == "grouped":
+                    for i in range(0, chunks, 2):
+                        last = i + 2 >= chunks
+                        self._chunk("data: " + json.dumps({"choices": [{"index": 0, "text": f"t{i} t{i + 1} ",
+                                                                        "finish_reason": "length" if last else None}]})
+                                    + "\n\n")
+                    self._chunk("data: [DONE]\n\n")
+                    self.wfile.write(b"0\r\n\r\n")
+                    return
                 for i in range(chunks):
                     time.sleep(delay)
                     self._chunk("data: " + json.dumps({"choices": [{"index": 0, "text": f"t{i} "}]}) + "\n\n")

@@ -50,6 +50,18 @@ def test_errors_are_counted_with_samples_and_the_run_completes(tmp_path):
     assert png_size(tmp_path / "r.png") == (1100, 440)
 
 
+def test_without_usage_a_stream_that_ended_on_length_made_max_tokens(tmp_path):
+    with Misbehaving(behaviours=("good", "grouped")) as server:
+        r = bench(server.url, "--concurrency", "1", *SMALL, "--out", tmp_path / "r.json")
+    assert r.returncode == 0, r.stderr
+    [lv] = json.loads((tmp_path / "r.json").read_text())["levels"]
+    assert lv["tokens_from"] == {"chunks": 5, "length": 5}
+    grouped = [x for x in lv["raw"] if x["counted"] == "length"]
+    assert all(x["chunks"] == 2 and x["output_tokens"] == 4 for x in grouped)
+    assert lv["output_tokens"] == 10 * 4
+    assert "they ended with finish_reason length, so each made max_tokens tokens" in r.stdout
+
+
 def test_a_server_that_fails_everything_exits_10_after_showing_why(tmp_path):
     with Misbehaving(behaviours=("500",)) as server:
         r = bench(server.url, "--concurrency", "2", *SMALL)
