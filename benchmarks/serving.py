@@ -6,7 +6,8 @@ Run: flock /tmp/deploykit-heavy.lock python benchmarks/serving.py [--model-dir D
          [--vllm PYTHON] [--llamacpp PYTHON] [--only ours,vllm,llamacpp] [--quick] [--raw FILE.json]
 
 Loads (completions, greedy, fixed output length: `ignore_eos` for ours and vLLM; llama-cpp-python's server has no
-such flag, so its end-of-sequence token gets a -1e9 logit bias):
+such flag, so its end-of-sequence token gets a -1e9 logit bias; it runs one request at a time, and is started with
+--interrupt_requests False, without which each new request cuts the stream in progress short):
   c1            a 128-token prompt -> 64 tokens, one stream: decode tok/s = 1 / time per output token
   c16           the same, 16 concurrent streams: aggregate output tok/s
   prefix_seq    a 1,024-token system prompt + a 16-token user turn, one request after another (each turn new):
@@ -110,7 +111,9 @@ def peers(a, model_dir: Path, gguf: Path | None, cpus: tuple[int, ...], port: in
         n = str(len(cpus))
         out["llamacpp"] = Peer("llamacpp", [a.llamacpp, "-m", "llama_cpp.server", "--model", str(gguf), *host,
                                             "--n_ctx", str(MAX_LEN), "--n_threads", n, "--n_threads_batch", n,
-                                            "--model_alias", NAME, "--verbose", "False"],
+                                            "--model_alias", NAME, "--verbose", "False",
+                                            # by default a new request cuts the stream in progress short: queue
+                                            "--interrupt_requests", "False"],
                                extra_body={"logit_bias": {str(eos_id(model_dir)): -1e9}}, ignore_eos=False)
     return {k: out[k] for k in PEERS if k in a.only}
 

@@ -148,9 +148,10 @@ async def one(client, w: Workload, prompt: str, index: int, level_start: float) 
                   finish_reason=finish, status=status)
 
 
-def new_client(w: Workload, concurrency: int):
+def new_client(timeout: float, concurrency: int):
+    """Loopback and LAN endpoints: no proxy from the environment (trust_env=False)."""
     import httpx
-    return httpx.AsyncClient(timeout=httpx.Timeout(w.timeout, connect=30.0), trust_env=False,
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), trust_env=False,
                              limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency))
 
 
@@ -164,7 +165,7 @@ async def run_level(w: Workload, prompts: Sequence[str], *, concurrency: int, re
     sink = [] if sink is None else sink
     numbers = itertools.count()
     start = time.perf_counter()
-    async with new_client(w, concurrency) as client:
+    async with new_client(w.timeout, concurrency) as client:
         async def worker() -> None:
             while True:
                 i = next(numbers)

@@ -79,8 +79,7 @@ async def make_prompts(http, t: target.Target, s: Settings, model: str, count: i
 async def measure(t: target.Target, s: Settings, partial: Partial, *, progress: report.Progress,
                   shared_prompts: prompts.Prompts | None = None) -> dict:
     """The whole run; `shared_prompts` (a sweep's) skips making them again."""
-    http = client.new_client(client.Workload(t.url, "", 1, timeout=60.0), 4)
-    async with http:
+    async with client.new_client(60.0, 4) as http:
         partial.server = await target.identify(http, t)
         model = target.pick_model(partial.server["model_ids"], s.model)
         partial.model = model

@@ -76,20 +76,14 @@ def sweep_name(name: str) -> str:
 def free_ports(span: int) -> int:
     """A port p with p .. p+span-1 free on loopback (the load balancer and each replica)."""
     import socket
+
+    from ..runtime.preflight import can_bind
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port + span >= 65536:
-            continue
-        try:
-            for i in range(span):
-                with socket.socket() as s:
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    s.bind(("127.0.0.1", port + i))
-        except OSError:
-            continue
-        return port
+        if port + span < 65536 and all(can_bind("127.0.0.1", port + i) for i in range(span)):
+            return port
     raise PlanError("no free range of loopback ports for the sweep's deployments")
 
 
@@ -108,7 +102,8 @@ def sweep(spec_path: str, settings: run.Settings, *, runtime: str, state_dir: st
     tried = [Tried(c) for c in found]
     name = sweep_name(spec.name)
     data = cands.spec_data(spec_path)
-    say = progress.bar.console.print
+    def say(line: str) -> None:
+        progress.bar.console.print(line, markup=False, highlight=False)
     say(f"sweep of {len(tried)} placement(s) for {spec.name} as deployment {name} ({runtime} runtime):")
     for t in tried:
         say(f"  {t.candidate.label}: {t.candidate.shape()}, CPUs {t.candidate.cpus()}")

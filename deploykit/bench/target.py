@@ -70,9 +70,9 @@ def from_deployment(target: str, state_dir: str | None, api_key: str | None) -> 
 def resolve(text: str, state_dir: str | None, api_key: str | None) -> Target:
     if is_url(text):
         return from_url(text, api_key)
-    if not Path(text).is_file() and "/" in text:
+    if not Path(text).is_file() and ("/" in text or ":" in text):
         raise TargetError("neither a URL nor a spec file", path="URL|SPEC", value=text,
-                          hint="give http://HOST:PORT (an OpenAI-compatible server), a spec file, or a deployment name")
+                          hint=f"give http://{text.split('://')[-1]} for a server, a spec file, or a deployment name")
     return from_deployment(text, state_dir, api_key)
 
 
