@@ -95,6 +95,16 @@ def _render(args: argparse.Namespace) -> int:
     targets = list(args.target or plan.targets)
     if "all" in targets:
         targets = list(render.TARGETS)
+    if not args.target and not args.check:
+        # The spec's own targets: one whose optional dependency is missing is skipped with one line naming the
+        # extra, so a first render works on a minimal install. Asked for by --target (or --check, which must
+        # compare everything), it is an error instead.
+        for t in list(targets):
+            if (why := render.unavailable(t)) is not None:
+                targets.remove(t)
+                p = why.problems[0]
+                print(f"warning: skipped the spec's target {t}: {p.message.removeprefix('--target ')}; "
+                      f"to render it: {p.hint}", file=sys.stderr)
     if not targets:
         raise OutputError("nothing to render", value=list(plan.targets), allowed=", ".join(render.TARGETS),
                           hint="pass --target")

@@ -13,7 +13,9 @@ stamp="$VENV/.deploykit-installed-$(cat "$ROOT/pyproject.toml" | sha256sum | cut
 if [ ! -f "$stamp" ]; then
   python -m pip install -q --upgrade pip
   python -m pip install -q "torch==2.13.0"
-  python -m pip install -q -e "$ROOT[$EXTRAS]"
+  # An editable install of a project with a package-dir mapping (images/ -> deploykit.images) makes setuptools print
+  # a page-long "Editable installation." notice (its InformationOnly class: information, not a problem).
+  PYTHONWARNINGS="ignore:Editable installation" python -m pip install -q -e "$ROOT[$EXTRAS]"
   touch "$stamp"
 fi
 # Native kernels are compiled ahead of time, never on a request path; a no-op when already built. A failed build

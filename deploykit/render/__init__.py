@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from ..errors import OutputError
 from ..plan import Plan
 from . import compose, container, docker, helm, manifests
 from .output import File
@@ -18,6 +19,15 @@ TARGETS: dict[str, Callable[[Plan], list[File]]] = {
     "helm": helm.files,
     "manifests": manifests.files,
 }
+
+# Targets whose renderer needs an optional dependency: target -> why it cannot render here (None: it can).
+REQUIRES: dict[str, Callable[[], OutputError | None]] = {"manifests": manifests.missing}
+
+
+def unavailable(target: str) -> OutputError | None:
+    """Why `target` cannot render on this install (its optional dependency is missing), or None."""
+    check = REQUIRES.get(target)
+    return check() if check else None
 
 
 def render(plan: Plan, targets: Iterable[str]) -> tuple[File, ...]:

@@ -9,7 +9,6 @@ binds to the cpuset the kubelet gives it (binding auto), with the plan's policy.
 from __future__ import annotations
 
 import math
-from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -18,6 +17,7 @@ from .. import __version__, isa
 from ..plan import Plan
 from . import node
 from .output import File
+from .templating import package_dir
 
 CHART = "deploykit"
 VALUES = "helm/values.yaml"
@@ -26,11 +26,7 @@ _SKIP = ("__pycache__", ".pyc", "__init__.py")
 
 
 def chart_dir() -> Path:
-    """Installed: the deploykit.chart package data; a plain checkout on PYTHONPATH: <repo>/charts/deploykit."""
-    try:
-        return Path(str(resources.files("deploykit.chart")))
-    except ModuleNotFoundError:
-        return Path(__file__).resolve().parents[2] / "charts" / CHART
+    return package_dir("deploykit.chart", f"charts/{CHART}")
 
 
 def chart_files(prefix: str = f"helm/{CHART}") -> list[File]:

@@ -8,6 +8,8 @@ is re-serialized (keys in template order, no Helm "# Source" comments); `helm te
 
 from __future__ import annotations
 
+import importlib.util
+
 import yaml
 
 from .. import __version__
@@ -27,14 +29,20 @@ def values(plan: Plan) -> dict:
     return {**helm.values(plan), "managedBy": "deploykit", "namespace": {"create": True, "podSecurity": level}}
 
 
+def missing() -> OutputError | None:
+    """Why this target cannot render here, or None: Helm's engine is an optional dependency (the kubernetes extra)."""
+    if importlib.util.find_spec("helm_python") is not None:
+        return None
+    return OutputError("--target manifests renders the chart with Helm's engine, which is not installed",
+                       path="--target", value="manifests",
+                       hint="pip install 'deploykit[kubernetes]' (helm-python-sdk; no helm binary needed)")
+
+
 def objects(plan: Plan) -> list[dict]:
     """Every object of the chart for this plan, in a stable order (kind, then name)."""
-    try:
-        import helm_python
-    except ImportError:
-        raise OutputError("--target manifests renders the chart with Helm's engine, which is not installed",
-                          path="--target", value="manifests",
-                          hint="pip install 'deploykit[kubernetes]' (helm-python-sdk; no helm binary needed)") from None
+    if (unavailable := missing()) is not None:
+        raise unavailable
+    import helm_python
     try:
         with helm_python.Chart.load(str(helm.chart_dir())) as chart:
             rendered = chart.render(values=values(plan), name=plan.name, namespace=plan.name)

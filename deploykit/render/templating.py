@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import shlex
+import importlib.util
 from functools import cache
-from importlib import resources
 from pathlib import Path
 
 import jinja2
@@ -17,7 +17,7 @@ from .. import __version__
 def _env() -> jinja2.Environment:
     # render/templates: run.sh, compose, nginx, NOTES; images/ (deploykit.images): the engine image's files.
     loader = jinja2.ChoiceLoader([jinja2.PackageLoader("deploykit.render", "templates"),
-                                  jinja2.FileSystemLoader(str(_images_dir()))])
+                                  jinja2.FileSystemLoader(str(package_dir("deploykit.images", "images")))])
     env = jinja2.Environment(loader=loader,
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=True,
                              lstrip_blocks=True, autoescape=False)
@@ -27,12 +27,15 @@ def _env() -> jinja2.Environment:
     return env
 
 
-def _images_dir() -> Path:
-    """Installed: the deploykit.images package; a plain checkout on PYTHONPATH: <repo>/images."""
-    try:
-        return Path(str(resources.files("deploykit.images")))
-    except ModuleNotFoundError:
-        return Path(__file__).resolve().parents[2] / "images"
+def package_dir(package: str, checkout: str) -> Path:
+    """The real directory of a data package shipped inside deploykit (deploykit.images, deploykit.chart): where it is
+    installed (a wheel, or an editable install's mapping), else <repo>/<checkout> for a plain checkout on PYTHONPATH.
+    Not importlib.resources.files: for a package without __init__.py (the chart) that is a MultiplexedPath, whose
+    str() is no path, and Helm's engine and jinja2 need one."""
+    spec = importlib.util.find_spec(package)
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return Path(__file__).resolve().parents[2] / checkout
 
 
 def dq(text: object) -> str:
