@@ -153,6 +153,15 @@ def _title(doc: dict) -> str:
             f"{doc['client']['cpu_model']} ({doc['client']['isa_tier']})")
 
 
+def sweep_title(spec: str, s) -> str:
+    from pathlib import Path
+
+    from .report import client_host
+    host = client_host()
+    return (f"placements of {Path(spec).name} · {s.prompt_tokens} → {s.max_tokens} tokens · {host['cpu_model']} "
+            f"({host['isa_tier']}), {host['cpus_allowed']} CPUs")
+
+
 def _compare(args: argparse.Namespace) -> int:
     from . import plot, report
     docs = [(path, report.load(path)) for path in args.compare]
@@ -186,7 +195,7 @@ def _sweep(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}")
     if args.plot:
         lines = {f"{t.candidate.label} ({t.candidate.shape()})": plot.series(t.doc) for t in tried if t.doc}
-        plot.write(lines, args.plot, f"placements of {args.target}")
+        plot.write(lines, args.plot, sweep_title(args.target, s))
         print(f"wrote {args.plot}")
     winner = best(tried)
     if args.write_spec:

@@ -102,6 +102,7 @@ def sweep(spec_path: str, settings: run.Settings, *, runtime: str, state_dir: st
     tried = [Tried(c) for c in found]
     name = sweep_name(spec.name)
     data = cands.spec_data(spec_path)
+
     def say(line: str) -> None:
         progress.bar.console.print(line, markup=False, highlight=False)
     say(f"sweep of {len(tried)} placement(s) for {spec.name} as deployment {name} ({runtime} runtime):")
@@ -116,15 +117,15 @@ def sweep(spec_path: str, settings: run.Settings, *, runtime: str, state_dir: st
                 t.status, t.error = "skipped", f"--budget {budget:g} s would be exceeded"
                 continue
             began = time.monotonic()
-            port = free_ports(len(t.candidate.plan.replicas) + 1)
-            path = Path(tmp) / f"candidate-{i}.yaml"
-            path.write_text(yaml.safe_dump({**data, "name": name, "placement": t.candidate.placement,
-                                            "serving": {**data.get("serving", {}), "port": port,
-                                                        "publish_address": "127.0.0.1"}}, sort_keys=False))
             partial = run.Partial(settings)
             up = False
             try:
                 say(f"[{i + 1}/{len(tried)}] {t.candidate.label}: deploykit up --runtime {runtime}")
+                path = Path(tmp) / f"candidate-{i}.yaml"  # the user's spec, this placement, free loopback ports
+                serving = {**data.get("serving", {}), "port": free_ports(len(t.candidate.plan.replicas) + 1),
+                           "publish_address": "127.0.0.1"}
+                path.write_text(yaml.safe_dump({**data, "name": name, "placement": t.candidate.placement,
+                                                "serving": serving}, sort_keys=False))
                 _, _, plan = load_plan(str(path), None)
                 up = True
                 with contextlib.redirect_stdout(io.StringIO()):  # its progress goes to stderr; not its endpoint text
