@@ -48,14 +48,20 @@ def _body(text: str) -> dict:
     return v
 
 
+def _count_or_duration(p: argparse.ArgumentParser) -> None:
+    one = p.add_mutually_exclusive_group()
+    one.add_argument("--requests", type=_positive(int), metavar="N",
+                     help="requests per level (default: 4 x concurrency, >= 8)")
+    one.add_argument("--duration", type=_positive(float), metavar="S", help="seconds per level instead of a count")
+
+
 ARGS = (
     arg("target", nargs="?", metavar="URL|SPEC",
         help="an OpenAI-compatible server (http://HOST:PORT), or a spec file / name of a deployment that is up"),
     arg("--model", help="model to request (default: the endpoint's only model)"),
     arg("--api-key", help="default: $DEPLOYKIT_API_KEY, or the deployment's key variable"),
     arg("--concurrency", type=_levels, default=(1, 4, 16), metavar="1,4,16", help="concurrent streams, one level each"),
-    arg("--requests", type=_positive(int), metavar="N", help="requests per level (default: 4 x concurrency, >= 8)"),
-    arg("--duration", type=_positive(float), metavar="S", help="seconds per level instead of a request count"),
+    _count_or_duration,
     arg("--prompt-tokens", type=_positive(int), default=256, metavar="P", help="prompt length in tokens (default 256)"),
     arg("--max-tokens", type=_positive(int), default=128, metavar="T", help="output tokens per request (default 128)"),
     arg("--chat", action="store_true", help="/v1/chat/completions (the prompt is the user message)"),
@@ -95,8 +101,6 @@ def _need_extras() -> None:
 
 def settings(args: argparse.Namespace):
     from .run import Settings
-    if args.requests is not None and args.duration is not None:
-        raise TargetError("give --requests or --duration, not both", path="--duration", value=args.duration)
     return Settings(concurrency=args.concurrency, requests=args.requests, duration=args.duration,
                     prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, chat=args.chat,
                     seed=args.seed if args.seed is not None else random.SystemRandom().randrange(2**31),
@@ -113,6 +117,10 @@ def run(args: argparse.Namespace) -> int:
                           hint="deploykit bench http://127.0.0.1:8000, deploykit bench SPEC [--sweep], or "
                                "deploykit bench --compare A.json B.json")
     if args.sweep:
+        from .target import is_url
+        if is_url(args.target):
+            raise TargetError("--sweep brings deployments up from a spec, not a running server", path="URL|SPEC",
+                              value=args.target, hint="deploykit bench SPEC --sweep")
         return _sweep(args)
     return _bench(args)
 

@@ -110,3 +110,10 @@ def test_an_unreachable_endpoint_exits_10_naming_it():
     r = bench("http://127.0.0.1:9/v1", *SMALL, env={**os.environ, "NO_PROXY": "*"})
     assert r.returncode == 10
     assert "no answer from http://127.0.0.1:9" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_usage_mistakes_are_refused_before_any_load():
+    r = bench("http://127.0.0.1:9", "--requests", "4", "--duration", "5")
+    assert r.returncode == 2 and "not allowed with argument" in r.stderr
+    r = bench("http://127.0.0.1:9", "--sweep")
+    assert r.returncode == 10 and "--sweep brings deployments up from a spec" in r.stderr and "Traceback" not in r.stderr
