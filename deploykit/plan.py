@@ -38,6 +38,7 @@ class Replica:
     memory_limit_bytes: int  # weights + KV + headroom: the container memory limit
     env: tuple[tuple[str, str], ...] = field(metadata=_MAPPING)  # sorted (name, value)
     cores: int = 0  # physical cores the replica uses (inference + front end): a Kubernetes pod requests them whole
+    l3_groups: tuple[int, ...] = ()  # L3 (last-level cache) groups its CPUs lie in; () when the host does not say
 
     @property
     def cpuset(self) -> tuple[int, ...]:
@@ -89,6 +90,7 @@ class ImagePlan:
     tag: str
     base: str
     wheelhouse: str | None
+    digest: str | None = None  # sha256:... of the pushed image: Kubernetes names it by content
 
     @property
     def ref(self) -> str:
@@ -128,6 +130,18 @@ class BindingPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class Layout:
+    """How the machine was cut into replicas (the spec's placement strategy, as planned)."""
+
+    strategy: str = "per-numa-node"  # per-numa-node | per-socket | per-l3 | single | explicit
+    replicas_per_node: int = 1
+    l3_groups_per_replica: int = 1
+    # Replicas smaller than their NUMA node, each inside one L3 group or made of whole ones: Kubernetes nodes then
+    # want the CPU manager's prefer-align-cpus-by-uncorecache, and pods request whole L3 groups.
+    l3_aligned: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     name: str
     model: ModelPlan
@@ -139,6 +153,7 @@ class Plan:
     hardware: HardwareSummary
     warnings: tuple[str, ...] = field(default=())
     policy: BindingPolicy = BindingPolicy()
+    layout: Layout = Layout()
 
     def to_dict(self) -> dict:
         return {"apiVersion": API_VERSION, "kind": "Plan", **_encode(self)}

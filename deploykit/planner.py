@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from . import cpulist, memory, placement
+from . import cpulist, layout, memory, placement
 from .errors import PlanError
 from .memory import ModelShape
-from .plan import (BindingPolicy, HardwareSummary, ImagePlan, ModelPlan, Plan, Replica, SecurityPlan,
+from .plan import (BindingPolicy, HardwareSummary, ImagePlan, Layout, ModelPlan, Plan, Replica, SecurityPlan,
                    ServingPlan)
 from .spec import InlineHardware, Spec, SysrootHardware
 from .topology import Topology
@@ -49,8 +49,9 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
                         "least-privilege allows NUMA binding and page migration and still blocks mount, ptrace, bpf")
     warnings += _security_notes(spec)
     max_len = _max_model_len(spec, shape)
-    groups, group_notes = _groups(spec, topo)
-    warnings += group_notes
+    cut = layout.cut(spec.placement, topo)
+    warnings += cut.notes
+    groups = [(g.nodes, g.cpus) for g in cut.groups]
     quota = topo.quota_cpus / len(groups) if topo.quota_cpus is not None else None
 
     # One translation of the spec's placement knobs: used here and by the engine's `binding: auto` at start-up.
@@ -75,6 +76,8 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
         mem = sum(topo.node(m).memory_bytes // sharers[m] for m in mems)
         if topo.memory_limit_bytes is not None:
             mem = min(mem, topo.memory_limit_bytes // len(choices))
+        _replicas_fit(spec, nodes, mem, sum(other == nodes for other, _, _ in choices), weights,
+                      memory.one_sequence_bytes(per_token, max_len), max_len)
         kv = _kv_bytes(spec, i, nodes, mem, weights, per_token, max_len, multi, dtype)
         limit = container_limit(weights + kv)
         env = {"OMP_NUM_THREADS": str(len(ch.cpus)), "DEPLOYKIT_CPUS": cpulist.format(ch.cpus),
@@ -84,7 +87,9 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
             mems=mems, omp_threads=len(ch.cpus), port=spec.serving.port + (i + 1 if multi else 0),
             memory_bytes=mem, weight_bytes=weights, kv_cache_bytes=kv, memory_limit_bytes=min(limit, mem),
             env=tuple(sorted(env.items())),
-            cores=len(placement.physical_cores(topo, (*ch.cpus, *ch.frontend_cpus)))))
+            cores=len(placement.physical_cores(topo, (*ch.cpus, *ch.frontend_cpus))),
+            l3_groups=tuple(sorted({topo.cpu(c).l3 for c in (*ch.cpus, *ch.frontend_cpus)})) if topo.l3_groups
+            else ()))
         if len(nodes) > 1 and spec.placement.strategy == "explicit":
             warnings.append(f"replica {i} spans NUMA nodes {cpulist.format(nodes)}: memory accesses cross nodes")
 
@@ -112,7 +117,7 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
                             api_key_secret=(key.secret, key.key) if key is not None and hasattr(key, "secret")
                             else None, load_balancer=multi),
         image=ImagePlan(name=spec.image.name, tag=spec.image.tag, base=spec.image.base,
-                        wheelhouse=spec.image.wheelhouse),
+                        wheelhouse=spec.image.wheelhouse, digest=spec.image.digest),
         security=SecurityPlan(seccomp=spec.security.seccomp, run_as_user=spec.security.run_as_user,
                               read_only_root=spec.security.read_only_root, sys_nice=spec.security.sys_nice),
         targets=spec.targets,
@@ -124,7 +129,56 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
             allowed_cpus=topo.allowed_cpus, quota_cpus=topo.quota_cpus),
         warnings=tuple(warnings),
         policy=policy,
+        layout=Layout(strategy=spec.placement.strategy, replicas_per_node=spec.placement.replicas_per_node,
+                      l3_groups_per_replica=spec.placement.l3_groups_per_replica, l3_aligned=cut.l3_aligned),
     )
+
+
+def feasible(spec: Spec, topo: Topology, shape: ModelShape,
+             refused: list[tuple[str, str]] | None = None) -> tuple[tuple[str, Plan], ...]:
+    """Every placement layout.choices() offers for this spec on this machine that plans (memory included), as
+    (short name, Plan), in that order: what `deploykit bench --sweep` runs. `refused` collects (short name, the
+    planner's first line) for the others."""
+    out = []
+    for pl in layout.choices(spec.placement, topo):
+        try:
+            out.append((layout.describe(pl), make_plan(spec.model_copy(update={"placement": pl}), topo, shape)))
+        except PlanError as e:
+            if refused is not None:
+                refused.append((layout.describe(pl), str(e).splitlines()[0]))
+    return tuple(out)
+
+
+def _replicas_fit(spec: Spec, nodes: tuple[int, ...], mem: int, count: int, weights: int,
+                  one_seq: int, max_len: int) -> None:
+    """Replicas sharing a NUMA node each hold their own weights: `count` of them need count x (weights + one
+    sequence's KV + headroom) of the node. When they do not fit, the error gives the numbers and the largest count
+    that does (a replica alone that cannot fit is _kv_bytes's error)."""
+    def fits(share: int) -> bool:
+        return weights + one_seq + headroom(share) <= share
+
+    if count < 2 or fits(mem):
+        return
+    total = mem * count
+    best = max((n for n in range(1, count) if fits(total // n)), default=0)
+    if not best:
+        return
+    pl = spec.placement
+    where = f"NUMA node{'s' if len(nodes) > 1 else ''} {cpulist.format(nodes)} ({human(total)} for replicas)"
+    if pl.strategy == "per-l3":
+        per_group = -(-count * pl.l3_groups_per_replica // best)  # L3 groups per replica for at most `best`
+        path, value = "placement.l3_groups_per_replica", pl.l3_groups_per_replica
+        hint = f"placement.l3_groups_per_replica: {per_group}, or placement.strategy: per-numa-node"
+    elif pl.strategy == "per-numa-node":
+        path, value, hint = "placement.replicas_per_node", pl.replicas_per_node, f"placement.replicas_per_node: {best}"
+    else:
+        path, value, hint = "placement.cpus", count, f"at most {best} CPU lists on these nodes"
+    raise PlanError(
+        f"{where} cannot hold {count} replicas, each with its own weights: {count} x (weights {human(weights)} + KV "
+        f"cache for one {max_len}-token sequence {human(one_seq)} + headroom {human(headroom(mem))}) = "
+        f"{human(count * (weights + one_seq + headroom(mem)))} > {human(total)}; at most {best} replica"
+        f"{'s' if best > 1 else ''} fit", path=path, value=value,
+        hint=hint + f"; or a smaller model.max_model_len (now {max_len})")
 
 
 def _security_notes(spec: Spec) -> list[str]:
@@ -154,67 +208,6 @@ def _max_model_len(spec: Spec, shape: ModelShape) -> int:
         raise PlanError(f"longer than the model's max_position_embeddings ({limit})", path="model.max_model_len",
                         value=want, allowed=f"1-{limit}", hint=f"use at most {limit}")
     return want
-
-
-def _groups(spec: Spec, topo: Topology) -> tuple[list[tuple[tuple[int, ...], tuple[int, ...]]], list[str]]:
-    """[(numa node ids, candidate CPUs)] one per replica, plus notes about nodes left out."""
-    pl = spec.placement
-    allowed = set(topo.allowed_cpus)
-    notes: list[str] = []
-    if pl.strategy == "explicit":
-        online = {c.id for c in topo.cpus}
-        groups = []
-        for i, cpus in enumerate(pl.cpus or ()):
-            bad_online = sorted(set(cpus) - online)
-            if bad_online:
-                raise PlanError(f"CPUs {cpulist.format(bad_online)} do not exist or are offline",
-                                path=f"placement.cpus[{i}]", value=cpulist.format(cpus),
-                                allowed=f"online CPUs {cpulist.format(online)}")
-            bad = sorted(set(cpus) - allowed)
-            if bad:
-                raise PlanError(f"CPUs {cpulist.format(bad)} are outside this process's cpuset",
-                                path=f"placement.cpus[{i}]", value=cpulist.format(cpus),
-                                allowed=cpulist.format(allowed), hint="pick CPUs from the allowed list")
-            groups.append((tuple(sorted({topo.cpu(c).node for c in cpus})), tuple(cpus)))
-        return groups, notes
-
-    cpu_nodes = [n for n in topo.nodes if n.cpus]
-    if pl.numa_nodes is not None:
-        known = {n.id: n for n in topo.nodes}
-        chosen = []
-        for nid in pl.numa_nodes:
-            n = known.get(nid)
-            if n is None:
-                raise PlanError(f"NUMA node {nid} does not exist", path="placement.numa_nodes", value=list(pl.numa_nodes),
-                                allowed=f"nodes with CPUs: {cpulist.format(x.id for x in cpu_nodes)}")
-            if not n.cpus:
-                raise PlanError(f"NUMA node {nid} has no CPUs (memory-only)", path="placement.numa_nodes",
-                                value=list(pl.numa_nodes), hint="list it in placement.memory_nodes to use its memory")
-            if not set(n.cpus) & allowed:
-                raise PlanError(f"none of NUMA node {nid}'s CPUs ({cpulist.format(n.cpus)}) are in this process's "
-                                f"cpuset ({cpulist.format(allowed)})", path="placement.numa_nodes", value=nid)
-            chosen.append(n)
-        cpu_nodes = sorted(set(chosen), key=lambda n: n.id)
-    else:
-        for n in cpu_nodes:
-            if not set(n.cpus) & allowed:
-                notes.append(f"NUMA node {n.id} skipped: none of its CPUs are in this process's cpuset "
-                             f"({cpulist.format(allowed)})")
-        cpu_nodes = [n for n in cpu_nodes if set(n.cpus) & allowed]
-    if not cpu_nodes:
-        raise PlanError("no NUMA node with usable CPUs", hint="check the cpuset and placement.numa_nodes")
-
-    def cands(nodes) -> tuple[int, ...]:
-        return tuple(sorted(c for n in nodes for c in n.cpus if c in allowed))
-
-    if pl.strategy == "single":
-        return [(tuple(n.id for n in cpu_nodes), cands(cpu_nodes))], notes
-    if pl.strategy == "per-socket":
-        by_socket: dict[int, list] = {}
-        for n in cpu_nodes:
-            by_socket.setdefault(topo.cpu(n.cpus[0]).socket, []).append(n)
-        return [(tuple(n.id for n in ns), cands(ns)) for _, ns in sorted(by_socket.items())], notes
-    return [((n.id,), cands([n])) for n in cpu_nodes], notes
 
 
 def _mems(spec: Spec, topo: Topology, nodes: tuple[int, ...], label: str) -> tuple[int, ...]:

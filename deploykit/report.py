@@ -5,7 +5,7 @@ from __future__ import annotations
 from . import cpulist
 from .placement import physical_cores
 from .plan import Plan
-from .topology import Topology
+from .topology import L3_MISSING, Topology
 from .units import human
 
 ROW = 64  # physical cores per line in core maps
@@ -24,6 +24,9 @@ def topology_text(topo: Topology) -> str:
            + "; memory limit " + (human(topo.memory_limit_bytes) if topo.memory_limit_bytes else "none")]
     if topo.offline:
         out.append(f"offline CPUs: {cpulist.format(topo.offline)}")
+    if not topo.l3_groups:
+        out.append(f"{L3_MISSING}: strategy per-l3 cannot be planned, and replicas_per_node splits without "
+                   "L3 alignment")
     for socket in topo.sockets:
         out.append(f"socket {socket}")
         for n in topo.nodes:
@@ -31,19 +34,16 @@ def topology_text(topo: Topology) -> str:
                 continue
             cores = physical_cores(topo, n.cpus)
             out.append(f"  NUMA node {n.id}: {human(n.memory_bytes)}, CPUs {cpulist.format(n.cpus)} "
-                       f"({len(cores)} cores)" + ("" if n.id in topo.allowed_mems else ", memory not allowed"))
-            cells: list[str] = []
-            outside: list[tuple[int, ...]] = []
-            for core in cores + [()]:
-                if core and not set(core) & allowed:
-                    outside.append(core)
-                    continue
-                if outside:  # runs of cores outside the cpuset collapse into one cell
-                    cells.append(f"[{len(outside)} core(s) {cpulist.format(c for k in outside for c in k)}]")
-                    outside = []
-                if core:
-                    cells.append("+".join(str(c) if c in allowed else f"[{c}]" for c in core))
-            out += _wrap("    cores: ", cells)
+                       f"({len(cores)} cores" + (f", {_groups(len(_l3_runs(topo, cores)))})" if topo.l3_groups
+                                                  else ")")
+                       + ("" if n.id in topo.allowed_mems else ", memory not allowed"))
+            if not topo.l3_groups:
+                out += _wrap("    cores: ", _core_cells(cores, allowed))
+                continue
+            for gid, group_cores in _l3_runs(topo, cores):
+                g = topo.l3_group(gid)
+                out += _wrap(f"    L3 {gid} ({human(g.size_bytes)}, {len(group_cores)} cores): ",
+                             _core_cells(group_cores, allowed))
     for n in topo.nodes:
         if not n.cpus:
             out.append(f"NUMA node {n.id}: {human(n.memory_bytes)}, memory only (no CPUs)"
@@ -51,6 +51,34 @@ def topology_text(topo: Topology) -> str:
     if len(allowed) < len(online):
         out.append("[..] = outside this process's cpuset")
     return "\n".join(out) + "\n"
+
+
+def _groups(n: int) -> str:
+    return f"{n} L3 group{'' if n == 1 else 's'}"
+
+
+def _l3_runs(topo: Topology, cores: list[tuple[int, ...]]) -> list[tuple[int, list[tuple[int, ...]]]]:
+    """Cores grouped by their L3 group, in core order: [(group id, cores)]."""
+    runs: dict[int, list[tuple[int, ...]]] = {}
+    for core in cores:
+        runs.setdefault(topo.cpu(core[0]).l3 or 0, []).append(core)
+    return list(runs.items())
+
+
+def _core_cells(cores: list[tuple[int, ...]], allowed: set[int]) -> list[str]:
+    """One cell per core ("3+195"; [c] = a CPU outside the cpuset); runs of cores wholly outside collapse."""
+    cells: list[str] = []
+    outside: list[tuple[int, ...]] = []
+    for core in cores + [()]:
+        if core and not set(core) & allowed:
+            outside.append(core)
+            continue
+        if outside:
+            cells.append(f"[{len(outside)} core(s) {cpulist.format(c for k in outside for c in k)}]")
+            outside = []
+        if core:
+            cells.append("+".join(str(c) if c in allowed else f"[{c}]" for c in core))
+    return cells
 
 
 def plan_text(plan: Plan, topo: Topology) -> str:
@@ -67,7 +95,7 @@ def plan_text(plan: Plan, topo: Topology) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     out += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
     out += ["", "core map (one cell per physical core: I inference, S inference on every SMT sibling, F front end,"
-                " . not used, x outside the cpuset):"]
+                " . not used, x outside the cpuset" + ("; a space between L3 groups" if topo.l3_groups else "") + "):"]
     allowed = set(topo.allowed_cpus)
     for r in plan.replicas:
         cpus, front = set(r.cpus), set(r.frontend_cpus)
@@ -79,7 +107,11 @@ def plan_text(plan: Plan, topo: Topology) -> str:
                 cells.append("x" if not s & allowed else "S" if len(s & cpus) > 1 else "I" if s & cpus
                              else "F" if s & front else ".")
             out.append(f"  {r.name} node {nid}:")
-            out += ["    " + "".join(cells[i:i + ROW]) for i in range(0, len(cells), ROW)]
+            gaps = [i > 0 and topo.l3_groups and topo.cpu(core[0]).l3 != topo.cpu(cores[i - 1][0]).l3
+                    for i, core in enumerate(cores)]
+            out += ["    " + "".join((" " if gaps[j] and j > i else "") + cells[j]
+                                     for j in range(i, min(i + ROW, len(cells))))
+                    for i in range(0, len(cells), ROW)]
         out.append(f"    OpenMP thread i -> CPU i of [{cpulist.format(r.cpus)}]; memory bound to node(s) "
                    f"{cpulist.format(r.mems)}")
     if plan.serving.load_balancer:

@@ -156,9 +156,14 @@ Hardware = Annotated[
 ]
 
 
+STRATEGIES = ("per-numa-node", "per-socket", "per-l3", "single", "explicit")
+
+
 class PlacementSpec(_Model):
-    strategy: Literal["per-numa-node", "per-socket", "single", "explicit"] = "per-numa-node"
+    strategy: Literal[STRATEGIES] = "per-numa-node"
     numa_nodes: tuple[NonNegInt, ...] | None = None
+    replicas_per_node: PosInt = 1  # per-numa-node: split each node's physical cores into this many replicas
+    l3_groups_per_replica: PosInt = 1  # per-l3: adjacent L3 groups of one NUMA node per replica
     cpus: tuple[tuple[int, ...], ...] | None = None  # explicit: one CPU list per replica
     memory_nodes: tuple[NonNegInt, ...] = ()  # extra memory-only (e.g. CXL) nodes added to every replica's mems
     reserved_cpus: NonNegInt = 1
@@ -187,6 +192,11 @@ class PlacementSpec(_Model):
             raise ValueError("strategy 'explicit' needs cpus: one CPU list per replica, e.g. ['0-31', '32-63']")
         if self.cpus and self.strategy != "explicit":
             raise ValueError("cpus is only used with strategy: explicit; set it or remove cpus")
+        if self.replicas_per_node != 1 and self.strategy != "per-numa-node":
+            raise ValueError(f"replicas_per_node is only used with strategy: per-numa-node (got {self.strategy}); "
+                             "for one replica per L3 group use strategy: per-l3")
+        if self.l3_groups_per_replica != 1 and self.strategy != "per-l3":
+            raise ValueError(f"l3_groups_per_replica is only used with strategy: per-l3 (got {self.strategy})")
         if self.cpus and self.numa_nodes is not None:
             raise ValueError("numa_nodes does not apply to strategy: explicit (the CPU lists decide the nodes)")
         if self.cpus:
@@ -251,17 +261,27 @@ class ServingSpec(_Model):
 _IMAGE_NAME = re.compile(r"^[a-z0-9]+([._/-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*$")
 _IMAGE_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _IMAGE_REF = re.compile(r"^[a-z0-9]+([._/:-][a-z0-9]+)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?$")
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
 class ImageSpec(_Model):
     name: str = "deploykit-engine"
     tag: str = "0.1.0"
-    base: str = "python:3.11-slim-bookworm"
+    base: str = "python:3.11-slim-bookworm"  # NAME:TAG@sha256:DIGEST pins the Dockerfile's FROM lines by content
     wheelhouse: str | None = None  # a local directory of wheels: the image builds with pip --no-index
+    digest: str | None = None  # the pushed image's sha256:...: Kubernetes objects then name it by content
 
     _name = field_validator("name")(_matches(_IMAGE_NAME, "image name", "registry.example.com/llm/engine"))
     _tag = field_validator("tag")(_matches(_IMAGE_TAG, "image tag", "0.1.0 or 2026-11-22"))
     _base = field_validator("base")(_matches(_IMAGE_REF, "base image reference", "python:3.11-slim-bookworm"))
+
+    @field_validator("digest")
+    @classmethod
+    def _digest(cls, v: str | None) -> str | None:
+        if v is not None and not _DIGEST.match(v):
+            raise ValueError("not an image digest; sha256: and 64 hex digits, as the registry (or `docker inspect "
+                             "--format '{{.RepoDigests}}'`) shows it for the pushed image")
+        return v
 
 
 class SecuritySpec(_Model):

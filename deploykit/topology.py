@@ -1,4 +1,5 @@
-"""What the machine (or a --sysroot snapshot of it) offers: CPUs, cores, sockets, NUMA nodes, cpuset, quota, ISA.
+"""What the machine (or a --sysroot snapshot of it) offers: CPUs, cores, L3 groups, sockets, NUMA nodes, cpuset,
+quota, ISA.
 
 Facts only, no policy: the planner decides what to use. Reads the same files as `lscpu --sysroot` plus the
 process's own limits (/proc/self/status, cgroup v1/v2). `SOURCES` lists every path read, so `snapshot` can copy
@@ -31,6 +32,16 @@ class Cpu:
     socket: int
     node: int
     core: tuple[int, ...]  # all SMT siblings of this CPU's physical core (incl. itself): the core's identity
+    l3: int | None = None  # id of the L3 group (CPUs sharing one last-level cache); None when the host does not say
+
+
+@dataclass(frozen=True, slots=True)
+class CacheGroup:
+    """CPUs sharing one L3 (last-level) cache: an AMD CCD (8 cores + siblings on Zen 4/5), an Intel socket."""
+
+    id: int  # the kernel's cache id when it names every group apart, else the group's rank by lowest CPU
+    cpus: tuple[int, ...]  # online CPUs only
+    size_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +65,7 @@ class Topology:
     cpu_model: str
     source: str  # "/" (live), a sysroot path, or "inline"
     cpuset: tuple[int, ...] | None = None  # the cgroup cpuset alone (allowed_cpus also has the affinity); None: none
+    l3_groups: tuple[CacheGroup, ...] = ()  # sorted by lowest CPU; () = unknown (no cache files, or inconsistent)
 
     @property
     def isa_tier(self) -> str:
@@ -74,6 +86,12 @@ class Topology:
             if n.id == node_id:
                 return n
         raise KeyError(node_id)
+
+    def l3_group(self, group_id: int) -> CacheGroup:
+        for g in self.l3_groups:
+            if g.id == group_id:
+                return g
+        raise KeyError(group_id)
 
     @property
     def sockets(self) -> tuple[int, ...]:
@@ -142,6 +160,10 @@ def read_with_sources(sysroot: str | Path = "/", pid: int | None = None) -> tupl
         else:  # old kernels / partial snapshots: siblings are the CPUs sharing (socket, core_id)
             core = tuple(by_core_id.get((socket, core_id if core_id is not None else -1), [cid]))
         cpus.append(Cpu(cid, socket, node_of.get(cid, nodes[0].id), core))
+    l3 = _l3_groups(r, online)
+    if l3:
+        group_of = {c: g.id for g in l3 for c in g.cpus}
+        cpus = [replace(c, l3=group_of[c.id]) for c in cpus]
 
     allowed = set(online)
     status = r.text(f"{proc}/status") or ""
@@ -167,8 +189,45 @@ def read_with_sources(sysroot: str | Path = "/", pid: int | None = None) -> tupl
     topo = Topology(cpus=tuple(cpus), offline=offline, nodes=nodes, allowed_cpus=tuple(sorted(allowed)),
                     allowed_mems=tuple(sorted(mems)), quota_cpus=quota, memory_limit_bytes=mem_limit,
                     isa=tuple(f for f in _isa.OF_INTEREST if f in flags), cpu_model=model.strip(),
-                    source=str(root), cpuset=tuple(c for c in cg_cpus if c in on) if cg_cpus is not None else None)
+                    source=str(root), cpuset=tuple(c for c in cg_cpus if c in on) if cg_cpus is not None else None,
+                    l3_groups=l3)
     return topo, tuple(sorted(r.seen))
+
+
+L3_MISSING = ("no L3 cache information (/sys/devices/system/cpu/cpuN/cache/index*/ is missing or inconsistent): "
+              "L3 groups are unknown")
+
+
+def _l3_groups(r: Reader, online: tuple[int, ...]) -> tuple[CacheGroup, ...]:
+    """Each online CPU's level-3 cache from cpuN/cache/index*/{level,shared_cpu_list,id,size}. () unless every
+    online CPU names one and the CPU lists partition the online CPUs (a partial snapshot must not half-plan)."""
+    on = set(online)
+    found: dict[tuple[int, ...], tuple[int | None, int]] = {}
+    member: dict[int, tuple[int, ...]] = {}
+    for cid in online:
+        base = f"{CPU_DIR}/cpu{cid}/cache"
+        for index in r.listdir(base, prefix="index"):
+            if (r.text(f"{base}/{index}/level") or "").strip() != "3":
+                continue
+            shared = tuple(c for c in (r.cpus(f"{base}/{index}/shared_cpu_list") or (cid,)) if c in on)
+            cache_id = r.int(f"{base}/{index}/id", -1)
+            found.setdefault(shared, (cache_id if cache_id >= 0 else None, _size(r.text(f"{base}/{index}/size"))))
+            member[cid] = shared
+            break
+    if not member or set(member) != on or any(cid not in shared for cid, shared in member.items()):
+        return ()
+    if sum(len(s) for s in found) != len(on):  # overlapping lists: the files contradict each other
+        return ()
+    ordered = sorted(found, key=min)
+    ids = [found[s][0] for s in ordered]
+    named = None not in ids and len(set(ids)) == len(ids)
+    return tuple(CacheGroup(ids[i] if named else i, s, found[s][1]) for i, s in enumerate(ordered))  # type: ignore
+
+
+def _size(text: str | None) -> int:
+    """sysfs cache sizes: "32768K", "1M"; 0 when absent."""
+    m = re.match(r"\s*(\d+)\s*([KMG]?)", text or "")
+    return int(m.group(1)) * {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[m.group(2)] if m else 0
 
 
 def _extract(archive: Path, dest: Path) -> None:
@@ -357,6 +416,13 @@ class Reader:
             return None
         except OSError as e:
             raise TopologyError(f"cannot read {rel}: {e}", path=str(self.root / rel)) from None
+
+    def listdir(self, rel: str, prefix: str = "") -> list[str]:
+        """Names in a directory starting with `prefix`, sorted; [] when it is absent."""
+        try:
+            return sorted(p.name for p in (self.root / rel).iterdir() if p.name.startswith(prefix))
+        except OSError:
+            return []
 
     def cpus(self, rel: str) -> tuple[int, ...] | None:
         t = self.text(rel)

@@ -202,15 +202,19 @@ def report(b: Binding | None = None) -> dict:
     read with the same /proc reader doctor uses on any process."""
     omp = {tid: i for i, tid in enumerate(b.omp_tids)} if b else {}
     me = process.read(os.getpid())
+    topo = topology.read("/")
+    l3 = {c.id: c.l3 for c in topo.cpus}
+    # l3: the L3 (last-level cache) group of the CPU the thread is pinned to (else the one it last ran on); None
+    # when the host does not say
     threads = [{"tid": t.tid, "name": t.name, "omp_thread": omp.get(t.tid), "allowed_cpus": cpulist.format(t.allowed),
-                "last_cpu": t.last_cpu, "cpu_seconds": round(t.cpu_ns / 1e9, 6),
-                "wait_seconds": round(t.wait_ns / 1e9, 6)} for t in me.threads]
+                "last_cpu": t.last_cpu, "l3": l3.get(t.allowed[0] if len(t.allowed) == 1 else t.last_cpu),
+                "cpu_seconds": round(t.cpu_ns / 1e9, 6), "wait_seconds": round(t.wait_ns / 1e9, 6)}
+               for t in me.threads]
     try:
         mode, nodes = numa.get_mempolicy()
         policy = {"mode": numa.MODE_NAMES.get(mode, str(mode)), "nodes": cpulist.format(nodes)}
     except OSError as e:
         policy = {"error": e.strerror}
-    topo = topology.read("/")
     given = (b.cpuset if b and b.cpuset else None) or topo.allowed_cpus  # after pinning, affinity is narrower
     return {
         "pid": os.getpid(), "source": b.source if b else "unknown",
@@ -242,7 +246,8 @@ def report(b: Binding | None = None) -> dict:
 def _topology(topo: topology.Topology) -> dict:
     """This process's view of the machine, compact: doctor --url rebuilds a Topology from it (the server may be in a
     container or on another host, where the doctor's own view would be wrong)."""
-    return {"cpus": [[c.id, c.socket, c.node, list(c.core)] for c in topo.cpus],
+    return {"cpus": [[c.id, c.socket, c.node, list(c.core), c.l3] for c in topo.cpus],
+            "l3_groups": [[g.id, cpulist.format(g.cpus), g.size_bytes] for g in topo.l3_groups],
             "nodes": [[n.id, cpulist.format(n.cpus), n.memory_bytes] for n in topo.nodes],
             "allowed_cpus": cpulist.format(topo.allowed_cpus), "allowed_mems": cpulist.format(topo.allowed_mems),
             "cpuset": None if topo.cpuset is None else cpulist.format(topo.cpuset), "quota_cpus": topo.quota_cpus,

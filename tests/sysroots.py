@@ -37,6 +37,11 @@ class Machine:
     model_name: str = "Synthetic CPU"
     node_cores: tuple[int, ...] = ()  # asymmetric nodes: cores per node in core order (default: equal split)
     node_memories: tuple[int, ...] = ()  # per CPU node (default: node_memory each)
+    # Caches as the kernel shows them in cpuN/cache/index0-3 (L1d, L1i, L2 per core; L3 shared by `l3_cores`
+    # consecutive cores of a socket with all their SMT siblings: 8 on AMD Zen 4/5 (a CCD), the whole socket on Intel).
+    # 0 = no cache directory at all (old kernels, containers that hide it, snapshots from older deploykit).
+    l3_cores: int = 0
+    l3_size: int = 32 * 1024**2
     # Settings beyond the shape (deploykit.hostsettings); None / () = the file is not written.
     numa_balancing: int | None = None
     thp: str | None = None  # always | madvise | never
@@ -97,6 +102,8 @@ def write(m: Machine, root: str | Path) -> Path:
         put(f"{t}/physical_package_id", f"{socket}\n")
         put(f"{t}/core_id", f"{core % m.cores_per_socket}\n")
         put(f"{t}/thread_siblings_list", cpulist.format(s for s in siblings[core] if s not in m.offline) + "\n")
+    if m.l3_cores:
+        _caches(m, lay, siblings, put)
     nnodes = m.sockets * m.nodes_per_socket
     all_nodes = list(range(nnodes + len(m.memory_only_nodes)))
     if m.node_dir:
@@ -153,28 +160,57 @@ def write(m: Machine, root: str | Path) -> Path:
     return root
 
 
+def _caches(m: Machine, lay, siblings: dict[int, list[int]], put) -> None:
+    cpu = "sys/devices/system/cpu"
+    per_socket = -(-m.cores_per_socket // m.l3_cores)
+    groups: dict[int, list[int]] = {}
+    for c, socket, core, _n in lay:
+        local = core // m.sockets if m.numbering == "roundrobin" else core % m.cores_per_socket
+        groups.setdefault(socket * per_socket + local // m.l3_cores, []).append(c)
+    l3_of = {c: g for g, cs in groups.items() for c in cs}
+    for c, _s, core, _n in lay:
+        if c in m.offline:
+            continue
+        own = cpulist.format(s for s in siblings[core] if s not in m.offline)
+        l3 = cpulist.format(x for x in groups[l3_of[c]] if x not in m.offline)
+        for index, (level, kind, shared, cid, size) in enumerate((
+                (1, "Data", own, core, "48K"), (1, "Instruction", own, core, "32K"), (2, "Unified", own, core, "1024K"),
+                (3, "Unified", l3, l3_of[c], f"{m.l3_size // 1024}K"))):
+            d = f"{cpu}/cpu{c}/cache/index{index}"
+            for name, value in (("level", level), ("type", kind), ("shared_cpu_list", shared), ("id", cid),
+                                ("size", size)):
+                put(f"{d}/{name}", f"{value}\n")
+
+
 EPYC_9655_2S = Machine(sockets=2, cores_per_socket=96, node_memory=768 * GiB, flags=FLAGS_AMD_ZEN5,
-                       model_name="AMD EPYC 9655 96-Core Processor")
+                       model_name="AMD EPYC 9655 96-Core Processor", l3_cores=8)
 MACHINES: dict[str, Machine] = {
     # 2x EPYC 9655, 384 CPUs, sibling of CPU i is i+192; NPS1 = one node per socket, NPS4 = four.
     "epyc-2s-nps1": EPYC_9655_2S,
     "epyc-2s-nps4": Machine(sockets=2, cores_per_socket=96, nodes_per_socket=4, node_memory=192 * GiB,
-                            model_name="AMD EPYC 9655 96-Core Processor"),
-    # 2x Xeon 8480+ (56 cores) with sub-NUMA clustering (SNC2): 4 nodes, AMX.
+                            model_name="AMD EPYC 9655 96-Core Processor", l3_cores=8),
+    # 2x Xeon 8480+ (56 cores) with sub-NUMA clustering (SNC2): 4 nodes, AMX; one 105 MB L3 per socket (SNC splits
+    # the nodes, not the L3).
     "xeon-2s-snc2": Machine(sockets=2, cores_per_socket=56, nodes_per_socket=2, node_memory=256 * GiB,
-                            flags=FLAGS_SPR, model_name="Intel(R) Xeon(R) Platinum 8480+"),
+                            flags=FLAGS_SPR, model_name="Intel(R) Xeon(R) Platinum 8480+", l3_cores=56,
+                            l3_size=105 * 1024**2),
+    # The same Xeons with SNC off: one node and one L3 per socket, so per-l3 places exactly as per-socket.
+    "xeon-2s": Machine(sockets=2, cores_per_socket=56, node_memory=512 * GiB, flags=FLAGS_SPR,
+                       model_name="Intel(R) Xeon(R) Platinum 8480+", l3_cores=56, l3_size=105 * 1024**2),
     # BIOS numbering CPUs round-robin across sockets: even CPUs socket 0, odd socket 1.
     "roundrobin-2s": Machine(sockets=2, cores_per_socket=8, numbering="roundrobin", node_memory=64 * GiB,
                              flags=FLAGS_SPR),
     # Container on the EPYC: cpuset = both siblings of cores 8-15, plus an 8-CPU CFS quota (cgroup v1).
     "epyc-container-8c": Machine(sockets=2, cores_per_socket=96, node_memory=768 * GiB, cpuset="8-15,200-207",
-                                 mems="0", quota=(800000, 100000), cgroup="v1"),
+                                 mems="0", quota=(800000, 100000), cgroup="v1", l3_cores=8),
+    # A cpuset that cuts an L3 group in half: cores 0-11 with their siblings (CCD 0 whole, CCD 1's first 4 cores).
+    "epyc-cpuset-cuts-l3": replace(EPYC_9655_2S, cpuset="0-11,192-203", mems="0"),
     # A 4-CPU quota inside a 16-core cpuset (one CPU per core, no SMT on this box).
     "quota4-in-16": Machine(sockets=1, cores_per_socket=32, threads_per_core=1, node_memory=128 * GiB,
                             cpuset="0-15", quota=(400000, 100000)),
     # One socket, 16 cores x 2, a 256 GiB CXL memory-only node 1, CPUs 15 and 31 (one core) offline.
     "cxl-offline": Machine(sockets=1, cores_per_socket=16, node_memory=128 * GiB, memory_only_nodes=(256 * GiB,),
-                           offline=(15, 31), flags=FLAGS_SPR),
+                           offline=(15, 31), flags=FLAGS_SPR, l3_cores=16),
     # Desktop: 8 cores, siblings adjacent (0,1) (2,3)..., kernel without NUMA (no node directory).
     "desktop-adjacent": Machine(sockets=1, cores_per_socket=8, numbering="adjacent", node_dir=False,
                                 node_memory=32 * GiB, flags=FLAGS_DESKTOP, model_name="Desktop CPU"),
@@ -183,7 +219,8 @@ MACHINES: dict[str, Machine] = {
     "asymmetric-2n": Machine(sockets=1, cores_per_socket=12, nodes_per_socket=2, node_cores=(8, 4),
                              node_memories=(48 * GiB, 16 * GiB)),
     # A small 2-CPU host like the CI machine.
-    "two-cpu": Machine(sockets=1, cores_per_socket=2, threads_per_core=1, node_memory=24 * GiB, flags=FLAGS_SPR),
+    "two-cpu": Machine(sockets=1, cores_per_socket=2, threads_per_core=1, node_memory=24 * GiB, flags=FLAGS_SPR,
+                       l3_cores=2),
 }
 
 

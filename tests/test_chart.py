@@ -21,6 +21,7 @@ else:
 
 from deploykit.render import seccomp  # noqa: E402
 from deploykit.render.helm import chart_dir  # noqa: E402
+from tests import policies  # noqa: E402
 
 CHART = chart_dir()
 KUBE = "1.33.0"
@@ -124,6 +125,63 @@ def test_the_pdb_and_services_select_exactly_the_engine_pods(case):
         if o["kind"] == "Deployment":  # each Deployment selects its own slot's pods and no other slot's
             sel = o["spec"]["selector"]["matchLabels"]
             assert [t for t in templates if sel.items() <= t.items()] == [o["spec"]["template"]["metadata"]["labels"]]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_engine_pod_is_denied_by_default_and_the_test_pod_reaches_it(case):
+    values = CASES[case]
+    objs = objects(render(values))
+    np = values.get("networkPolicy", {})
+    egress = list(np.get("egress", {}).get("rules", []))
+    if np.get("egress", {}).get("dns"):
+        egress.insert(0, DNS_RULE)
+    assert policies.check_engine_pods(objs, egress, np.get("metricsNamespace", "")) == len(
+        values.get("placement", {}).get("slots", [1]))
+    pods = {labels["app.kubernetes.io/component"]: labels for _, labels, _ in policies.pod_templates(objs)}
+    (engine_policy,) = policies.policies_of(objs, pods["engine"])
+    api_from = engine_policy["spec"]["ingress"][0]["from"]
+    assert ({"podSelector": {}} in api_from) is np.get("fromNamespace", True)
+    assert all(peer in api_from for peer in np.get("ingressFrom", []))
+    (own,) = policies.policies_of(objs, pods["test"])  # the `helm test` pod's own policy
+    assert own["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert own["spec"]["policyTypes"] == ["Ingress", "Egress"] and own["spec"]["ingress"] == []
+    to_engine, to_dns = own["spec"]["egress"]
+    assert policies.selects(to_engine["to"][0]["podSelector"], pods["engine"])
+    assert to_engine["ports"] == [{"port": values.get("engine", {}).get("port", 8000), "protocol": "TCP"}]
+    assert to_dns == DNS_RULE
+    # ... and the engine's policy admits the test pod to the API port, whatever fromNamespace says.
+    assert any("podSelector" in peer and policies.selects(peer["podSelector"], pods["test"]) for peer in api_from)
+
+
+DNS_RULE = {"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                    "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
+            "ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
+
+
+def test_the_network_policy_can_be_switched_off_and_the_notes_warn():
+    out = render({**REQUIRED, "networkPolicy": {"enabled": False}})
+    assert not [o for o in objects(out) if o["kind"] == "NetworkPolicy"]
+    assert "WARNING: networkPolicy.enabled is false" in out["deploykit/templates/NOTES.txt"]
+    notes = render()["deploykit/templates/NOTES.txt"]
+    assert "NetworkPolicy rel-deploykit: the API port admits pods of namespace llm" in notes
+    assert "no connection at all" in notes
+
+
+def test_prometheus_scrapes_a_metrics_port_of_its_own():
+    values = CASES["two-numa-slots-values.yaml"]
+    objs = objects(render(values), tests=False)
+    (cm,) = [o for o in objs if o["kind"] == "ConfigMap"]
+    assert cm["data"]["DEPLOYKIT_METRICS_PORT"] == "9400"
+    (sm,) = [o for o in objs if o["kind"] == "ServiceMonitor"]
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    (svc,) = [o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "qwen3-8b"]
+    assert {"name": "metrics", "port": 9400, "targetPort": "metrics", "protocol": "TCP"} in svc["spec"]["ports"]
+    no_namespace = copy.deepcopy(values)
+    del no_namespace["networkPolicy"]["metricsNamespace"]
+    with pytest.raises(helm.HelmError, match="networkPolicy.metricsNamespace: required"):
+        render(no_namespace)
+    with pytest.raises(helm.HelmError, match="metrics.port: 8000 is engine.port too"):
+        render({**REQUIRED, "metrics": {"port": 8000}})
 
 
 def test_no_host_cpu_ids_reach_the_pods():
@@ -276,3 +334,16 @@ def test_chart_defaults_file_documents_every_key():
     top = [i for i, line in enumerate(text) if line and not line.startswith((" ", "#"))]
     assert all(text[i - 1].lstrip().startswith("#") or text[i + 1].lstrip().startswith("#") or
                text[i + 1].lstrip().startswith(("-", "enabled")) or ":" in text[i] for i in top)
+
+
+def test_a_slot_can_leave_the_kubelet_nothing_so_its_pod_requests_whole_l3_groups():
+    values = CASES["l3-slots-values.yaml"]
+    objs = objects(render(values), tests=False)
+    cpu = {o["metadata"]["name"]: o["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"]
+           for o in objs if o["kind"] == "Deployment"}
+    assert cpu == {"qwen3-8b-l3-0": "16", "qwen3-8b-l3-1": "16", "qwen3-8b-l3-2": "14"}
+    bad = copy.deepcopy(values)
+    bad["placement"]["slots"][0]["coresLeftToKubelet"] = 8
+    with pytest.raises(helm.HelmError, match=r"placement.slots\[0\].cores: 8 minus coresLeftToKubelet 8 leaves no "
+                                             r"core"):
+        render(bad)

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import policies
+
 if os.environ.get("DEPLOYKIT_REQUIRE_DOCKER") == "1":  # CI installs the kubernetes extra: never a silent skip
     import helm_python as helm
     import kubernetes_validate as kv
@@ -61,6 +63,50 @@ def test_one_guaranteed_pod_per_numa_node(case, pods):
         assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     (ns,) = [o for o in objs.values() if o["kind"] == "Namespace"]
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    # Deny by default: each pod is selected by a NetworkPolicy admitting only its API port, with no egress.
+    assert policies.check_engine_pods(list(objs.values())) == pods
+
+
+def test_a_pushed_image_digest_pins_the_pods_and_a_changed_digest_is_drift(tmp_path):
+    spec = yaml.safe_load((ROOT / "examples" / "xeon-amx-2s.yaml").read_text())
+    digest = "sha256:" + "ab" * 32
+    spec["image"] = {**spec.get("image", {}), "digest": digest}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "out"
+    r = cli("render", path, "-o", out, "--target", "helm", "--target", "manifests")
+    assert r.returncode == 0, r.stderr
+    name = spec["image"].get("name", "deploykit-engine")
+    for dep in (out / "k8s").glob("deployment-*.yaml"):
+        (c,) = yaml.safe_load(dep.read_text())["spec"]["template"]["spec"]["containers"]
+        assert c["image"] == f"{name}@{digest}"
+    assert yaml.safe_load((out / "helm" / "values.yaml").read_text())["image"]["digest"] == digest
+    spec["image"]["digest"] = "sha256:" + "cd" * 32
+    path.write_text(yaml.safe_dump(spec))
+    r = cli("render", path, "-o", out, "--target", "helm", "--target", "manifests", "--check")
+    assert r.returncode == 8 and f"-        image: {name}@{digest}" in r.stdout, r.stdout[-3000:]
+    spec["image"]["digest"] = "sha256:xyz"
+    path.write_text(yaml.safe_dump(spec))
+    r = cli("validate", path)
+    assert r.returncode == 2 and "image.digest" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_per_l3_pods_request_whole_l3_groups_and_the_kubelet_aligns_by_uncore_cache():
+    """24 pods, one per CCD of 8 cores: each requests its whole L3 group (16 CPUs), but one per NUMA node gives the
+    kubelet its reserved core; the kubelet config asks the CPU manager to align pods by uncore cache."""
+    case = ROOT / "manifests" / "examples" / "epyc-9655-2s-per-l3"
+    deployments = [yaml.safe_load(p.read_text()) for p in sorted((case / "k8s").glob("deployment-*.yaml"))]
+    cpus = sorted(d["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] for d in deployments)
+    assert len(deployments) == 24 and cpus == ["14"] * 2 + ["16"] * 22
+    assert {d["spec"]["template"]["metadata"]["annotations"]["deploykit.io/l3-groups"] for d in deployments} == {"1"}
+    kubelet = yaml.safe_load((case / "node" / "kubelet-config.yaml").read_text())
+    assert kubelet["cpuManagerPolicyOptions"] == {"full-pcpus-only": "true", "prefer-align-cpus-by-uncorecache": "true"}
+    assert kubelet["reservedSystemCPUs"] == "95,191,287,383"
+    readme = (case / "node" / "README.md").read_text()
+    assert "prefer-align-cpus-by-uncorecache" in readme and "8 physical cores per group" in readme
+    for name in ("epyc-9655-2s", "epyc-9655-2s-nps4", "xeon-amx-2s"):  # one replica per node: nothing to align
+        other = yaml.safe_load((ROOT / "manifests/examples" / name / "node/kubelet-config.yaml").read_text())
+        assert "prefer-align-cpus-by-uncorecache" not in other["cpuManagerPolicyOptions"]
 
 
 def test_values_file_carries_the_plan_and_no_host_cpu_ids():

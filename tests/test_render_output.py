@@ -69,13 +69,14 @@ def test_rerender_removes_only_files_it_wrote(spec, tmp_path, sysroots):
     (out / "wheels" / "torch.whl").write_bytes(b"x")
     (out / "notes-of-mine.md").write_text("keep")
     one = write_spec(tmp_path, {"hardware": {"sysroot": str(sysroots["two-cpu"])},
-                                "model": CASES["reserved-cpus-0"][1]["model"]}, name="one.yaml")
+                                "model": CASES["reserved-cpus-0"][1]["model"],
+                                "security": {"seccomp": "runtime-default"}}, name="one.yaml")
     r = render(one, out)
     assert r.returncode == 0, r.stderr
-    assert not (out / "nginx.conf").exists()  # one replica: no load balancer any more
+    assert not (out / "seccomp.json").exists()  # the runtime's own profile: no profile file any more
     assert (out / "wheels" / "torch.whl").exists() and (out / "notes-of-mine.md").read_text() == "keep"
     manifest = json.loads((out / "deploykit-manifest.json").read_text())
-    assert "nginx.conf" not in manifest["files"]
+    assert "seccomp.json" not in manifest["files"] and "nginx.conf" in manifest["files"]  # one replica: nginx too
 
 
 def test_edited_file_is_not_overwritten_without_force(spec, tmp_path):

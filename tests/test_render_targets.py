@@ -45,7 +45,11 @@ def docker_runs(out: Path, tmp_path: Path, api_key: str | None = "test-key") -> 
     done = subprocess.run(["bash", str(out / "run.sh")], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     runs = [json.loads(x) for x in log.read_text().splitlines()]
-    return {a[a.index("--name") + 1]: a for a in runs if a[0] == "run"}
+    made = {a[a.index("--name") + 1]: a for a in runs if a[0] in ("run", "create")}
+    for a in runs:  # `network connect --alias NAME NETWORK NAME`: recorded as the container's --network flags
+        if a[:2] == ["network", "connect"]:
+            made[a[-1]] += ["--network", a[-2]]
+    return made
 
 
 def values(argv: list[str], flag: str) -> list[str]:
@@ -67,7 +71,9 @@ def test_run_sh_and_compose_agree(case, tmp_path, sysroots):
         assert values(argv, "--tmpfs") == svc["tmpfs"]
         assert values(argv, "--user") == [svc["user"]]
         assert ("--read-only" in argv) == svc["read_only"]
-        assert values(argv, "--publish") == svc["ports"]
+        assert values(argv, "--publish") == svc.get("ports", [])
+        assert values(argv, "--network") == [f"{plan['name']}-{net}" for net in svc["networks"]]
+        assert sorted(values(argv, "--sysctl")) == sorted(f"{k}={v}" for k, v in svc.get("sysctls", {}).items())
         env = dict(e.split("=", 1) if "=" in e else (e, None) for e in values(argv, "--env"))
         by_name = {k: None if str(v).startswith(f"${{{k}:?") else v for k, v in svc.get("environment", {}).items()}
         assert env == by_name
@@ -89,8 +95,12 @@ def test_replicas_get_plan_cpus_mems_and_their_index(case, tmp_path, sysroots):
         env = dict(e.split("=", 1) for e in values(argv, "--env") if "=" in e)
         assert env["DEPLOYKIT_REPLICA"] == str(r["index"])
         assert {k: env[k] for k in r["env"]} == r["env"]
-        assert values(argv, "--publish") == [f"{plan['serving']['publish_address']}:{r['port']}:"
-                                             f"{plan['serving']['port']}"]
+        # Only on the internal network, no port of its own: clients reach it through nginx.
+        assert values(argv, "--publish") == [] and values(argv, "--network") == [f"{plan['name']}-internal"]
+    lb = runs[f"{plan['name']}-lb"]
+    assert values(lb, "--publish") == [f"{plan['serving']['publish_address']}:{plan['serving']['port']}:"
+                                       f"{plan['serving']['port']}"]
+    assert values(lb, "--network") == [f"{plan['name']}-edge", f"{plan['name']}-internal"]
 
 
 def test_seccomp_modes(tmp_path, sysroots):

@@ -1,27 +1,23 @@
-"""The placements a sweep tries: data produced from the planner's own choices on this host, never a hand list.
+"""The placements a sweep tries: the planner's own choices on this host (planner.feasible: one replica per NUMA node,
+per socket, the whole machine, per L3 group and N per node), with SMT off and on where cores have siblings.
 
-Each candidate is a `placement:` section for the user's spec: every strategy the spec schema offers (except
-explicit), SMT on and off where cores have siblings, and every split of each NUMA node's physical cores into 2, 4,
-8 ... equal replicas (as explicit CPU lists). Each is planned with the real planner; placements that cannot be
-planned here are dropped with the planner's reason, and placements that plan to the same replicas, CPUs and front
-ends are one candidate, labelled with all their names.
+Each candidate is a `placement:` section for the user's spec: the user's own placement keys, with the strategy, its
+replica counts and use_smt replaced. Placements the planner refuses here are dropped with its reason, and
+placements that plan to the same replicas, CPUs and front ends are one candidate, labelled with all their names.
 """
 
 from __future__ import annotations
 
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import cpulist, memory, placement, planner, specfile
-from ..errors import DeploykitError
+from .. import cpulist, memory, planner, specfile
 from ..plan import Plan
-from ..spec import PlacementSpec, Spec
 from ..topology import Topology
 
-# Kept from the user's placement in every candidate; the others (strategy, cpus, numa_nodes, threads) are what the
-# sweep varies, or would contradict a candidate (threads: 8 on a 4-core split).
-KEPT = ("reserved_cpus", "memory_nodes", "use_smt")
+# What the sweep varies; every other key of the user's placement (numa_nodes, reserved_cpus, threads, memory_nodes,
+# an explicit strategy's cpus) is kept as written.
+VARIED = ("strategy", "replicas_per_node", "l3_groups_per_replica", "use_smt")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,69 +42,41 @@ class Candidate:
                                                      if r.frontend_cpus else "") for r in self.plan.replicas)
 
 
-def strategies() -> tuple[str, ...]:
-    """Every strategy the spec schema knows, except explicit (the splits below are the explicit ones)."""
-    return tuple(s for s in typing.get_args(PlacementSpec.model_fields["strategy"].annotation) if s != "explicit")
-
-
-def _splits(topo: Topology, use_smt: bool) -> list[tuple[str, list[str]]]:
-    """Each CPU-bearing NUMA node's allowed physical cores cut into k equal consecutive groups, k = 2, 4, 8...:
-    (label, one CPU list per replica). A core's SMT siblings stay together (use_smt decides whether they compute)."""
-    allowed = set(topo.allowed_cpus)
-    per_node = [placement.physical_cores(topo, [c for c in n.cpus if c in allowed]) for n in topo.nodes if n.cpus]
-    per_node = [cores for cores in per_node if cores]
-    out = []
-    k = 2
-    while per_node and k <= min(len(cores) for cores in per_node):
-        lists = []
-        for cores in per_node:
-            if len(cores) % k:
-                break
-            size = len(cores) // k
-            lists += [cpulist.format(c for core in cores[i * size:(i + 1) * size] for c in core) for i in range(k)]
-        else:
-            out.append((f"{k} per NUMA node{' (SMT)' if use_smt else ''}", lists))
-        k *= 2
-    return out
-
-
-def placements(spec: Spec, topo: Topology) -> list[tuple[str, dict]]:
-    pl = spec.placement
-    base = {k: getattr(pl, k) for k in KEPT if k in pl.model_fields_set}
-    base = {k: list(v) if isinstance(v, tuple) else v for k, v in base.items()}
-    smt_options = (False, True) if topo.threads_per_core > 1 else (pl.use_smt,)
-    out = []
-    for use_smt in smt_options:
-        smt = {"use_smt": use_smt} if topo.threads_per_core > 1 else {}
-        suffix = " (SMT)" if use_smt and topo.threads_per_core > 1 else ""
-        for s in strategies():
-            nodes = {"numa_nodes": list(pl.numa_nodes)} if pl.numa_nodes is not None else {}
-            out.append((s + suffix, {**base, **smt, "strategy": s, **nodes}))
-        for label, lists in _splits(topo, use_smt):
-            out.append((label, {**base, **smt, "strategy": "explicit", "cpus": lists}))
+def section(written: dict, plan: Plan, use_smt: bool | None) -> dict:
+    """The placement section that plans to `plan`: the user's keys as written, the planned layout's strategy and
+    counts (only where they differ from the defaults, so the written spec reads like one a person wrote)."""
+    out = {k: v for k, v in written.items() if k not in VARIED or (k == "use_smt" and use_smt is None)}
+    lay = plan.layout
+    out["strategy"] = lay.strategy
+    if lay.replicas_per_node > 1:
+        out["replicas_per_node"] = lay.replicas_per_node
+    if lay.l3_groups_per_replica > 1:
+        out["l3_groups_per_replica"] = lay.l3_groups_per_replica
+    if use_smt is not None:  # None: cores have no siblings here, so the user's value stands
+        out["use_smt"] = use_smt
     return out
 
 
 def candidates(spec_path: str, topo: Topology) -> tuple[list[Candidate], list[str]]:
-    """(distinct candidates in the order tried, notes on placements dropped or merged)."""
+    """(distinct candidates in the order tried, notes on placements the planner refused here)."""
     spec = specfile.load(spec_path)
     shape = memory.shape(spec.model)
-    data = spec_data(spec_path)
+    written = spec_data(spec_path).get("placement") or {}
+    smt_options = (False, True) if topo.threads_per_core > 1 else (None,)
     found: dict[tuple, Candidate] = {}
     notes = []
-    for label, section in placements(spec, topo):
-        try:
-            variant = specfile.from_data({**data, "placement": section})
-            plan = planner.make_plan(variant, topo, shape)
-        except DeploykitError as e:
-            notes.append(f"{label}: not tried, the planner refuses it here: {str(e).splitlines()[0]}")
-            continue
-        c = Candidate(label, section, plan)
-        if c.layout in found:
-            same = found[c.layout]
-            found[c.layout] = Candidate(f"{same.label} = {label}", same.placement, same.plan)
-            continue
-        found[c.layout] = c
+    for use_smt in smt_options:
+        suffix = " (SMT)" if use_smt else ""
+        pl = spec.placement if use_smt is None else spec.placement.model_copy(update={"use_smt": use_smt})
+        refused: list[tuple[str, str]] = []
+        for name, plan in planner.feasible(spec.model_copy(update={"placement": pl}), topo, shape, refused):
+            c = Candidate(name + suffix, section(written, plan, use_smt), plan)
+            if c.layout in found:  # SMT that changes nothing here: the same replicas again
+                same = found[c.layout]
+                found[c.layout] = Candidate(f"{same.label} = {c.label}", same.placement, same.plan)
+            else:
+                found[c.layout] = c
+        notes += [f"{name}{suffix}: not tried, the planner refuses it here: {why}" for name, why in refused]
     return list(found.values()), notes
 
 

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import cpulist
+from .. import cpulist, placement
 from ..topology import Topology
 from . import fixes
 from .findings import FAIL, INFO, OK, WARN, Finding
@@ -94,8 +94,12 @@ class Scope:
 
 def env_findings(env: dict[str, str], topo: Topology, scope: Scope, *, runtimes: tuple[str, ...] | None,
                  ld_so_preload: tuple[str, ...] = (), check_installed: bool = False,
-                 judge_thread_count: bool = True) -> list[Finding]:
-    """`runtimes`: OpenMP runtimes the process maps (or, for the host, the one PyTorch bundles); None = unknown."""
+                 judge_thread_count: bool = True, engine_fix: tuple[str, ...] = (),
+                 tree_cpus: tuple[int, ...] | None = None) -> list[Finding]:
+    """`runtimes`: OpenMP runtimes the process maps (or, for the host, the one PyTorch bundles); None = unknown.
+    `engine_fix`: a recognised server's own settings (engines.knobs), given as the fix instead of OpenMP's.
+    `tree_cpus`: the CPUs any thread of the process tree may run on, when narrower than the cpuset (a replica pinned
+    by affinity): the yardstick for a team that is too small."""
     out = []
     allowed = topo.allowed_cpus
     cores = _physical(topo, allowed)
@@ -103,13 +107,14 @@ def env_findings(env: dict[str, str], topo: Topology, scope: Scope, *, runtimes:
     right = fixes.thread_env(choice) if choice else "OMP_NUM_THREADS=<physical cores in the cpuset>"
     n = threads_requested(env)
     if judge_thread_count:
-        out.append(_thread_count(n, env, topo, allowed, cores, scope, right))
+        team_choice = fixes.thread_choice(topo, tree_cpus) if tree_cpus else choice
+        out.append(_thread_count(n, env, topo, allowed, cores, scope, right, team_choice, engine_fix))
     families = {runtime_family(r) for r in (runtimes or ())} - {None}
     pins = pinning_vars(env)
     if not families & {"libiomp5", "libomp"}:  # KMP_AFFINITY pins only under Intel/LLVM OpenMP (rule below)
         pins = [(k, v) for k, v in pins if k != "KMP_AFFINITY"]
     if pins:
-        out.append(_affinity(pins, allowed, scope, n))
+        out.append(_affinity(pins, allowed, scope, n, engine_fix))
     else:
         out.append(Finding("openmp.affinity_env", OK, f"no OpenMP affinity variable in {scope.where}"))
     kmp = sorted(k for k in env if k.startswith("KMP_"))
@@ -139,9 +144,9 @@ def _physical(topo: Topology, cpus) -> int:
     return len({c.core for c in topo.cpus if c.id in cand})
 
 
-def _thread_count(n, env, topo, allowed, cores, scope, right) -> Finding:
+def _thread_count(n, env, topo, allowed, cores, scope, right, choice, engine_fix=()) -> Finding:
     quota = topo.quota_cpus
-    fix = (f"set {right} in the inference process's environment",)
+    fix = engine_fix or (f"set {right} in the inference process's environment",)
     if n is None:
         narrower = len(allowed) < len(topo.cpus) or quota is not None
         if narrower:
@@ -173,11 +178,21 @@ def _thread_count(n, env, topo, allowed, cores, scope, right) -> Finding:
                        "SMT siblings share a core's FMA units and caches", evidence=evidence,
                        cause="decode is bound by memory bandwidth; a second thread per core adds contention, not "
                              "bandwidth", fix=fix)
+    want = len(choice.cpus) if choice else cores
+    if n < want:
+        kept = len(placement.physical_cores(topo, choice.frontend_cpus)) if choice else 0
+        return Finding("openmp.threads", FAIL if 2 * n < want else WARN,
+                       f"an OpenMP team of {n} (OMP_NUM_THREADS={n}) for the {want} physical core(s) this process "
+                       f"may use for inference: {want - n} of them stay idle while it generates",
+                       evidence=evidence + ((f"{kept} core(s) kept for the front end (CPUs "
+                                             f"{cpulist.format(choice.frontend_cpus)})",) if kept else ()),
+                       cause="decode and prefill scale with the cores that read weights; a team smaller than the "
+                             "cores leaves memory bandwidth and compute unused", fix=fix)
     return Finding("openmp.threads", OK, f"OMP_NUM_THREADS={n} fits the {cores} physical cores allowed",
                    evidence=evidence)
 
 
-def _affinity(pins, allowed, scope, threads: int | None = None) -> Finding:
+def _affinity(pins, allowed, scope, threads: int | None = None, engine_fix: tuple[str, ...] = ()) -> Finding:
     name, value = pins[0]
     listed = listed_cpus(name, value)
     first = listed[0] if listed else None
@@ -190,6 +205,8 @@ def _affinity(pins, allowed, scope, threads: int | None = None) -> Finding:
            "-e`, compose `environment:`, the pod's `env:`",
            "let the inference process pin its own OpenMP threads: deploykit's engine derives them from DEPLOYKIT_CPUS; "
            "vLLM from VLLM_CPU_OMP_THREADS_BIND; llama.cpp from --cpu-range")
+    if engine_fix:
+        fix = fix[:1] + engine_fix
     what = (f"every process that loads libgomp has its main thread narrowed to CPU {first}, and every thread or "
             f"process it starts later inherits CPU {first}") if first is not None else \
         "every process that loads OpenMP binds its threads by it, the front end and helper threads included"
@@ -201,7 +218,8 @@ def _affinity(pins, allowed, scope, threads: int | None = None) -> Finding:
     if few:
         return Finding("openmp.affinity_env", FAIL, f"{name} lists {len(set(listed))} CPU(s) for "
                        f"OMP_NUM_THREADS={threads} threads in {scope.where}: threads share CPUs",
-                       evidence=tuple(evidence), fix=(f"list one CPU per thread in {name}, one per physical core",))
+                       evidence=tuple(evidence), fix=engine_fix or (f"list one CPU per thread in {name}, one per "
+                                                                    "physical core",))
     level = FAIL if outside else INFO
     return Finding("openmp.affinity_env", level, f"{name} set in {scope.where}", evidence=tuple(evidence),
                    fix=fix if outside else ())

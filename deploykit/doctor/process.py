@@ -77,12 +77,13 @@ class Sample:
         return {t.tid: max(0.0, (t.wait_ns - old[t.tid]) / 1e9 / self.seconds) for t in b.threads if t.tid in old}
 
 
-def exists(pid: int) -> bool:
-    return (PROC / str(pid)).is_dir()
+def exists(pid: int, proc: Path = PROC) -> bool:
+    return (proc / str(pid)).is_dir()
 
 
-def read(pid: int) -> Proc:
-    base = PROC / str(pid)
+def read(pid: int, proc: Path = PROC) -> Proc:
+    """`proc`: /proc, or a directory laid out like it (a recorded snapshot of a process tree)."""
+    base = proc / str(pid)
     try:
         status = hostsettings.status_fields((base / "status").read_text())
         stat = (base / "stat").read_text()
@@ -113,10 +114,10 @@ def read(pid: int) -> Proc:
         mems_allowed=cpulist.parse(status.get("Mems_allowed_list", "") or "0"), unreadable=tuple(unreadable))
 
 
-def tree(pid: int) -> list[int]:
+def tree(pid: int, proc: Path = PROC) -> list[int]:
     """`pid` and all its descendants, parents first."""
     children: dict[int, list[int]] = {}
-    for d in PROC.iterdir():
+    for d in proc.iterdir():
         if not d.name.isdigit():
             continue
         try:

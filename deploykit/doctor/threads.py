@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from .. import cpulist
 from ..topology import Topology
 from ..units import human
-from . import fixes, openmp
+from . import engines, fixes, l3, openmp
 from .findings import FAIL, INFO, OK, WARN, Finding, Section
 from .process import Proc, Sample
 
@@ -33,11 +33,13 @@ def analyse(s: Sample, ctx: Context) -> list[Section]:
     use = {p.pid: s.use(p.pid) for p in procs}
     wait = {p.pid: s.wait(p.pid) for p in procs}
     infer = _inference_process(procs, use)
+    knobs = engines.knobs(engines.recognise(procs), ctx.topo)
     threads = [
-        _stacked(procs, use, ctx, infer),
+        _stacked(procs, use, ctx, infer, knobs),
         _smt(procs, use, ctx.topo),
         _oversubscribed(procs, use, wait),
         _throttled(ctx, sum(sum(u.values()) for u in use.values()), s.seconds),
+        l3.team_spread(infer, _team(infer, use.get(infer.pid, {}), ctx), ctx.topo),
     ]
     threads = [f for f in threads if f is not None]
     threads.insert(0, _busy(procs, use, ctx, s.seconds, worst=max(_rank(f.level) for f in threads)))
@@ -49,7 +51,9 @@ def analyse(s: Sample, ctx: Context) -> list[Section]:
         # A process that reports its OpenMP threads (our engine) sets their count itself, after exec: its exec-time
         # OMP_NUM_THREADS says nothing then.
         runtime += openmp.env_findings(infer.env, ctx.topo, scope, runtimes=mapped or None,
-                                       judge_thread_count=bool(mapped) and ctx.omp_tids is None)
+                                       judge_thread_count=bool(mapped) and ctx.omp_tids is None, engine_fix=knobs,
+                                       tree_cpus=tuple(sorted({c for p in procs for t in p.threads for c in t.allowed}
+                                                              & set(ctx.topo.allowed_cpus))) or None)
         # What the process really maps is judged by _runtimes/_malloc; the environment's guesses about it are not.
         dropped = {"malloc.tcmalloc"} | ({"openmp.preload"} if infer.libraries is not None else set())
         runtime = [f for f in runtime if f.id not in dropped]
@@ -69,6 +73,13 @@ def _inference_process(procs: list[Proc], use) -> Proc:
         omp = any(openmp.runtime_family(lib) for lib in p.libraries or ())
         return (omp, sum(use[p.pid].values()), len(p.threads))
     return max(procs, key=key)
+
+
+def _team(p: Proc, use: dict[int, float], ctx: Context) -> list:
+    """The OpenMP team of the inference process: the threads it reports (our engine), else its busy threads."""
+    if ctx.omp_tids is not None:
+        return [t for t in p.threads if t.tid in ctx.omp_tids]
+    return [t for t in p.threads if use.get(t.tid, 0.0) >= BUSY]
 
 
 def _inherited_from_root(procs: list[Proc], infer: Proc) -> bool:
@@ -115,7 +126,7 @@ def _busy(procs, use, ctx: Context, seconds: float, worst: int) -> Finding:
     return Finding("threads.busy", [OK, INFO, WARN, FAIL][worst], title, evidence=tuple(evidence))
 
 
-def _stacked(procs, use, ctx: Context, infer: Proc) -> Finding | None:
+def _stacked(procs, use, ctx: Context, infer: Proc, knobs: tuple[str, ...] = ()) -> Finding | None:
     """Threads whose affinity is one and the same CPU: a pool that cannot spread."""
     groups: dict[int, list[tuple[Proc, object, float]]] = defaultdict(list)
     for p in procs:
@@ -143,31 +154,37 @@ def _stacked(procs, use, ctx: Context, infer: Proc) -> Finding | None:
         level = FAIL  # most of an OpenMP process confined to one CPU: its pool can never spread
     else:
         return Finding("threads.stacked", INFO, title, evidence=tuple(evidence))
-    cause, fix = _stack_cause(procs, cpu, infer)
+    cause, fix = _stack_cause(procs, cpu, infer, knobs)
     return Finding("threads.stacked", level, title, evidence=tuple(evidence), cause=cause, fix=fix)
 
 
-def _stack_cause(procs, cpu: int, infer: Proc) -> tuple[str, tuple[str, ...]]:
+def _stack_cause(procs, cpu: int, infer: Proc, knobs: tuple[str, ...] = ()) -> tuple[str, tuple[str, ...]]:
+    """`knobs`: the recognised engine's own settings for this host (engines.knobs), the fix its user applies."""
     for p in procs:
         for name, value in openmp.pinning_vars(p.env or {}):
             listed = openmp.listed_cpus(name, value)
             if not listed or listed[0] == cpu or len(set(listed)) == 1:
+                inherited = p is procs[0] and len(procs) > 1
                 where = "the whole process tree (set above the inference process: container- or shell-wide)" \
-                    if p is procs[0] and len(procs) > 1 else p.label
-                return (f"{name}={value} in the environment of {where}: libgomp narrows the main thread of every "
-                        f"process that loads it to CPU {listed[0] if listed else cpu}, and every thread or process "
-                        "started afterwards inherits that one CPU",
-                        (f"remove {name} from the container's environment (docker run -e, compose environment:, the "
-                         "pod's env:) and let the inference process pin its own threads: deploykit's engine from "
-                         "DEPLOYKIT_CPUS; vLLM with VLLM_CPU_OMP_THREADS_BIND=auto; llama.cpp with --cpu-range",))
+                    if inherited else p.label
+                cause = (f"{name}={value} in the environment of {where}: libgomp narrows the main thread of every "
+                         f"process that loads it to CPU {listed[0] if listed else cpu}, and every thread or process "
+                         "started afterwards inherits that one CPU")
+                remove = (f"remove {name} from the container's environment (docker run -e, compose environment:, the "
+                          "pod's env:)",)
+                if knobs:  # a server that pins its workers itself: its own settings decide the list
+                    return cause, (remove if inherited else ()) + knobs
+                return cause, (remove[0] + " and let the inference process pin its own threads: deploykit's engine "
+                               "from DEPLOYKIT_CPUS; vLLM with VLLM_CPU_OMP_THREADS_BIND; llama.cpp with --cpu-range",)
     main = procs[0].threads[0] if procs[0].threads else None
     if main is not None and main.allowed == (cpu,):
         return (f"the main thread of {procs[0].label} is pinned to CPU {cpu} (taskset/numactl -C, or a library's "
                 "sched_setaffinity), and threads and processes it starts inherit that",
-                ("start the server without a one-CPU affinity (taskset -c/numactl -C with the whole list), and pin "
-                 "each OpenMP thread to its own CPU in the inference process",))
+                knobs or ("start the server without a one-CPU affinity (taskset -c/numactl -C with the whole list), "
+                          "and pin each OpenMP thread to its own CPU in the inference process",))
     return (f"the threads were created while their parent was confined to CPU {cpu}",
-            ("pin each OpenMP thread to its own CPU in the inference process (GOMP_CPU_AFFINITY set there only)",))
+            knobs or ("pin each OpenMP thread to its own CPU in the inference process (GOMP_CPU_AFFINITY set there "
+                      "only)",))
 
 
 def _smt(procs, use, topo: Topology) -> Finding:

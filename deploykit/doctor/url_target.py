@@ -16,7 +16,7 @@ import urllib.request
 
 from .. import cpulist
 from ..errors import TargetError
-from ..topology import Cpu, Node, Topology
+from ..topology import CacheGroup, Cpu, Node, Topology
 from .findings import FAIL, OK, WARN, Finding, Report, Section
 from .process import Proc, Sample, Thread
 from .threads import Context, analyse
@@ -97,14 +97,16 @@ def _proc(rep: dict) -> Proc:
 
 
 def _topology(t: dict) -> Topology:
-    cpus = tuple(Cpu(i, s, n, tuple(core)) for i, s, n, core in t["cpus"])
+    # [id, socket, node, core, l3]; servers before L3 groups send four fields
+    cpus = tuple(Cpu(c[0], c[1], c[2], tuple(c[3]), c[4] if len(c) > 4 else None) for c in t["cpus"])
+    groups = tuple(CacheGroup(i, cpulist.parse(c), size) for i, c, size in t.get("l3_groups") or ())
     nodes = tuple(Node(i, cpulist.parse(c), mem) for i, c, mem in t["nodes"])
     # The engine's main thread is OpenMP worker 0, pinned to one CPU: what the process may use is its cpuset.
     may = cpulist.parse(t["cpuset"]) if t["cpuset"] else tuple(c.id for c in cpus)
     return Topology(cpus=cpus, offline=(), nodes=nodes, allowed_cpus=may,
                     allowed_mems=cpulist.parse(t["allowed_mems"]), quota_cpus=t["quota_cpus"], memory_limit_bytes=None,
                     isa=tuple(t["isa"]), cpu_model=t["cpu_model"], source="server",
-                    cpuset=None if t["cpuset"] is None else cpulist.parse(t["cpuset"]))
+                    cpuset=None if t["cpuset"] is None else cpulist.parse(t["cpuset"]), l3_groups=groups)
 
 
 def _request(req: urllib.request.Request, url: str, timeout: float = 120) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import yaml
 
 from ..plan import Plan
-from .container import Container, containers, healthcheck, model_mount
+from .container import INTERNAL, INTERNAL_OPTIONS, Container, containers, healthcheck, model_mount
 from .image import image_files
 from .output import File
 from .templating import template
@@ -20,8 +20,13 @@ def compose_yaml(plan: Plan) -> str:
     model_src = ("${" + mm.variable + ":-" + model.replace("$", "$$") + "}" if model else
                  "${" + mm.variable + f":?set {mm.variable} to the model {mm.what} on this host (nothing is downloaded "
                  "at run time)}")
-    services = {c.name: _service(plan, c, model_src) for c in containers(plan)}
-    body = yaml.safe_dump({"services": services}, sort_keys=True, default_flow_style=False, width=120)
+    cs = containers(plan)
+    services = {c.name: _service(plan, c, model_src) for c in cs}
+    # The engines' network is internal and has no address on the host: no route out, not even to the host.
+    networks = {role: {"internal": True, "driver_opts": dict(INTERNAL_OPTIONS)} if role == INTERNAL else {}
+                for role in sorted({r for c in cs for r in c.networks})}
+    body = yaml.safe_dump({"networks": networks, "services": services}, sort_keys=True, default_flow_style=False,
+                          width=120)
     return template("compose-header.j2", plan=plan, lb=plan.serving.load_balancer, model=mm) + body
 
 
@@ -37,11 +42,15 @@ def _service(plan: Plan, c: Container, model_src: str) -> dict:
         "tmpfs": [c.tmpfs],
         "cap_drop": ["ALL"],
         "security_opt": ["no-new-privileges:true"],
-        "ports": [c.publish],
+        "networks": list(c.networks),
         "volumes": [f"{model_src if m.source == 'model' else './' + m.source}:{m.target}:ro" for m in c.mounts],
         "healthcheck": {"test": ["CMD", *healthcheck(plan.serving.port)], "interval": "10s",
                         "timeout": "5s", "retries": 3, "start_period": "600s"},
     }
+    if c.publish:
+        s["ports"] = [c.publish]
+    if c.sysctls:
+        s["sysctls"] = dict(c.sysctls)
     if c.cpuset:
         s["cpuset"] = c.cpuset
     if c.caps_add:

@@ -1,5 +1,10 @@
 """What each container of a deployment is, in runtime-neutral terms: run.sh, compose.yaml and `deploykit up` each
 spell the same `Container` in their own syntax, so a setting cannot differ between them.
+
+Networks: the engines sit on an internal network (no route out of it: a compromised or prompt-injected engine
+reaches nothing but its peers), and only the load balancer, on that network and on an edge network, publishes a
+port. So a single replica gets a load balancer too: an engine that published its own port would need a routed
+network.
 """
 
 from __future__ import annotations
@@ -21,6 +26,17 @@ SHM_SIZE = "256m"
 TMPFS = "/tmp:rw,nosuid,nodev,size=1g"
 LB_TMPFS = "/tmp:rw,nosuid,nodev,noexec,size=64m"
 LB_MEMORY = 256 * 1024**2
+# Networks by role; each syntax names them (run.sh and `up`: "<deployment>-<role>", compose: the role).
+INTERNAL, EDGE = "internal", "edge"
+# A load balancer notices a replica that vanished (a killed container, a lost node) within ~8 s instead of waiting on
+# it for the read timeout: keep-alive probes on idle upstream connections after 2 s, every 2 s, 3 unanswered = dead;
+# unacknowledged data (a request sent on a pooled connection to it) gives up after 4 retransmissions (~6 s). A live
+# engine's kernel answers the probes however long it computes, so long generations still finish. nginx takes them
+# as its network namespace's sysctls, the built-in proxy (runtime/proxy.py) as socket options.
+KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_PROBES, RETRIES = 2, 2, 3, 4  # seconds, seconds, count, count
+LB_SYSCTLS = (("net.ipv4.tcp_keepalive_intvl", str(KEEPALIVE_INTERVAL)),
+              ("net.ipv4.tcp_keepalive_probes", str(KEEPALIVE_PROBES)),
+              ("net.ipv4.tcp_keepalive_time", str(KEEPALIVE_IDLE)), ("net.ipv4.tcp_retries2", str(RETRIES)))
 # SIGTERM to SIGKILL: the engine drains in-flight requests for up to 30 s (`--shutdown-timeout`), uvicorn adds 5 s
 # and the engine process gets 10 s to exit. Docker's default of 10 s would kill streams mid-answer.
 ENGINE_STOP_SECONDS = 50
@@ -45,7 +61,8 @@ class Container:
     memory: int
     env: tuple[tuple[str, str | None], ...]  # value None: passed through by name from the caller's environment
     mounts: tuple[Mount, ...]
-    publish: str
+    publish: str | None  # address:host port:container port; None = reachable only on its networks
+    networks: tuple[str, ...]  # roles (INTERNAL, EDGE); the first is the one it is created on
     caps_add: tuple[str, ...]
     seccomp: str | None  # a profile file name, "unconfined", or None for the runtime's default
     user: str
@@ -56,6 +73,7 @@ class Container:
     depends_on: tuple[str, ...] = ()
     stop_seconds: int | None = None  # None = the runtime's default (10 s)
     stop_signal: str | None = None  # None = SIGTERM
+    sysctls: tuple[tuple[str, str], ...] = ()  # of its own network namespace
 
     @property
     def labels(self) -> tuple[tuple[str, str], ...]:
@@ -94,6 +112,16 @@ def lb_name(plan: Plan) -> str:
     return f"{plan.name}-lb"
 
 
+def network_name(deployment: str, role: str) -> str:
+    """The Docker network of a role for run.sh and `deploykit up` (compose prefixes the role with its project)."""
+    return f"{deployment}-{role}"
+
+
+# The internal network's bridge gets no address on the host: without one the engines cannot reach even the host's
+# own services (an internal network alone only stops forwarding beyond it).
+INTERNAL_OPTIONS = (("com.docker.network.bridge.inhibit_ipv4", "true"),)
+
+
 def healthcheck(port: int) -> tuple[str, ...]:
     """Exec form, no shell: python is in every image we build; curl is not."""
     code = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout=4)"
@@ -112,23 +140,22 @@ def containers(plan: Plan) -> tuple[Container, ...]:
         out.append(Container(
             name=r.name, deployment=plan.name, comment=_describe(r), replica=r.index, cpuset=cpulist.format(r.cpuset),
             mems=cpulist.format(r.mems), memory=r.memory_limit_bytes, env=tuple(sorted(env)),
-            mounts=(Mount("model", model_mount(plan).target), Mount("plan.json", PLAN_PATH)),
-            publish=f"{plan.serving.publish_address}:{r.port}:{port}", caps_add=engine_caps(plan), seccomp=sec,
-            user=user, read_only=plan.security.read_only_root, tmpfs=TMPFS, shm_size=SHM_SIZE,
-            stop_seconds=ENGINE_STOP_SECONDS))
-    if plan.serving.load_balancer:
-        front = sorted({c for r in plan.replicas for c in r.frontend_cpus})
-        out.append(Container(
-            name=lb_name(plan), deployment=plan.name, replica=None,
-            comment="nginx load balancer (least connections, streaming) in front of the replicas; runs from the "
-                    "engine image, so nothing is pulled from a registry",
-            cpuset=cpulist.format(front) if front else None, mems=None, memory=LB_MEMORY, env=(),
-            mounts=(Mount("nginx.conf", NGINX_CONF),), publish=f"{plan.serving.publish_address}:{port}:{port}",
-            caps_add=(), seccomp=sec, user=user, read_only=True, tmpfs=LB_TMPFS, shm_size=None,
-            entrypoint=("/usr/sbin/nginx", "-e", "stderr", "-c", NGINX_CONF),
-            depends_on=tuple(r.name for r in plan.replicas),
-            # SIGQUIT is nginx's graceful stop: open streams run to the end while the replicas drain.
-            stop_seconds=ENGINE_STOP_SECONDS, stop_signal="SIGQUIT"))
+            mounts=(Mount("model", model_mount(plan).target), Mount("plan.json", PLAN_PATH)), publish=None,
+            networks=(INTERNAL,), caps_add=engine_caps(plan), seccomp=sec, user=user,
+            read_only=plan.security.read_only_root, tmpfs=TMPFS, shm_size=SHM_SIZE, stop_seconds=ENGINE_STOP_SECONDS))
+    front = sorted({c for r in plan.replicas for c in r.frontend_cpus})
+    replicas = "replicas" if len(plan.replicas) > 1 else "replica"
+    out.append(Container(
+        name=lb_name(plan), deployment=plan.name, replica=None,
+        comment=f"nginx load balancer (least connections, streaming) in front of the {replicas}, the only published "
+                "port; runs from the engine image, so nothing is pulled from a registry",
+        cpuset=cpulist.format(front) if front else None, mems=None, memory=LB_MEMORY, env=(),
+        mounts=(Mount("nginx.conf", NGINX_CONF),), publish=f"{plan.serving.publish_address}:{port}:{port}",
+        networks=(EDGE, INTERNAL), caps_add=(), seccomp=sec, user=user, read_only=True, tmpfs=LB_TMPFS,
+        shm_size=None, entrypoint=("/usr/sbin/nginx", "-e", "stderr", "-c", NGINX_CONF),
+        depends_on=tuple(r.name for r in plan.replicas),
+        # SIGQUIT is nginx's graceful stop: open streams run to the end while the replicas drain.
+        stop_seconds=ENGINE_STOP_SECONDS, stop_signal="SIGQUIT", sysctls=LB_SYSCTLS))
     return tuple(out)
 
 

@@ -6,7 +6,7 @@ import shlex
 from dataclasses import dataclass
 
 from ..plan import Plan
-from .container import Container, containers, model_mount
+from .container import INTERNAL, INTERNAL_OPTIONS, Container, containers, model_mount, network_name
 from .image import image_files
 from .output import File
 from .templating import dq, template
@@ -16,14 +16,16 @@ def files(plan: Plan) -> list[File]:
 
 
 def run_sh(plan: Plan) -> str:
-    network = plan.name if plan.serving.load_balancer else None
     mm = model_mount(plan)
     model = plan.model.path
     model_env = ("${" + mm.variable + ":-" + dq(model) + "}" if model else
                  "${" + mm.variable + f":?set {mm.variable} to the model {mm.what} on this host (nothing is downloaded "
                  "at run time)}")
-    cs = [_RunArgs(c, network, mm.variable) for c in containers(plan)]
-    return template("run.sh.j2", plan=plan, lb=plan.serving.load_balancer, network=network, containers=cs,
+    cs = [_RunArgs(c, plan.name, mm.variable) for c in containers(plan)]
+    internal = " ".join(["--internal", *(f"--opt {k}={v}" for k, v in INTERNAL_OPTIONS)])
+    networks = [(network_name(plan.name, role), internal if role == INTERNAL else "")
+                for role in sorted({r for c in cs for r in c.container.networks})]
+    return template("run.sh.j2", plan=plan, lb=plan.serving.load_balancer, networks=networks, containers=cs,
                     model=mm, model_env=model_env, notes=_notes(plan))
 
 
@@ -44,7 +46,7 @@ class _RunArgs:
     """A Container as `docker run` arguments, one shell-quoted flag (with its value) per line."""
 
     container: Container
-    network: str | None
+    deployment: str
     model_variable: str  # the host path of the "model" mount
 
     @property
@@ -56,6 +58,11 @@ class _RunArgs:
         return self.container.comment
 
     @property
+    def connect(self) -> list[str]:
+        """Networks joined after `docker create`, before it starts (docker run takes one network)."""
+        return [network_name(self.deployment, role) for role in self.container.networks[1:]]
+
+    @property
     def args(self) -> list[str]:
         c, q = self.container, shlex.quote
         a = [f"--name {q(c.name)}", *(f"--label {q(f'{k}={v}')}" for k, v in c.labels), "--restart unless-stopped"]
@@ -63,8 +70,7 @@ class _RunArgs:
             a.append(f"--stop-timeout {c.stop_seconds}")
         if c.stop_signal is not None:
             a.append(f"--stop-signal {c.stop_signal}")
-        if self.network:
-            a.append(f"--network {q(self.network)}")
+        a.append(f"--network {q(network_name(self.deployment, c.networks[0]))}")
         if c.cpuset:
             a.append(f"--cpuset-cpus {q(c.cpuset)}")
         if c.mems:
@@ -76,7 +82,7 @@ class _RunArgs:
         if c.read_only:
             a.append("--read-only")
         a += [f"--tmpfs {q(c.tmpfs)}", "--cap-drop ALL", *(f"--cap-add {cap}" for cap in c.caps_add),
-              "--security-opt no-new-privileges"]
+              "--security-opt no-new-privileges", *(f"--sysctl {q(f'{k}={v}')}" for k, v in c.sysctls)]
         if c.seccomp == "unconfined":
             a.append("--security-opt seccomp=unconfined")
         elif c.seccomp:
@@ -86,7 +92,8 @@ class _RunArgs:
         for m in c.mounts:
             src = f"${self.model_variable}" if m.source == "model" else f"$HERE/{m.source}"
             a.append(f'--volume "{src}:{m.target}:ro"')
-        a.append(f"--publish {q(c.publish)}")
+        if c.publish:
+            a.append(f"--publish {q(c.publish)}")
         if c.entrypoint:
             a.append(f"--entrypoint {q(c.entrypoint[0])}")
         a.append(" ".join(['"$IMAGE"', *(q(x) for x in c.entrypoint[1:])]))

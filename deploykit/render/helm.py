@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from .. import __version__, isa
-from ..plan import Plan
+from ..plan import Plan, Replica
 from . import node
 from .output import File
 from .templating import package_dir
@@ -50,7 +50,8 @@ def values(plan: Plan) -> dict:
     secret = sv.api_key_secret or ((f"{plan.name}-api-key", "api-key") if sv.api_key_env else None)
     return {
         "fullnameOverride": plan.name,
-        "image": {"repository": plan.image.name, "tag": plan.image.tag},
+        "image": {"repository": plan.image.name, "tag": plan.image.tag,
+                  **({"digest": plan.image.digest} if plan.image.digest else {})},
         "model": {"source": "pvc", "pvc": {"claimName": f"{plan.name}-model"},
                   "file": m.path.rsplit("/", 1)[-1] if m.is_file and m.path else "",
                   "servedName": m.served_name, "dtype": m.dtype, "maxModelLen": m.max_model_len},
@@ -61,14 +62,25 @@ def values(plan: Plan) -> dict:
         "placement": {
             "threadsPerCore": plan.hardware.threads_per_core,
             "coresLeftToKubelet": node.kubelet_cores(plan),
-            "slots": [{"name": str(r.index), "cores": r.cores, "memory": mebibytes(r.memory_limit_bytes),
-                       "kvCache": str(r.kv_cache_bytes), "numaNode": r.numa_nodes[0], "replicas": 1}
-                      for r in plan.replicas]},
+            "slots": [_slot(plan, r) for r in plan.replicas]},
         "nodeFeatures": list(isa.node_features(plan.hardware.isa_tier, m.dtype)),
         "security": {"runAsUser": sec.run_as_user, "runAsGroup": sec.run_as_user,
                      "readOnlyRootFilesystem": sec.read_only_root, "sysNice": sec.sys_nice},
         "seccomp": {"type": SECCOMP_TYPES[sec.seccomp]},
     }
+
+
+def _slot(plan: Plan, r: Replica) -> dict:
+    slot = {"name": str(r.index), "cores": r.cores, "memory": mebibytes(r.memory_limit_bytes),
+            "kvCache": str(r.kv_cache_bytes), "numaNode": r.numa_nodes[0], "replicas": 1}
+    if len(plan.replicas) > len(node.kubelet_replicas(plan)):  # several slots per NUMA node
+        # Only the node's kubelet replica leaves the kubelet its cores; the others request every core they were
+        # planned with, so a per-L3 pod asks for whole L3 groups.
+        if node.kubelet_cores(plan) and r not in node.kubelet_replicas(plan):
+            slot["coresLeftToKubelet"] = 0
+        if r.l3_groups:
+            slot["l3Groups"] = len(r.l3_groups)
+    return slot
 
 
 def values_yaml(plan: Plan) -> str:

@@ -11,28 +11,35 @@ from .container import PLAN_PATH, healthcheck, model_mount
 from .output import File
 from .templating import template
 
-RUNTIME_PACKAGES = ("libtcmalloc-minimal4", "libnuma1", "numactl")
+# nginx: every Docker deployment's load balancer runs from this image (the only container publishing a port).
+RUNTIME_PACKAGES = ("libtcmalloc-minimal4", "libnuma1", "numactl", "nginx")
+SBOM_PATH = "/opt/deploykit/sbom.cdx.json"  # in the image; build.sh and `up` copy it next to the rendered files
+SBOM_FILE = "sbom.cdx.json"
+
 
 def image_files(plan: Plan) -> list[File]:
     """The build context every container target shares, plus the files the containers mount."""
     offline = plan.image.wheelhouse is not None
     uid = plan.security.run_as_user
-    packages = RUNTIME_PACKAGES + (("nginx",) if plan.serving.load_balancer else ())
+    base, _, digest = plan.image.base.partition("@")
     labels = (("org.opencontainers.image.title", plan.image.name),
               ("org.opencontainers.image.description", f"deploykit CPU inference engine for deployment {plan.name}"),
               ("org.opencontainers.image.version", plan.image.tag),
               ("org.opencontainers.image.licenses", "Apache-2.0"),
-              ("org.opencontainers.image.base.name", plan.image.base),
-              ("io.deploykit.version", __version__))
-    ctx = dict(plan=plan, offline=offline, uid=uid, packages=packages, labels=labels,
-               requirement=f"deploykit[engine]=={__version__}",
-               healthcheck=list(healthcheck(plan.serving.port)))
+              ("org.opencontainers.image.base.name", base),
+              *((("org.opencontainers.image.base.digest", digest),) if digest else ()),
+              ("io.deploykit.version", __version__),
+              ("io.deploykit.sbom", SBOM_PATH))
+    ctx = dict(plan=plan, offline=offline, uid=uid, packages=RUNTIME_PACKAGES, labels=labels,
+               requirement=f"deploykit[engine]=={__version__}", sbom_requirement=f"deploykit[sbom]=={__version__}",
+               sbom_path=SBOM_PATH, healthcheck=list(healthcheck(plan.serving.port)))
     files = [
         File("Dockerfile", template("Dockerfile.j2", **ctx).encode()),
         File(".dockerignore", template("dockerignore.j2").encode()),
         File("entrypoint.sh", template("entrypoint.sh.j2", plan=plan, model_dir=model_mount(plan).target,
                                        plan_path=PLAN_PATH).encode(), 0o755),
-        File("build.sh", template("build.sh.j2", plan=plan, offline=offline).encode(), 0o755),
+        File("build.sh", template("build.sh.j2", plan=plan, offline=offline, sbom_path=SBOM_PATH,
+                                  sbom_file=SBOM_FILE).encode(), 0o755),
         File("plan.json", plan.to_json().encode()),
     ]
     profile = seccomp.profile(plan.security.seccomp)
@@ -40,6 +47,5 @@ def image_files(plan: Plan) -> list[File]:
         files.append(File("seccomp.json", seccomp.dumps(profile)))
         # x86-64: the plan's ISA vocabulary (avx512*, amx*) only describes x86 hosts.
         files.append(File("seccomp-oci.json", seccomp.dumps(seccomp.flatten_for_oci(profile, arch="x86_64"))))
-    if plan.serving.load_balancer:
-        files.append(nginx.file(plan))
+    files.append(nginx.file(plan))
     return files

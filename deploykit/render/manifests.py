@@ -8,8 +8,6 @@ is re-serialized (keys in template order, no Helm "# Source" comments); `helm te
 
 from __future__ import annotations
 
-import importlib.util
-
 import yaml
 
 from .. import __version__
@@ -30,9 +28,13 @@ def values(plan: Plan) -> dict:
 
 
 def missing() -> OutputError | None:
-    """Why this target cannot render here, or None: Helm's engine is an optional dependency (the kubernetes extra)."""
-    if importlib.util.find_spec("helm_python") is not None:
+    """Why this target cannot render here, or None: Helm's engine is an optional dependency (the kubernetes extra).
+    Imported, not just looked up: an installed package whose native library fails to load is missing too."""
+    try:
+        import helm_python  # noqa: F401
         return None
+    except ImportError:
+        pass
     return OutputError("--target manifests renders the chart with Helm's engine, which is not installed",
                        path="--target", value="manifests",
                        hint="pip install 'deploykit[kubernetes]' (helm-python-sdk; no helm binary needed)")

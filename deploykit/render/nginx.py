@@ -10,8 +10,12 @@ from .templating import template
 # open-source nginx has no active ones).
 MAX_FAILS = 3
 FAIL_TIMEOUT = "30s"
-# Generation can run for many minutes, and a stream may pause while a long prompt is prefilled.
+# Generation can run for many minutes, and a stream may pause while a long prompt is prefilled: a silent replica is
+# told from a vanished one by TCP keep-alive on the upstream connections (the container's sysctls, LB_SYSCTLS in
+# container.py), not by this timeout.
 READ_TIMEOUT = "3600s"
+# Replicas are on the same host: a connection not set up within this is to a replica that is gone; try the next.
+CONNECT_TIMEOUT = "3s"
 MAX_BODY = "4m"  # the engine's own request limit: a larger body would pass here and fail there
 
 
@@ -25,4 +29,5 @@ def text(plan: Plan, servers: list[str], listen: str, tmp: str, user: str | None
     """`servers` as host:port; `listen` as nginx writes it (port, or address:port); `tmp` holds the pid and temp
     files. The local runtime renders its own copy (replicas on loopback ports, files in its state directory)."""
     return template("nginx.conf.j2", plan=plan, servers=servers, listen=listen, tmp=tmp, user=user,
-                    max_fails=MAX_FAILS, fail_timeout=FAIL_TIMEOUT, read_timeout=READ_TIMEOUT, max_body=MAX_BODY)
+                    max_fails=MAX_FAILS, fail_timeout=FAIL_TIMEOUT, read_timeout=READ_TIMEOUT,
+                    connect_timeout=CONNECT_TIMEOUT, max_body=MAX_BODY)

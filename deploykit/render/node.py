@@ -9,7 +9,7 @@ from __future__ import annotations
 import yaml
 
 from .. import __version__, cpulist
-from ..plan import Plan
+from ..plan import Plan, Replica
 from . import seccomp
 from .output import File
 from .templating import template
@@ -21,21 +21,37 @@ EVICTION_MIB = 100
 SECCOMP_PATH = "deploykit/engine.json"  # relative to the kubelet's seccomp directory (the chart's default)
 
 
+def kubelet_replicas(plan: Plan) -> tuple[Replica, ...]:
+    """The replica of each NUMA node whose slot leaves the kubelet its cores: the last one planned on the node (the
+    only one with one replica per node). The other replicas' pods request all their cores (whole L3 groups)."""
+    last = {r.numa_nodes[0]: r for r in plan.replicas}
+    return tuple(sorted(last.values(), key=lambda r: r.index))
+
+
 def reserved_cpus(plan: Plan) -> tuple[int, ...]:
-    """CPUs of each replica's NUMA node for the kubelet and the shared pool: the whole cores the plan gave each
-    replica's front end (all siblings), the only core ids the plan can name. () when a replica has none."""
-    if any(not r.frontend_cpus for r in plan.replicas):
+    """CPUs of each NUMA node for the kubelet and the shared pool: the whole cores the plan gave the front end of the
+    node's kubelet replica (all siblings), the only core ids the plan can name. () when one of them has none."""
+    owners = kubelet_replicas(plan)
+    if any(not r.frontend_cpus for r in owners):
         return ()
-    return tuple(sorted({c for r in plan.replicas for c in r.frontend_cpus}))
+    return tuple(sorted({c for r in owners for c in r.frontend_cpus}))
 
 
 def kubelet_cores(plan: Plan) -> int:
     """Physical cores per NUMA node the pods leave to the kubelet (the chart's placement.coresLeftToKubelet): the
     cores reserved_cpus names, else 1 (kubeReserved cpu), or 0 when a replica has a single core to give."""
     cpus = reserved_cpus(plan)
+    owners = kubelet_replicas(plan)
     if not cpus:
-        return 1 if min(r.cores for r in plan.replicas) > 1 else 0
-    return max(1, max(len(r.frontend_cpus) for r in plan.replicas) // plan.hardware.threads_per_core)
+        return 1 if min(r.cores for r in owners) > 1 else 0
+    return max(1, max(len(r.frontend_cpus) for r in owners) // plan.hardware.threads_per_core)
+
+
+def _l3_cores(plan: Plan) -> int:
+    """Physical cores of one L3 group, when every replica is exactly one whole group (per-l3); else 0."""
+    if plan.layout.strategy == "per-l3" and plan.layout.l3_groups_per_replica == 1:
+        return max(r.cores for r in plan.replicas)
+    return 0
 
 
 def numa_nodes(plan: Plan) -> tuple[int, ...]:
@@ -49,7 +65,8 @@ def kubelet_config(plan: Plan) -> dict:
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
         "cpuManagerPolicy": "static",
-        "cpuManagerPolicyOptions": {"full-pcpus-only": "true"},
+        "cpuManagerPolicyOptions": {"full-pcpus-only": "true", **({"prefer-align-cpus-by-uncorecache": "true"}
+                                                                   if plan.layout.l3_aligned else {})},
         "topologyManagerPolicy": "single-numa-node",
         "topologyManagerScope": "pod",
         "memoryManagerPolicy": "Static",
@@ -108,5 +125,7 @@ def files(plan: Plan) -> list[File]:
         File(f"{DIR}/README.md", template("node-README.md.j2", plan=plan, kubelet=kubelet_config(plan),
                                           seccomp_path=SECCOMP_PATH, nodes=numa_nodes(plan),
                                           reserved=cpulist.format(reserved_cpus(plan)),
-                                          kubelet_cores=kubelet_cores(plan)).encode()),
+                                          kubelet_cores=kubelet_cores(plan),
+                                          slots_per_node=-(-len(plan.replicas) // len(kubelet_replicas(plan))),
+                                          l3_cores=_l3_cores(plan)).encode()),
     ]

@@ -4,22 +4,26 @@ Dockerfile build.sh builds), only when its inputs changed, tagged `<image.name>:
 Inputs: the rendered Dockerfile, .dockerignore and entrypoint; deploykit itself (its source tree, or the wheel
 named by DEPLOYKIT_WHEEL); the names and sizes of the wheelhouse's wheels; the base image's id. The staging step
 is build.sh's: ./wheels gets a deploykit wheel plus every wheel of image.wheelhouse (offline `pip --no-index`).
+As build.sh does, the SBOM the build wrote into the image is copied next to the rendered files.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import RuntimeFailure
 from ..plan import Plan
+from ..render.image import SBOM_FILE, SBOM_PATH
 from . import Say
 
 # What the deploykit wheel is built from: the image's input hash and the tests' source bundles use this one list.
@@ -50,6 +54,7 @@ def ensure(client, plan: Plan, context: Path, say: Say) -> str:
         _stage(context, source, wheels, say)
         _build(client, plan, context, ref, key, say)
         say(f"image {ref}: built in {_took(time.monotonic() - start)}")
+    copy_sbom(client, ref, context / SBOM_FILE)
     client.api.tag(ref, plan.image.name, plan.image.tag, force=True)  # what run.sh and compose.yaml refer to
     return ref
 
@@ -68,6 +73,24 @@ def inputs_hash(context: Path, source: Path, wheels: list[Path], base_id: str) -
     for w in wheels:  # versions are in the names; sizes catch a rebuilt wheel without hashing hundreds of MB
         h.update(f"{w.name}\0{w.stat().st_size}\0".encode())
     return h.hexdigest()[:12]
+
+
+def copy_sbom(client, ref: str, dest: Path) -> None:
+    """The image's bill of materials (written by its build) to `dest`, through a container that never starts."""
+    import docker.errors
+    ctr = client.containers.create(ref)
+    try:
+        stream, _ = ctr.get_archive(SBOM_PATH)
+        with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+            data = tar.extractfile(tar.getmembers()[0]).read()
+    except docker.errors.NotFound:
+        raise RuntimeFailure(f"image {ref} has no bill of materials at {SBOM_PATH}", path="image",
+                             hint="rebuild it from this deploykit's Dockerfile (deploykit down, then up)") from None
+    finally:
+        ctr.remove(force=True)
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(dest)
 
 
 def prune(client, plan: Plan, keep: str, say: Say) -> None:
@@ -90,10 +113,12 @@ def _base_image(client, base: str, say: Say) -> str:
     except docker.errors.ImageNotFound:
         pass
     say(f"base image {base}: not on this host, pulling")
-    repo, _, tag = base.rpartition(":") if ":" in base.rsplit("/", 1)[-1] else (base, "", "latest")
+    from docker.utils import parse_repository_tag
+    repo, tag = parse_repository_tag(base.split("@")[0] if "@" in base else base)
+    digest = base.partition("@")[2]
     try:
         last = ""
-        for chunk in client.api.pull(repo, tag=tag or "latest", stream=True, decode=True):
+        for chunk in client.api.pull(repo, tag=digest or tag or "latest", stream=True, decode=True):
             if "error" in chunk:
                 raise docker.errors.APIError(chunk["error"])
             status = chunk.get("status", "")
@@ -133,7 +158,7 @@ def _wheelhouse(plan: Plan) -> list[Path]:
     wheels = sorted(w for w in where.glob("*.whl") if not w.name.startswith("deploykit-"))
     if not wheels:
         raise RuntimeFailure("the offline wheelhouse has no wheels", path="image.wheelhouse", value=str(where),
-                             hint="fill it with `pip wheel --wheel-dir DIR 'deploykit[engine]'` on a machine with "
+                             hint="fill it with `pip wheel --wheel-dir DIR 'deploykit[engine,sbom]'` on a machine with "
                                   "PyPI access, or remove image.wheelhouse to install from PyPI during the build")
     return wheels
 
@@ -171,8 +196,7 @@ def _build(client, plan: Plan, context: Path, ref: str, key: str, say: Say) -> N
     step = ""
     shown = time.monotonic()
     try:
-        stream = client.api.build(path=str(context), tag=ref, buildargs={"BASE": plan.image.base}, rm=True,
-                                  forcerm=True, decode=True, pull=False,
+        stream = client.api.build(path=str(context), tag=ref, rm=True, forcerm=True, decode=True, pull=False,
                                   labels={BUILT_FOR_LABEL: plan.name, INPUTS_LABEL: key})
         for chunk in stream:
             if "error" in chunk:

@@ -41,6 +41,7 @@ class Deployment:
     model: str  # the model directory or .gguf file on this host
     spec: str
     salt: bytes
+    runtime: str = "docker"
 
     @property
     def name(self) -> str:
@@ -48,7 +49,7 @@ class Deployment:
 
     @property
     def members(self) -> tuple[Member, ...]:
-        return members(self.plan)
+        return members(self.plan, self.runtime)
 
     @property
     def lb(self) -> Member | None:
@@ -85,10 +86,15 @@ class Deployment:
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def members(plan: Plan) -> tuple[Member, ...]:
-    """Replicas in index order, then the load balancer: the order they start in."""
+def members(plan: Plan, runtime: str = "docker") -> tuple[Member, ...]:
+    """Replicas in index order, then the load balancer: the order they start in. Containers always have the load
+    balancer (the only published port; the engines' network has no route out); local processes need one only in
+    front of several replicas."""
     ports = {r.name: r.port for r in plan.replicas}
-    return tuple(Member(c, ports.get(c.name, plan.serving.port)) for c in containers(plan))
+    out = tuple(Member(c, ports.get(c.name, plan.serving.port)) for c in containers(plan))
+    if runtime == "local" and not plan.serving.load_balancer:
+        return tuple(m for m in out if m.replica is not None)
+    return out
 
 
 def probe_host(publish_address: str) -> str:

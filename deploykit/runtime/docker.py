@@ -20,8 +20,9 @@ from pathlib import Path
 
 from .. import topology
 from ..errors import PlanError, RuntimeFailure
-from . import Change, Observed, Ready, Say, atomic, build, preflight
-from .deployment import Deployment, Member
+from ..render.container import INTERNAL, INTERNAL_OPTIONS, network_name
+from . import Change, Observed, Ready, Say, atomic, build, health, preflight
+from .deployment import Deployment, Member, url
 
 LABEL = "deploykit.deployment"
 REPLICA_LABEL = "deploykit.replica"
@@ -29,6 +30,13 @@ HASH_LABEL = "deploykit.config-hash"
 RETIRED = ".replaced"
 API_TIMEOUT = 300  # seconds; a stop waits for the container's own grace period (50 s for engines)
 RELOAD_WAIT = 15.0  # seconds for nginx to swap its workers after SIGHUP
+# GET inside a container: the engines' network has no way in from the host. http.client, no site: a quick start.
+PROBE = ("import http.client, os, sys\n"
+         "c = http.client.HTTPConnection('127.0.0.1', int(sys.argv[1]), timeout=float(sys.argv[3]))\n"
+         "key = os.environ.get('DEPLOYKIT_PROBE_KEY')\n"
+         "c.request('GET', sys.argv[2], headers={'Authorization': 'Bearer ' + key} if key else {})\n"
+         "r = c.getresponse()\n"
+         "sys.stdout.buffer.write(b'%d\\n' % r.status + r.read())\n")
 START_HINT = ("start it: sudo systemctl start docker (without systemd: sudo service docker start; Docker Desktop: "
               "open it), or run without Docker: --runtime local")
 
@@ -73,12 +81,11 @@ class DockerRuntime:
         for name in [n for n in existing if n.endswith(RETIRED)]:  # left by an `up` that crashed: superseded
             existing.pop(name).remove(force=True)
         ours = {int(b["HostPort"]) for ctr in existing.values() for b in _bindings(ctr)}
-        preflight.ports_free(d, d.members, ours, holder=self._holder)
+        preflight.ports_free(d, [m for m in d.members if m.container.publish], ours, holder=self._holder)
         image = change.image = build.ensure(self.client, d.plan, d.state.rendered, say)
-        network = self._network(d, change, say)
-        settings = {m.name: self._settings(d, m, image, network) for m in d.members}
-        digests = {m.name: d.config_hash(m, {**settings[m.name], "environment": d.hashed_env(m.container)})
-                   for m in d.members}
+        self._networks(d, change, say)
+        settings = {m.name: self._settings(d, m, image) for m in d.members}
+        digests = {m.name: _config_hash(d, m, settings[m.name]) for m in d.members}
         lb = d.lb
         lb_stays = lb is not None and lb.name in existing and existing[lb.name].labels.get(HASH_LABEL) == digests[
             lb.name] and existing[lb.name].status == "running"
@@ -141,14 +148,19 @@ class DockerRuntime:
     # --- down, status, logs ------------------------------------------------------------------------------------
 
     def down(self, name: str, volumes: bool, say: Say) -> list[str]:
+        import docker.errors
         ctrs = self.client.containers.list(all=True, filters={"label": f"{LABEL}={name}"})
         # all at once, each with its own stop signal and grace: engines drain, nginx finishes open streams
         _parallel(lambda c: c.stop(), [c for c in ctrs if c.status in ("running", "restarting", "paused")])
         _parallel(lambda c: c.remove(force=True, v=volumes), ctrs)
         removed = [f"removed container {c.name}" for c in ctrs]
         for net in self.client.networks.list(filters={"label": f"{LABEL}={name}"}):
-            net.remove()
-            removed.append(f"removed network {net.name}")
+            try:
+                net.remove()
+                removed.append(f"removed network {net.name}")
+            except docker.errors.APIError as e:  # a container of someone else's joined it
+                say(f"network {net.name}: kept, {getattr(e, 'explanation', None) or e}; docker network inspect "
+                    f"{net.name} shows who uses it")
         if volumes:
             for vol in self.client.volumes.list(filters={"label": f"{LABEL}={name}"}):
                 vol.remove(force=True)
@@ -172,6 +184,25 @@ class DockerRuntime:
                                      a["HostConfig"].get("CpusetCpus") or None,
                                      a["HostConfig"].get("CpusetMems") or None, ctr.labels.get(HASH_LABEL, ""))
         return out
+
+    def fetch(self, plan, member: Member, path: str, *, timeout: float, api_key: str | None = None) -> health.Answer:
+        """The load balancer through its published port; an engine from inside its container."""
+        if member.container.publish:
+            return health.get(url(plan.serving.publish_address, member.port, path), timeout=timeout, api_key=api_key)
+        import docker.errors
+        ctr = self._get(member.name)
+        if ctr is None or ctr.status != "running":
+            return health.Answer(0, b"", "not running")
+        try:
+            done = ctr.exec_run(["python", "-S", "-c", PROBE, str(plan.serving.port), path, str(timeout)],
+                                environment={"DEPLOYKIT_PROBE_KEY": api_key} if api_key else None)
+        except docker.errors.APIError as e:
+            return health.Answer(0, b"", str(getattr(e, "explanation", None) or e))
+        if done.exit_code != 0:
+            return health.Answer(0, b"", done.output.decode(errors="replace").strip().splitlines()[-1:][0]
+                                 if done.output.strip() else f"exit {done.exit_code}")
+        status, _, body = done.output.partition(b"\n")
+        return health.Answer(int(status), body)
 
     def tail(self, name: str, member: str, lines: int) -> str:
         ctr = self._get(member)
@@ -233,27 +264,30 @@ class DockerRuntime:
         except docker.errors.NotFound:
             return None
 
-    def _network(self, d: Deployment, change: Change, say: Say) -> str:
-        """One bridge network per deployment: replicas and nginx find each other by container name."""
+    def _networks(self, d: Deployment, change: Change, say: Say) -> None:
+        """The deployment's two bridge networks, where members find each other by container name: internal (the
+        engines; no route out, no address on the host) and edge (the load balancer's published port)."""
         import docker.errors
-        try:
-            net = self.client.networks.get(d.name)
-        except docker.errors.NotFound:
-            with atomic():
-                self.client.networks.create(d.name, driver="bridge", labels={LABEL: d.name})
-                change.network_created = True
-            say(f"network {d.name}: created")
-            return d.name
-        if (net.attrs.get("Labels") or {}).get(LABEL) != d.name:
-            raise RuntimeFailure(f"a Docker network named {d.name} exists and does not belong to this deployment",
-                                 value=d.name, hint="remove that network, or change the deployment's name")
-        return d.name
+        for role in sorted({r for m in d.members for r in m.container.networks}):
+            name = network_name(d.name, role)
+            try:
+                net = self.client.networks.get(name)
+            except docker.errors.NotFound:
+                internal = role == INTERNAL
+                with atomic():
+                    self.client.networks.create(name, driver="bridge", labels={LABEL: d.name}, internal=internal,
+                                                options=dict(INTERNAL_OPTIONS) if internal else None)
+                    change.network_created = True
+                say(f"network {name}: created" + (" (internal: no route out)" if internal else ""))
+                continue
+            if (net.attrs.get("Labels") or {}).get(LABEL) != d.name:
+                raise RuntimeFailure(f"a Docker network named {name} exists and does not belong to this deployment",
+                                     value=name, hint="remove that network, or change the deployment's name")
 
-    def _settings(self, d: Deployment, m: Member, image: str, network: str, for_hash: bool = False) -> dict:
-        """The container's create arguments; `for_hash` replaces secret values by salted hashes."""
+    def _settings(self, d: Deployment, m: Member, image: str) -> dict:
+        """The container's create arguments."""
         c = m.container
-        addr, host_port, port = c.publish.rsplit(":", 2)
-        env = d.hashed_env(c) if for_hash else d.env(c)
+        env = d.env(c)
         security = ["no-new-privileges"]
         if c.seccomp == "unconfined":
             security.append("seccomp=unconfined")
@@ -262,15 +296,20 @@ class DockerRuntime:
         mount_path, tmp_opts = c.tmpfs.split(":", 1)
         binds = {str(Path(d.model if mt.source == "model" else d.rendered(mt.source)).resolve()):
                  {"bind": mt.target, "mode": "ro"} for mt in c.mounts}
+        ports, bindings = [], None
+        if c.publish:
+            addr, host_port, port = c.publish.rsplit(":", 2)
+            ports, bindings = [int(port)], {int(port): (addr.strip("[]"), int(host_port))}
         return {
             "image": image, "name": c.name, "user": c.user, "environment": env, "labels": dict(c.labels),
             "entrypoint": list(c.entrypoint[:1]) or None, "command": list(c.entrypoint[1:]) or None,
-            "stop_signal": c.stop_signal, "stop_timeout": c.stop_seconds, "ports": [int(port)], "network": network,
+            "stop_signal": c.stop_signal, "stop_timeout": c.stop_seconds, "ports": ports,
+            "networks": [network_name(d.name, role) for role in c.networks],
             "host_config": {
-                "binds": binds, "port_bindings": {int(port): (addr.strip("[]"), int(host_port))},
-                "cpuset_cpus": c.cpuset, "cpuset_mems": c.mems, "mem_limit": c.memory, "memswap_limit": c.memory,
-                "shm_size": c.shm_size, "read_only": c.read_only, "tmpfs": {mount_path: tmp_opts},
-                "cap_drop": ["ALL"], "cap_add": list(c.caps_add) or None, "security_opt": security,
+                "binds": binds, "port_bindings": bindings, "cpuset_cpus": c.cpuset, "cpuset_mems": c.mems,
+                "mem_limit": c.memory, "memswap_limit": c.memory, "shm_size": c.shm_size, "read_only": c.read_only,
+                "tmpfs": {mount_path: tmp_opts}, "cap_drop": ["ALL"], "cap_add": list(c.caps_add) or None,
+                "security_opt": security, "sysctls": dict(c.sysctls) or None,
                 "restart_policy": {"Name": "unless-stopped"},
             },
         }
@@ -280,12 +319,15 @@ class DockerRuntime:
         api = self.client.api
         try:
             host_config = api.create_host_config(**s["host_config"])
-            networking = api.create_networking_config({s["network"]: api.create_endpoint_config(aliases=[m.name])})
+            first, *more = s["networks"]
+            networking = api.create_networking_config({first: api.create_endpoint_config(aliases=[m.name])})
             made = api.create_container(
                 s["image"], name=s["name"], command=s["command"], entrypoint=s["entrypoint"], user=s["user"],
-                environment=s["environment"], labels={**s["labels"], HASH_LABEL: digest}, ports=s["ports"],
+                environment=s["environment"], labels={**s["labels"], HASH_LABEL: digest}, ports=s["ports"] or None,
                 host_config=host_config, networking_config=networking, stop_signal=s["stop_signal"],
                 stop_timeout=s["stop_timeout"], detach=True)
+            for net in more:  # before it starts: nginx resolves the replicas' names once, at start-up
+                api.connect_container_to_network(made["Id"], net, aliases=[m.name])
             api.start(made["Id"])
         except docker.errors.APIError as e:
             raise _refused(d, m, e) from None
@@ -322,6 +364,11 @@ class DockerRuntime:
                 owner = ctr.labels.get(LABEL)
                 return f"container {ctr.name}" + (f" of deployment {owner}" if owner else "")
         return ""
+
+
+def _config_hash(d: Deployment, m: Member, settings: dict) -> str:
+    """What the container is created with, secrets replaced by salted hashes."""
+    return d.config_hash(m, {**settings, "environment": d.hashed_env(m.container)})
 
 
 def _nginx_workers(ctr) -> dict[str, str]:

@@ -1,5 +1,6 @@
 """What a running replica says about itself over HTTP: /health, the engine's /debug/binding report, and the two
-numbers `status` shows from /metrics (requests running, tokens per second).
+numbers `status` shows from /metrics (requests running, tokens per second). A runtime fetches the answers (over
+loopback, or inside a container whose network has no way in from the host); this module reads them.
 
 Plain urllib: these are a handful of GETs on loopback, and deploykit's core has no HTTP client dependency.
 """
@@ -35,8 +36,7 @@ def get(url: str, *, timeout: float = 3.0, api_key: str | None = None) -> Answer
         return Answer(0, b"", str(getattr(reason, "strerror", None) or reason))
 
 
-def health(base: str) -> Answer:
-    return get(base + "/health", timeout=2.0)
+HEALTH_TIMEOUT, REPORT_TIMEOUT = 2.0, 5.0
 
 
 def describe(a: Answer) -> str:
@@ -50,9 +50,8 @@ def describe(a: Answer) -> str:
     return f"no answer ({a.error})" if a.error else "no answer"
 
 
-def binding(base: str, api_key: str | None) -> dict | None:
-    """The engine's binding report (/debug/binding needs the API key when the deployment has one)."""
-    a = get(base + "/debug/binding", timeout=5.0, api_key=api_key)
+def binding(a: Answer) -> dict | None:
+    """The engine's binding report from GET /debug/binding (which needs the API key when the deployment has one)."""
     if a.status != 200:
         return None
     try:
@@ -61,8 +60,8 @@ def binding(base: str, api_key: str | None) -> dict | None:
         return None
 
 
-def metrics(base: str) -> dict[str, float] | None:
-    a = get(base + "/metrics", timeout=5.0)
+def metrics(a: Answer) -> dict[str, float] | None:
+    """GET /metrics, parsed."""
     return parse_metrics(a.text) if a.status == 200 else None
 
 

@@ -54,7 +54,7 @@ def up(plan: Plan, spec: str, *, runtime: str, state_dir: str | None, timeout: f
         say(f"rendered {len(written.written)} changed file(s) into {sd.rendered}")
         kept = previous if previous is not None and previous.runtime == rt.name else State(plan.name, rt.name)
         sd.save(replace(kept, runtime=rt.name, spec=str(Path(spec).resolve())))
-        d = Deployment(plan, sd, model, spec, sd.salt())
+        d = Deployment(plan, sd, model, spec, sd.salt(), rt.name)
         change = Change()
         start = time.monotonic()
         try:
@@ -108,7 +108,7 @@ def wait_ready(rt: Runtime, d: Deployment, change: Change, timeout: float, say_,
             if m.replica is None and not replicas_ready:
                 states[name] = "waiting for the replicas"
                 continue
-            a = health.health(url(d.plan.serving.publish_address, m.port))
+            a = rt.fetch(d.plan, m, "/health", timeout=health.HEALTH_TIMEOUT)
             if a.status == 200:
                 pending.pop(name)
                 say_(f"{name}: healthy after {time.monotonic() - start:.0f}s")
@@ -214,7 +214,7 @@ def logs(target: str | None, member: str | None, *, runtime: str | None, state_d
     state = sd.load()
     rt = choose(runtime or (state.runtime if state else "auto"), lambda _: None, base)
     plan = _plan(sd)
-    names = [m.name for m in members(plan)] if plan else sorted(rt.observe(name))
+    names = [m.name for m in members(plan, rt.name)] if plan else sorted(rt.observe(name))
     if member is not None:
         wanted = {member, f"{name}-{member}"}
         picked = [n for n in names if n in wanted]

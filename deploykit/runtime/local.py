@@ -31,8 +31,8 @@ from pathlib import Path
 from .. import cpulist, topology
 from ..errors import RuntimeFailure
 from ..render import nginx
-from . import Change, Observed, Ready, Say, atomic, preflight
-from .deployment import Deployment, Member, probe_host
+from . import Change, Observed, Ready, Say, atomic, health, preflight
+from .deployment import Deployment, Member, probe_host, url
 from .state import Process, State, StateDir
 
 MARKER = "DEPLOYKIT_LOCAL_STATE"
@@ -146,6 +146,9 @@ class LocalRuntime:
             out[p.name] = Observed(p.name, p.replica, str(p.pid), "running" if alive else "exited", detail, 0,
                                    cpus, mems, p.config_hash)
         return out
+
+    def fetch(self, plan, member: Member, path: str, *, timeout: float, api_key: str | None = None) -> health.Answer:
+        return health.get(url(plan.serving.publish_address, member.port, path), timeout=timeout, api_key=api_key)
 
     def tail(self, name: str, member: str, lines: int) -> str:
         path = StateDir(self.root, name).logs / f"{member}.log"

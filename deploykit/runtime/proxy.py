@@ -4,6 +4,11 @@
   loading, draining or dead gets no new connections; if none looks healthy, every replica is tried in turn;
 - bytes are passed on as they arrive, so server-sent events stream token by token (nginx needs `proxy_buffering
   off` for that; a byte pipe has no buffer to turn off);
+- a replica that fails before its first byte reached the client (connection lost, or 502/503/429: loading, draining,
+  full) gets the client's bytes replayed on the next replica, as nginx's proxy_next_upstream does;
+- a replica that vanishes mid-answer (a killed container, a lost node) is noticed within ~8 s by TCP keep-alive
+  probes and a bound on unacknowledged data, the numbers nginx's container gets as sysctls; a replica that merely
+  computes long answers them from its kernel and is never cut off;
 - a connection no replica accepts gets a 503 in OpenAI's error shape;
 - SIGTERM or SIGQUIT: stop accepting, let open connections finish (up to 45 s), exit.
 
@@ -20,12 +25,19 @@ import argparse
 import asyncio
 import json
 import signal
+import socket
 import sys
+
+from ..render.container import KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_PROBES
 
 CHECK_INTERVAL = 5.0  # every check is a line in each replica's access log
 CONNECT_TIMEOUT = 5.0
 CHUNK = 64 * 1024
 DRAIN_SECONDS = 45.0
+REPLAY_LIMIT = 4 << 20  # the engine's request limit: a larger request is not kept for a replay
+RETRY_STATUS = (b"502", b"503", b"429")  # the replica did no work: safe to send the request elsewhere
+# Unacknowledged data (and, with keep-alive on, unanswered probes) ends the connection after this long.
+UNACKED_MS = (KEEPALIVE_IDLE + KEEPALIVE_INTERVAL * KEEPALIVE_PROBES) * 1000
 
 
 def _split(hostport: str) -> tuple[str, int]:
@@ -58,17 +70,25 @@ class Proxy:
     async def handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
-            for b in self.order():
+            replay: bytearray | None = bytearray()  # what the client sent before any answer; None: too much to keep
+            order = self.order()
+            for i, b in enumerate(order):
                 try:
                     up_r, up_w = await asyncio.wait_for(asyncio.open_connection(b.host, b.port), CONNECT_TIMEOUT)
                 except (OSError, asyncio.TimeoutError):
                     self._mark(b, False)
                     continue
+                _keepalive(up_w.get_extra_info("socket"))
                 b.active += 1
                 try:
-                    await _pipe(client_r, client_w, up_r, up_w)
+                    ex = _Exchange(client_r, client_w, up_r, up_w, replay, last=i == len(order) - 1)
+                    again = await ex.run()
                 finally:
                     b.active -= 1
+                if again:
+                    _say(f"replica {b.name} failed before answering; trying the next one")
+                    replay = ex.replay
+                    continue
                 return
             body = json.dumps({"error": {"message": "no replica is accepting connections", "type": "unavailable",
                                          "param": None, "code": "no_healthy_replica"}}).encode()
@@ -106,24 +126,78 @@ class Proxy:
         b.healthy = ok
 
 
-async def _pipe(a_r, a_w, b_r, b_w) -> None:
-    """Copy both ways until either side closes, then close both: a client that goes away frees its replica's
-    slot at once (nginx's default, proxy_ignore_client_abort off)."""
-    async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+def _keepalive(sock: socket.socket | None) -> None:
+    """Probe an idle upstream connection after KEEPALIVE_IDLE s, every KEEPALIVE_INTERVAL s; give up on it after
+    KEEPALIVE_PROBES unanswered probes or UNACKED_MS of unacknowledged data."""
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+                        ("TCP_KEEPCNT", KEEPALIVE_PROBES), ("TCP_USER_TIMEOUT", UNACKED_MS)):
+        if hasattr(socket, name):  # Linux; elsewhere the system's defaults apply
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+class _Exchange:
+    """One client connection piped to one replica, both ways, until either side closes; then both are closed (a
+    client that goes away frees its replica's slot at once, as nginx's proxy_ignore_client_abort off does).
+
+    Until the replica's first byte reaches the client, the client's bytes are kept (up to REPLAY_LIMIT): when the
+    replica fails before that, `run` says so and `replay` holds what to send to the next one."""
+
+    def __init__(self, client_r, client_w, up_r, up_w, replay: bytearray | None, last: bool):
+        self.client_r, self.client_w, self.up_r, self.up_w = client_r, client_w, up_r, up_w
+        self.replay, self.last = replay, last
+        self.answered = False
+
+    def _may_retry(self) -> bool:
+        return not self.answered and self.replay is not None and not self.last
+
+    async def _to_replica(self) -> None:
         try:
-            while data := await src.read(CHUNK):
-                dst.write(data)
-                await dst.drain()
+            if self.replay:
+                self.up_w.write(bytes(self.replay))
+                await self.up_w.drain()
+            while data := await self.client_r.read(CHUNK):
+                if not self.answered and self.replay is not None:  # kept before it is sent: nothing is lost
+                    self.replay = self.replay + data if len(self.replay) + len(data) <= REPLAY_LIMIT else None
+                self.up_w.write(data)
+                await self.up_w.drain()
         except (ConnectionError, OSError):
             pass
 
-    tasks = [asyncio.ensure_future(copy(a_r, b_w)), asyncio.ensure_future(copy(b_r, a_w))]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in tasks:
-            t.cancel()
-        b_w.close()
+    async def _to_client(self) -> bool:
+        """True when the replica failed before answering and the request may go to another one."""
+        head = b""
+        try:
+            while True:
+                data = await self.up_r.read(CHUNK)
+                if not self.answered:
+                    if not data:
+                        return self._may_retry()
+                    head += data
+                    if b"\n" not in head and len(head) < 64:
+                        continue  # the status line is not complete yet
+                    status = head.split(b" ", 2)[1:2]  # b"HTTP/1.1 503 Service Unavailable" -> [b"503"]
+                    if status and status[0] in RETRY_STATUS and self._may_retry():
+                        return True
+                    self.answered, data = True, head
+                if not data:
+                    return False
+                self.client_w.write(data)
+                await self.client_w.drain()
+        except (ConnectionError, OSError):  # reset, or keep-alive probes unanswered: the replica is gone
+            return self._may_retry()
+
+    async def run(self) -> bool:
+        tasks = [asyncio.ensure_future(self._to_replica()), asyncio.ensure_future(self._to_client())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            return tasks[1] in done and tasks[1].result()
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.up_w.close()
 
 
 async def serve(listen: str, backends: list[str]) -> int:

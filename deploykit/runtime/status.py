@@ -23,26 +23,26 @@ COLUMNS = (("member", "MEMBER"), ("id", "ID"), ("state", "STATE"), ("health", "H
 
 def collect(rt: Runtime, name: str, plan: Plan | None, interval: float) -> list[dict]:
     seen = rt.observe(name)
-    expected = members(plan) if plan else ()
-    ports = {m.name: m.port for m in expected}
-    names = [m.name for m in expected] + sorted(n for n in seen if n not in ports)
-    address = plan.serving.publish_address if plan else "127.0.0.1"
+    expected = {m.name: m for m in members(plan, rt.name)} if plan else {}
+    names = list(expected) + sorted(n for n in seen if n not in expected)
     key = (os.environ.get(plan.serving.api_key_env) or None) if plan and plan.serving.api_key_env else None
-    bases = {n: url(address, ports[n]) for n in names if n in ports}
+
+    def metrics(n: str) -> dict | None:
+        return health.metrics(rt.fetch(plan, expected[n], "/metrics", timeout=health.REPORT_TIMEOUT))
 
     def first(n: str) -> tuple:
-        b = bases.get(n)
-        if b is None or n not in seen:
+        if n not in expected or n not in seen:
             return None, None, None, None
-        is_replica = seen[n].replica is not None
-        return (health.health(b), health.binding(b, key) if is_replica else None,
-                health.metrics(b) if is_replica else None, time.monotonic())
+        m, is_replica = expected[n], seen[n].replica is not None
+        return (rt.fetch(plan, m, "/health", timeout=health.HEALTH_TIMEOUT),
+                health.binding(rt.fetch(plan, m, "/debug/binding", timeout=health.REPORT_TIMEOUT, api_key=key))
+                if is_replica else None, metrics(n) if is_replica else None, time.monotonic())
 
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(names)))) as pool:
         probes = dict(zip(names, pool.map(first, names), strict=True))
         if any(p[2] for p in probes.values()):
             time.sleep(interval)
-            again = dict(zip(names, pool.map(lambda n: (health.metrics(bases[n]), time.monotonic())
+            again = dict(zip(names, pool.map(lambda n: (metrics(n), time.monotonic())
                                               if probes[n][2] else (None, None), names), strict=True))
         else:
             again = {n: (None, None) for n in names}

@@ -116,6 +116,13 @@ def _run(o: ServeOptions, b, engine, sock: socket.socket) -> int:
         asyncio.get_running_loop().call_later(DEATH_LINGER, setattr, server, "should_exit", True)
 
     fe.on_engine_exit = engine_exited
+    if o.metrics_port:
+        from prometheus_client import start_http_server
+        try:  # a thread of this process; it reads the same registry /metrics renders
+            start_http_server(o.metrics_port, addr=o.host, registry=fe.metrics.registry)
+        except OSError as e:
+            log.error("cannot listen on %s:%d for metrics: %s", o.host, o.metrics_port, e.strerror or e)
+            return EXIT_STARTUP
     server.on_signal = lambda sig: _on_signal(server, fe, o.shutdown_timeout, sig)
     host, port = sock.getsockname()[:2]
     if not o.api_key and not ipaddress.ip_address(host).is_loopback:

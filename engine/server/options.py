@@ -19,6 +19,7 @@ class ServeOptions:
     model: str  # a Hugging Face model directory or a .gguf file
     host: str = "127.0.0.1"  # loopback unless told otherwise; the rendered containers pass 0.0.0.0
     port: int = 8000
+    metrics_port: int | None = None  # also serve GET /metrics alone on this port (a pod's Prometheus-only port)
     dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 16
@@ -56,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="Hugging Face model directory or .gguf file")
     p.add_argument("--host", default=None, help="listen address (default 127.0.0.1; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=None, help="listen port (default 8000; 0 = any free port)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="also serve GET /metrics alone on this port, so a scraper needs no access to the API port "
+                        "(env DEPLOYKIT_METRICS_PORT; default: /metrics on the API port only)")
     p.add_argument("--dtype", default=None, help="auto | bfloat16 | float32 (default: plan, else auto)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -94,8 +98,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _check_ranges(flags: dict) -> None:
     """Usage errors, reported before any process starts or any model byte is read."""
-    checks = [("port", 0, 65535), ("max_model_len", 1, None), ("max_num_seqs", 1, None), ("reserved_cpus", 0, None),
-              ("threads", 1, None),
+    checks = [("port", 0, 65535), ("metrics_port", 1, 65535), ("max_model_len", 1, None), ("max_num_seqs", 1, None),
+              ("reserved_cpus", 0, None), ("threads", 1, None),
               ("max_num_batched_tokens", 1, None), ("max_waiting", 0, None), ("shutdown_timeout", 0, None),
               ("stall_timeout", 0, None), ("sse_keepalive", 0, None), ("kv_cache_bytes", 1, None)]
     for name, lo, hi in checks:
@@ -161,6 +165,7 @@ _ENV_SETTINGS = {"DEPLOYKIT_DTYPE": ("dtype", str), "DEPLOYKIT_MAX_MODEL_LEN": (
                  "DEPLOYKIT_MAX_NUM_BATCHED_TOKENS": ("max_num_batched_tokens", int),
                  "DEPLOYKIT_KV_CACHE": ("kv_cache_bytes", parse_size),
                  "DEPLOYKIT_SERVED_MODEL_NAME": ("served_model_name", str),
+                 "DEPLOYKIT_METRICS_PORT": ("metrics_port", int),
                  "DEPLOYKIT_RESERVED_CPUS": ("reserved_cpus", int), "DEPLOYKIT_THREADS": ("threads", int),
                  "DEPLOYKIT_USE_SMT": ("use_smt", lambda v: _flag(v))}
 
@@ -203,7 +208,8 @@ def options_from_args(a: argparse.Namespace, environ: dict | None = None) -> Ser
         body = parse_size(a.max_body) if a.max_body is not None else None
     except ValueError as e:
         raise OptionsError(str(e)) from None
-    return options(a.model, plan=plan, replica=a.replica, environ=environ, host=a.host, port=a.port, dtype=a.dtype,
+    return options(a.model, plan=plan, replica=a.replica, environ=environ, host=a.host, port=a.port,
+                   metrics_port=a.metrics_port, dtype=a.dtype,
                    max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                    max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_bytes=kv, binding=a.binding,
                    frontend_cpus=a.frontend_cpus, mems=a.mems, reserved_cpus=a.reserved_cpus, use_smt=a.use_smt,

@@ -38,11 +38,12 @@ def _locked(name: str):
 
 def requirements() -> list[str]:
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    return sorted(meta["dependencies"] + meta["optional-dependencies"]["engine"])
+    extras = meta["optional-dependencies"]
+    return sorted(meta["dependencies"] + extras["engine"] + extras["sbom"])  # sbom: the image's SBOM stage
 
 
 def wheelhouse() -> Path:
-    """Directory of wheels for every dependency of deploykit[engine] (not deploykit itself)."""
+    """Directory of wheels for every dependency of deploykit[engine,sbom] (not deploykit itself)."""
     reqs = requirements()
     key = hashlib.sha256("\n".join([sys.implementation.cache_tag, *reqs]).encode()).hexdigest()[:16]
     final = CACHE / f"wheelhouse-{key}"
@@ -107,7 +108,7 @@ def engine_image(out: Path, base_image: str) -> str:
                 return ref
             start = time.monotonic()
             env = {**os.environ, "IMAGE": ref, "DEPLOYKIT_SRC": str(src), "WHEELHOUSE": str(wheels),
-                   "BASE": base_image, "PYTHON": sys.executable, "DOCKER_BUILDKIT": "0"}
+                   "PYTHON": sys.executable, "DOCKER_BUILDKIT": "0"}
             done = subprocess.run(["bash", str(out / "build.sh"), "--label", "deploykit-test=1"], env=env,
                                   capture_output=True, text=True, timeout=3600)
             if done.returncode != 0 or not image_exists(ref):

@@ -1,7 +1,9 @@
 """End to end: build the rendered Dockerfile (offline, from a host-built wheelhouse on the debootstrap base), start
 two replicas plus nginx with run.sh and then with compose, and get /health and a completion through nginx.
 
-Also checks what only a running engine shows: one OpenMP runtime mapped, the planned CPUs, a non-root user.
+Also checks what only a running engine shows: one OpenMP runtime mapped, the planned CPUs, a non-root user; that
+an engine container can open no connection outside its internal network (not even to this host) while clients
+reach it through nginx; and the image's SBOM.
 """
 
 from __future__ import annotations
@@ -105,11 +107,79 @@ def _stream(port: int) -> list[str]:
         return [line[6:].decode().strip() for line in r if line.startswith(b"data: ")]
 
 
-def _check_replicas_bound_their_memory(plan: dict) -> None:
+def _inside(container: str, port: int, path: str) -> tuple[int, bytes]:
+    """GET a replica's path from inside its container: only nginx publishes a port, and the engines' network has
+    no way in from the host."""
+    code = ("import sys, urllib.request as u, urllib.error as e\n"
+            "try:\n    r = u.urlopen(sys.argv[1], timeout=5); s, b = r.status, r.read()\n"
+            "except e.HTTPError as x:\n    s, b = x.code, x.read()\n"
+            "except OSError:\n    s, b = 0, b''\n"
+            "sys.stdout.buffer.write(b'%d\\n' % s + b)\n")
+    done = subprocess.run(["docker", "exec", container, "python", "-c", code, f"http://127.0.0.1:{port}{path}"],
+                          capture_output=True, timeout=60)
+    if done.returncode != 0:
+        return 0, b""
+    status, _, body = done.stdout.partition(b"\n")
+    return int(status), body
+
+
+def _wait_replica(container: str, port: int, logs) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if _inside(container, port, "/health")[0] == 200:
+            return
+        time.sleep(2)
+    pytest.fail(f"{container}: /health not 200 within {READY_TIMEOUT_S}s\n{logs()}")
+
+
+def _compose_container(project: str, service: str) -> str:
+    return _docker("ps", "-q", "--filter", f"label=com.docker.compose.project={project}", "--filter",
+                   f"label=com.docker.compose.service={service}").strip()
+
+
+# An engine container tries every address outside its network: this host's (where a listener waits), nginx's on
+# the edge network. Each must fail; its peer replica on the internal network must answer.
+ESCAPE = """
+import json, socket, sys
+from concurrent.futures import ThreadPoolExecutor
+def attempt(target):
+    s = socket.socket(); s.settimeout(3)
+    try:
+        s.connect((target[0], int(target[1]))); return "connected"
+    except OSError as e:
+        return type(e).__name__ + ": " + str(e)
+    finally:
+        s.close()
+targets = json.loads(sys.argv[1])
+with ThreadPoolExecutor(len(targets)) as pool:
+    print(json.dumps(dict(zip([f"{h}:{p}" for h, p in targets], pool.map(attempt, targets)))))
+"""
+
+
+def _host_addresses() -> list[str]:
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, timeout=30).stdout
+    return sorted({line.split()[3].split("/")[0] for line in out.splitlines()} - {"127.0.0.1"})
+
+
+def _check_engines_reach_nothing_outside(plan: dict, lb: str, edge: str) -> None:
+    with socket.socket() as listener:  # a service of this host on every address: an engine must not reach it
+        listener.bind(("0.0.0.0", 0))
+        listener.listen()
+        host_port = listener.getsockname()[1]
+        lb_edge = json.loads(_docker("inspect", lb))[0]["NetworkSettings"]["Networks"][edge]["IPAddress"]
+        a, b = plan["replicas"][:2]
+        targets = [[h, host_port] for h in _host_addresses()] + [[lb_edge, plan["serving"]["port"]]]
+        seen = json.loads(_docker("exec", a["name"], "python", "-c", ESCAPE,
+                                  json.dumps(targets + [[b["name"], plan["serving"]["port"]]])))
+        assert seen.pop(f"{b['name']}:{plan['serving']['port']}") == "connected"  # its own network works
+        assert len(seen) >= 3 and not [t for t, what in seen.items() if what == "connected"], seen
+
+
+def _check_replicas_bound_their_memory(plan: dict, container=lambda r: r["name"]) -> None:
     """Each engine's binding report: its plan's CPUs, memory bound to the plan's nodes, no refused call. Under
     compose this is the only memory binding (compose has no cpuset-mems)."""
     for r in plan["replicas"]:
-        rep = json.loads(_get(f"http://127.0.0.1:{r['port']}/debug/binding")[1])["engine"]
+        rep = json.loads(_inside(container(r), plan["serving"]["port"], "/debug/binding")[1])["engine"]
         assert rep["planned_cpus"] == r["cpus_list"] and rep["planned_mems"] == r["mems_list"], rep
         assert rep["memory_policy"]["nodes"] == r["mems_list"], rep["memory_policy"]
         assert rep["memory_policy"]["mode"] in ("bind", "interleave"), rep["memory_policy"]
@@ -194,6 +264,20 @@ def test_image_is_offline_non_root_and_labelled(deployment):
     assert cfg["Healthcheck"]["Test"][0] == "CMD"
     assert cfg["Labels"]["org.opencontainers.image.version"] == "local"
     assert "LD_PRELOAD=libtcmalloc_minimal.so.4" in cfg["Env"]
+    # No unresolvable base: the FROM lines name the spec's base image itself.
+    froms = [line.split()[1] for line in (out / "Dockerfile").read_text().splitlines() if line.startswith("FROM ")]
+    assert froms == [plan["image"]["base"], plan["image"]["base"], "runtime", "runtime"], froms
+    assert cfg["Labels"]["org.opencontainers.image.base.name"] == plan["image"]["base"]
+    # The bill of materials the build wrote into the image: the Python packages (torch with its version) and the
+    # OS packages, nothing of the SBOM tool itself.
+    path = cfg["Labels"]["io.deploykit.sbom"]
+    bom = json.loads(_docker("run", "--rm", "--label", "deploykit-test=1", "--entrypoint", "cat", ref, path))
+    versions = {c["name"]: c.get("version") for c in bom["components"]}
+    torch = json.loads(_docker("run", "--rm", "--label", "deploykit-test=1", "--entrypoint", "python", ref, "-c",
+                               "import json, torch; print(json.dumps(torch.__version__))"))
+    assert versions["torch"] == torch and versions["deploykit"] == "0.1.0"
+    assert {"nginx", "libtcmalloc-minimal4", "libc6"} <= set(versions) and "cyclonedx-bom" not in versions
+    assert bom["metadata"]["component"]["name"] == plan["image"]["name"]
 
 
 def test_run_sh_serves_through_nginx(deployment):
@@ -206,11 +290,14 @@ def test_run_sh_serves_through_nginx(deployment):
         port = plan["serving"]["port"]
         _wait_healthy(f"http://127.0.0.1:{port}/health", "nginx", _logs(*names))
         for r in plan["replicas"]:
-            _wait_healthy(f"http://127.0.0.1:{r['port']}/health", r["name"], _logs(r["name"]))
+            _wait_replica(r["name"], port, _logs(r["name"]))
         reply = _complete(port)
         assert reply["choices"] and isinstance(reply["choices"][0]["text"], str)
         _check_streaming_through_the_lb(port)
         _check_replicas_bound_their_memory(plan)
+        for r in plan["replicas"]:  # nothing but nginx publishes a port
+            assert not json.loads(_docker("inspect", r["name"]))[0]["HostConfig"]["PortBindings"]
+        _check_engines_reach_nothing_outside(plan, f"{NAME}-lb", f"{NAME}-edge")
         for r in plan["replicas"]:
             seen = json.loads(_docker("exec", "-i", r["name"], "python", "-", input_=INSIDE))
             assert seen["cpuset"] == r["cpuset"]
@@ -249,10 +336,10 @@ def test_compose_up_serves_through_nginx(deployment, compose_cli):
 
         _wait_healthy(f"http://127.0.0.1:{port}/health", "compose nginx", logs)
         for r in plan["replicas"]:
-            _wait_healthy(f"http://127.0.0.1:{r['port']}/health", r["name"], logs)
+            _wait_replica(_compose_container(NAME, r["name"]), port, logs)
         assert _complete(port)["choices"]
         _check_streaming_through_the_lb(port)
-        _check_replicas_bound_their_memory(plan)
+        _check_replicas_bound_their_memory(plan, lambda r: _compose_container(NAME, r["name"]))
     finally:
         subprocess.run([*cmd, "down", "--remove-orphans"], env=env, capture_output=True, timeout=180, cwd=out)
 

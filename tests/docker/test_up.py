@@ -1,8 +1,11 @@
 """`deploykit up / status / logs / down` against the real Docker engine on this 2-CPU machine: two single-CPU
 replicas behind nginx, a chat completion from the `openai` client, every plan setting on the containers, `up` twice
-changes nothing (same container ids), a changed spec replaces only the replicas, a second deployment is untouched by
-the first's `down`, and `down` leaves no container or network. Failure paths: a corrupt model (the engine's own error,
-non-zero exit, nothing left), a failing image build (the failing step shown), Ctrl-C during `up`.
+changes nothing (same container ids), a changed spec replaces only the replicas, a replica that vanishes under load
+(cut from its network, then docker kill) fails its in-flight requests within seconds on nginx and on the built-in
+proxy while every other request succeeds, and replicas silent for longer than that (paused) still finish; a second
+deployment (one replica, still behind nginx on an internal network) is untouched by the first's `down`, and `down`
+leaves no container or network. Failure paths: a corrupt model (the engine's own error, non-zero exit, nothing
+left), a failing image build (the failing step shown), Ctrl-C during `up`.
 
 The image is built by `up` itself (offline: the host wheelhouse of render_image.py, on deploykit-base:bookworm).
 """
@@ -14,17 +17,19 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
 from deploykit import cpulist
 from deploykit.plan import Plan
 from deploykit.render.container import containers
-from tests.runtime.helpers import ROOT, Load, corrupt_copy, deploykit, free_port, port_free, spec_file
+from tests.runtime.helpers import ROOT, Load, corrupt_copy, deploykit, free_port, nothing_listens, spec_file
 
 try:
     from . import render_image
@@ -127,6 +132,15 @@ def test_up_serves_a_chat_completion_through_nginx(deployed):
     assert len([c for c in stream if c.choices and c.choices[0].delta.content]) >= 2
 
 
+def test_the_images_sbom_lies_next_to_the_rendered_files(deployed):
+    """`up` copies the bill of materials its build wrote into the image: the Python packages (torch with its version)
+    and the OS packages (nginx, which every deployment runs)."""
+    bom = json.loads((deployed.state / NAME / "rendered" / "sbom.cdx.json").read_text())
+    versions = {c["name"]: c.get("version") for c in bom["components"]}
+    assert versions["torch"].split("+")[0] == "2.13.0" and versions["nginx"] and versions["deploykit"] == "0.1.0"
+    assert bom["metadata"]["component"]["name"] == IMAGE_NAME
+
+
 def test_each_replica_container_runs_on_its_own_cpu(deployed):
     c = _client()
     for r in deployed.plan.replicas:
@@ -153,6 +167,10 @@ def test_every_plan_setting_reaches_the_containers(deployed):
         assert cfg.get("StopSignal") == want.stop_signal
         assert all(b.endswith(":ro") for b in hc["Binds"])
         assert {b.split(":")[1] for b in hc["Binds"]} == {m.target for m in want.mounts}
+        # Only nginx publishes a port; the engines are on the internal network alone.
+        assert sorted(a["NetworkSettings"]["Networks"]) == sorted(f"{NAME}-{role}" for role in want.networks)
+        assert bool(hc["PortBindings"]) is (want.replica is None)
+        assert (hc.get("Sysctls") or {}) == dict(want.sysctls)
         labels = cfg["Labels"]
         assert labels["deploykit.deployment"] == NAME and labels["deploykit.replica"] == dict(want.labels)[
             "deploykit.replica"] and len(labels["deploykit.config-hash"]) == 16
@@ -253,18 +271,156 @@ def test_a_failed_update_brings_the_previous_containers_back(deployed, tmp_path)
     assert isinstance(_chat(deployed.port), str)
 
 
+PROXY = f"{NAME}-builtin"
+VANISH_LIMIT = 15.0  # seconds: no request may wait longer on a replica that vanished
+SILENCE = 12.0  # seconds replicas stay paused: longer than keep-alive probes take to give up on a vanished peer
+
+
+@pytest.fixture
+def builtin_proxy(deployed):
+    """deploykit's built-in proxy (the local runtime's load balancer without nginx) in a container beside nginx, from
+    the deployment's image: on the edge network with a loopback port, and on the engines' internal network."""
+    c, plan, port = _client(), deployed.plan, free_port()
+    backends = [a for r in plan.replicas for a in ("--backend", f"{r.name}:{plan.serving.port}")]
+    ctr = c.containers.create(f"{IMAGE_NAME}:t", ["--listen", f"0.0.0.0:{plan.serving.port}", *backends],
+                              entrypoint=["python", "-m", "deploykit.runtime.proxy"], name=PROXY, user="10001:10001",
+                              labels={"deploykit-test": "1"}, read_only=True, cap_drop=["ALL"],
+                              ports={plan.serving.port: ("127.0.0.1", port)}, network=f"{NAME}-edge")
+    try:
+        c.networks.get(f"{NAME}-internal").connect(ctr)
+        ctr.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not _answers(port):
+            time.sleep(0.5)
+        yield port
+    finally:
+        ctr.remove(force=True)
+
+
+def _answers(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@dataclass
+class Call:
+    via: str
+    stream: bool
+    start: float
+    end: float = 0.0
+    error: str = ""
+
+
+def _call(port: int, via: str, stream: bool, max_tokens: int) -> Call:
+    """One completion, streamed or not, read to its end; the error (if any) instead of an exception."""
+    call = Call(via, stream, time.monotonic())
+    body = {"model": NAME, "prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
+    try:
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+            text = r.read()
+            if r.status_code != 200 or (stream and not text.rstrip().endswith(b"data: [DONE]")):
+                call.error = f"HTTP {r.status_code}: {text[-200:]!r}"
+    except httpx.HTTPError as e:
+        call.error = repr(e)
+    call.end = time.monotonic()
+    return call
+
+
+def _traffic(ports: dict[str, int], stop: threading.Event, calls: list[Call], max_tokens: int) -> list[threading.Thread]:
+    """Per load balancer, two clients streaming and two not, each one request after another until `stop`."""
+    def client(via: str, stream: bool) -> None:
+        while not stop.is_set():
+            calls.append(_call(ports[via], via, stream, max_tokens))
+    threads = [threading.Thread(target=client, args=(via, stream), daemon=True)
+               for via in ports for stream in (True, True, False, False)]
+    for th in threads:
+        th.start()
+    return threads
+
+
+def test_replicas_silent_longer_than_the_probes_still_finish_their_requests(deployed, builtin_proxy):
+    """Both engines frozen (docker pause: what a long prefill or a long non-streaming generation looks like from
+    outside, no byte for many seconds): their kernels still answer the keep-alive probes, so nothing is cut off and
+    every request, streamed or not, through nginx and through the built-in proxy, finishes once they resume."""
+    c = _client()
+    replicas = [c.containers.get(r.name) for r in deployed.plan.replicas]
+    ports = {"nginx": deployed.port, "builtin": builtin_proxy}
+    for r in replicas:
+        r.pause()
+    try:
+        calls: list[Call] = []
+        threads = [threading.Thread(target=lambda v=v, s=s: calls.append(_call(ports[v], v, s, 16)))
+                   for v in ports for s in (True, False)]
+        for th in threads:
+            th.start()
+        time.sleep(SILENCE)
+    finally:
+        for r in replicas:
+            r.unpause()
+    for th in threads:
+        th.join(60)
+    assert len(calls) == 4 and [x.error for x in calls if x.error] == [], calls
+    assert all(x.end - x.start >= SILENCE - 1 for x in calls)  # they really waited through the silence
+
+
+def test_a_vanished_replica_fails_its_requests_within_seconds_and_the_rest_succeed(deployed, builtin_proxy):
+    """A replica cut off under load: first its network goes (a partition or a lost node: no reset, no answer at all,
+    its processes still alive), then `docker kill` ends it, with no restart. Requests in flight on it fail within
+    seconds, or go to the other replica when it had not answered yet; no request waits longer than VANISH_LIMIT;
+    every request that started after it vanished succeeds, through nginx and through the built-in proxy."""
+    c = _client()
+    victim = c.containers.get(deployed.plan.replicas[1].name)
+    internal = c.networks.get(f"{NAME}-internal")
+    victim.update(restart_policy={"Name": "no"})
+    stop, calls = threading.Event(), []
+    threads = _traffic({"nginx": deployed.port, "builtin": builtin_proxy}, stop, calls, max_tokens=40)
+    try:
+        time.sleep(6)
+        vanished = time.monotonic()
+        internal.disconnect(victim, force=True)
+        time.sleep(12)
+        victim.kill()
+        time.sleep(12)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(90)
+        victim.update(restart_policy={"Name": "unless-stopped"})
+        internal.reload()
+        if victim.id not in {x.id for x in internal.containers}:
+            internal.connect(victim, aliases=[victim.name])
+        victim.start()
+    waits = sorted(round(x.end - x.start, 1) for x in calls)
+    in_flight = [x for x in calls if x.start < vanished < x.end]
+    failed = [x for x in calls if x.error]
+    late = [x for x in calls if x.start > vanished]
+    print(f"vanished replica: {len(calls)} requests, {len(in_flight)} in flight when it vanished, {len(failed)} "
+          f"failed (after {sorted(round(x.end - vanished, 1) for x in failed)} s), longest waits {waits[-5:]} s",
+          file=sys.stderr)
+    assert in_flight and late and waits[-1] <= VANISH_LIMIT, waits[-5:]
+    assert all(x in in_flight for x in failed), [x for x in failed if x not in in_flight]
+    assert {x.via for x in late} == {"nginx", "builtin"} and not [x for x in late if x.error]
+    # Back to two healthy replicas behind nginx (it resolved the names when it started: reload it).
+    r = deploykit("up", deployed.spec, env=deployed.env, timeout=UP_TIMEOUT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    c.containers.get(f"{NAME}-lb").kill(signal="SIGHUP")
+
+
 def test_a_second_deployment_is_untouched_by_the_first_down_and_down_leaves_nothing(deployed, tmp_path):
     port2 = free_port(1)
     spec2 = spec_file(tmp_path / "other.yaml", OTHER, deployed.model, port2, cpus=["1"], image=deployed.image)
     r = deploykit("up", spec2, "--runtime", "docker", env=deployed.env, timeout=UP_TIMEOUT)
     assert r.returncode == 0, r.stderr[-4000:]
     other = _ids(OTHER)
-    assert len(other) == 1
+    assert sorted(other) == [f"{OTHER}-0", f"{OTHER}-lb"]  # one replica, still behind nginx: the only port
     r = deploykit("down", NAME, env=deployed.env)
     assert r.returncode == 0, r.stderr
-    assert f"removed network {NAME}" in r.stdout
+    assert f"removed network {NAME}-internal" in r.stdout and f"removed network {NAME}-edge" in r.stdout
     assert _labelled(NAME) == ([], [])
-    assert all(port_free(deployed.port + i) for i in range(3))
+    assert all(nothing_listens(deployed.port + i) for i in range(3))
     assert _ids(OTHER) == other
     assert all(c.status == "running" for c in _labelled(OTHER)[0])
     assert isinstance(_chat(port2, OTHER), str)
@@ -289,7 +445,7 @@ def test_a_corrupt_model_fails_with_the_engines_error_and_leaves_nothing(deploye
     assert "exited during start-up" in r.stderr and "ERROR" in r.stderr.split("its last log lines")[1]
     assert "undoing what this up started" in r.stderr
     assert _labelled(FAILING) == ([], [])
-    assert all(port_free(port + i) for i in range(3))
+    assert all(nothing_listens(port + i) for i in range(3))
 
 
 def test_ctrl_c_during_up_stops_cleanly(deployed, failing):

@@ -128,3 +128,53 @@ def test_waiting_for_a_cpu_is_blamed_on_whoever_asked_for_too_much(epyc, threads
     else:
         assert over.title.endswith(": other processes ran on them") and "reserved_cpus" in over.fix[0]
         assert rep.find("threads.busy").level == "warn"  # busy threads, but slowed by the neighbours
+
+
+def test_a_team_spread_over_more_l3_groups_than_it_needs(epyc):
+    """8 busy threads, one per CCD of socket 0: one L3 group of 8 cores would hold them all."""
+    ccds = [g * 8 for g in range(8)]
+    threads = [Thread(1000 + i, "w", (c,), c, 0) for i, c in enumerate(ccds)]
+    p = proc(1000, 1, "w", threads, pages={"bind:0": {0: GIB}})
+    rep = Report("x", tuple(analyse(sample([p], {t.tid: 0.9 for t in threads}), Context(epyc))))
+    l3 = rep.find("threads.l3")
+    assert l3.level == "warn" and l3.title.endswith("(8 threads) spans 8 L3 groups where 1 would hold it")
+    assert "L3 group 3: 1 thread(s) on CPUs 24" in l3.evidence and "8 physical cores and 32.0 MiB per L3 group" \
+        in l3.evidence[-1]
+    assert "placement.strategy: per-l3" in l3.fix[0] and "replicas_per_node: 2 | 3 | 4 | 6 | 12" in l3.fix[1]
+    assert l3.fix[2] == "or pin the team to 1 whole L3 group(s): one thread per core of CPUs 0-7"
+    assert rep.find("threads.busy").level == "warn"
+
+
+def test_a_node_wide_team_straddles_l3_groups_and_one_inside_a_ccd_does_not(epyc):
+    wide = [Thread(1100 + i, "w", (c,), c, 0) for i, c in enumerate(range(95))]
+    rep = Report("x", tuple(analyse(sample([proc(1100, 1, "w", wide)], {t.tid: 0.9 for t in wide}), Context(epyc))))
+    l3 = rep.find("threads.l3")
+    assert l3.level == "warn" and "(95 threads) spans 12 L3 groups: every parallel region's barrier" in l3.title
+    ccd = [Thread(1200 + i, "w", (c,), c, 0) for i, c in enumerate(range(8, 15))]
+    rep = Report("x", tuple(analyse(sample([proc(1200, 1, "w", ccd)], {t.tid: 0.9 for t in ccd}), Context(epyc))))
+    assert rep.find("threads.l3").level == "ok" and rep.find("threads.l3").title.endswith("stays in L3 group 1")
+
+
+def test_a_small_team_is_a_warning_or_critical_with_the_engines_own_knobs(epyc):
+    """vLLM (by its process title) with 8 OpenMP threads on a 96-core cpuset: critical (under half), and the fix is
+    vLLM's variables for this cpuset; llama.cpp gets -t, --cpu-range and --numa."""
+    from dataclasses import replace
+    node0 = replace(epyc, allowed_cpus=tuple(c.id for c in epyc.cpus if c.node == 0),
+                    cpuset=tuple(c.id for c in epyc.cpus if c.node == 0))
+    api = proc(1299, 1, "vllm", [Thread(1299, "vllm", node0.cpuset, 90, 0)], libs=())  # front end: the whole cpuset
+    team = [Thread(1300 + i, "VLLM::Worker", (i,), i, 0) for i in range(8)]
+    worker = proc(1300, 1299, "VLLM::Worker", team, env={"OMP_NUM_THREADS": "8", "GOMP_CPU_AFFINITY": "0-7"})
+    rep = Report("x", tuple(analyse(sample([api, worker], {t.tid: 0.9 for t in team}), Context(node0))))
+    f = rep.find("openmp.threads")
+    assert f.level == "fail" and f.title.startswith("an OpenMP team of 8 (OMP_NUM_THREADS=8) for the 95 physical")
+    assert any("VLLM_CPU_OMP_THREADS_BIND=0-94 VLLM_CPU_NUM_OF_RESERVED_CPU=1" in x and "CPUs 95,287" in x
+               for x in f.fix), f.fix
+    warm = proc(1300, 1299, "VLLM::Worker", team, env={"OMP_NUM_THREADS": "60"})
+    assert Report("x", tuple(analyse(sample([api, warm], {}), Context(node0)))).find("openmp.threads").level == "warn"
+    llama = proc(1400, 1, "llama-server", [Thread(1400 + i, "llama-server", node0.cpuset, i, 0) for i in range(8)],
+                 env={"OMP_NUM_THREADS": "8"})
+    f = Report("x", tuple(analyse(sample([llama], {}), Context(node0)))).find("openmp.threads")
+    # a replica pinned by affinity (deploykit's local runtime): its team is judged against the CPUs it was given
+    pinned = proc(1500, 1, "engine", [Thread(1500, "engine", (5,), 5, 0)], env={"OMP_NUM_THREADS": "1"})
+    assert Report("x", tuple(analyse(sample([pinned], {}), Context(node0)))).find("openmp.threads").level == "ok"
+    assert any("-t 95 --cpu-range 0-94 --cpu-strict 1 --numa isolate" in x for x in f.fix), f.fix

@@ -4,6 +4,7 @@ free loopback ports, spec files of two single-CPU replicas, and the deploykit co
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -16,12 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port(span: int = 1) -> int:
-    """A port p with p .. p+span-1 all free on 127.0.0.1."""
+    """A port p with p .. p+span-1 all free on 127.0.0.1, below the kernel's ephemeral range: the tests' own client
+    connections take ephemeral local ports, and one of them could otherwise hold a deployment's port."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + span < 65536 and all(port_free(port + i) for i in range(span)):
+        port = rng.randrange(10000, low - span)
+        if all(port_free(port + i) for i in range(span)):
             return port
     raise RuntimeError("no free port range")
 
@@ -37,11 +39,23 @@ def port_free(port: int) -> bool:
     return True
 
 
+def nothing_listens(port: int) -> bool:
+    """A connection to 127.0.0.1:port is refused: what `down` promises about a deployment's ports. (Binding would also
+    fail while a client socket of this test happens to use the port as its local end.)"""
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
 def spec_file(path: Path, name: str, model: Path, port: int, cpus: list[str] | None = None, **sections) -> Path:
-    """Two single-CPU replicas (CPUs 0 and 1, one OpenMP thread each, nothing reserved) on loopback."""
+    """Two single-CPU replicas (CPUs 0 and 1, one OpenMP thread each, nothing reserved) on loopback: on a 2-CPU host
+    (this one, CI's) planned with `replicas_per_node: 2`, elsewhere as explicit CPU lists; `cpus` gives explicit
+    lists."""
+    placement = ({"strategy": "per-numa-node", "replicas_per_node": 2} if cpus is None and len(os.sched_getaffinity(0))
+                 == 2 else {"strategy": "explicit", "cpus": cpus or ["0", "1"]})
     spec = {"apiVersion": "deploykit/v1", "kind": "Deployment", "name": name,
             "model": {"source": str(model), "max_model_len": 256},
-            "placement": {"strategy": "explicit", "cpus": cpus or ["0", "1"], "reserved_cpus": 0, "threads": 1},
+            "placement": {**placement, "reserved_cpus": 0, "threads": 1},
             "serving": {"port": port, "publish_address": "127.0.0.1", "kv_cache": "16MiB", "max_num_seqs": 4,
                         "served_model_name": name}}
     for key, value in sections.items():

@@ -1,4 +1,5 @@
-"""`deploykit up --runtime local` end to end on this host: two single-CPU engine replicas behind the built-in proxy,
+"""`deploykit up --runtime local` end to end on this host: two single-CPU engine replicas (on a 2-CPU host planned
+with `replicas_per_node: 2`) behind the built-in proxy,
 a chat completion from the `openai` client, each replica on its own CPU, `up` twice changes nothing, `status`,
 `logs`, a changed spec, a crashed replica shown by `status`, `down` leaving nothing; and the failure paths: a corrupt
 model (the engine's own error, non-zero exit, nothing left) and Ctrl-C during `up`.
@@ -23,7 +24,7 @@ import openai
 import pytest
 
 from deploykit.runtime.local import MARKER
-from tests.runtime.helpers import ROOT, Load, corrupt_copy, deploykit, free_port, port_free, spec_file
+from tests.runtime.helpers import ROOT, Load, corrupt_copy, deploykit, free_port, nothing_listens, spec_file
 
 pytestmark = pytest.mark.slow
 NAME = "dkloc"
@@ -101,6 +102,9 @@ def test_up_prints_the_endpoint_and_serves_chat_through_the_proxy(local):
 
 
 def test_each_replica_runs_on_its_own_cpu(local):
+    plan = json.loads((local.state / NAME / "rendered" / "plan.json").read_text())
+    if len(os.sched_getaffinity(0)) == 2:  # planned by replicas_per_node: 2, one thread each
+        assert plan["layout"]["replicas_per_node"] == 2 and [r["cpus"] for r in plan["replicas"]] == [[0], [1]]
     procs = local.processes()
     for i in (0, 1):
         status = Path(f"/proc/{procs[f'{NAME}-{i}']}/status").read_text()
@@ -209,7 +213,7 @@ def test_down_leaves_nothing(local):
     assert r.returncode == 0, r.stderr
     assert all(f"stopped {n}" in r.stdout for n in pids)
     assert not _marked(local.state / NAME)
-    assert all(port_free(local.port + i) for i in range(3))
+    assert all(nothing_listens(local.port + i) for i in range(3))
     assert deploykit("status", NAME, env=local.env).returncode == 7
 
 
@@ -227,7 +231,7 @@ def test_a_corrupt_model_fails_with_the_engines_error_and_leaves_nothing(tmp_pat
     assert "exited during start-up" in r.stderr and "its last log lines" in r.stderr
     assert "ERROR" in r.stderr and "Traceback" not in r.stderr.split("its last log lines")[0]
     assert not _marked(tmp_path / "state" / "dkbad")
-    assert all(port_free(port + i) for i in range(3))
+    assert all(nothing_listens(port + i) for i in range(3))
     assert not (tmp_path / "state" / "dkbad" / "state.json").exists()  # `status` does not list it as up
 
 
@@ -238,7 +242,7 @@ def test_a_timeout_shows_the_replicas_logs_and_leaves_nothing(tmp_path, tiny_mod
     r = deploykit("up", spec, "--runtime", "local", "--timeout", "0.5", env=env)  # loading takes seconds
     assert r.returncode == 7, r.stderr
     assert "not healthy within 0.5s" in r.stderr and "last log lines" in r.stderr and "--timeout SECONDS" in r.stderr
-    assert not _marked(tmp_path / "state" / "dkslow") and all(port_free(port + i) for i in range(3))
+    assert not _marked(tmp_path / "state" / "dkslow") and all(nothing_listens(port + i) for i in range(3))
 
 
 def test_ctrl_c_during_up_stops_cleanly(tmp_path, tiny_model):
@@ -257,7 +261,7 @@ def test_ctrl_c_during_up_stops_cleanly(tmp_path, tiny_model):
     assert proc.returncode == 130, err
     assert "interrupted: undoing" in err
     assert not _marked(tmp_path / "state" / "dkint")
-    assert all(port_free(port + i) for i in range(3))
+    assert all(nothing_listens(port + i) for i in range(3))
 
 
 @pytest.mark.skipif(shutil.which("nginx") is None, reason="no nginx binary on PATH (scripts/test installs nginx-light)")
@@ -280,4 +284,4 @@ def test_nginx_is_the_load_balancer_when_it_is_installed(tmp_path, tiny_model):
     finally:
         r = deploykit("down", "dkngx", env=env)
     assert r.returncode == 0 and "stopped dkngx-lb" in r.stdout, r.stdout + r.stderr
-    assert not _marked(tmp_path / "state" / "dkngx") and all(port_free(port + i) for i in range(3))
+    assert not _marked(tmp_path / "state" / "dkngx") and all(nothing_listens(port + i) for i in range(3))

@@ -1,6 +1,7 @@
 """The local runtime's built-in load balancer, run as the real process in front of real HTTP servers on loopback:
 it streams server-sent events as they are produced, picks the replica with the fewest open connections, skips
-replicas whose /health is not 200, answers 503 when no replica takes a connection, and drains on SIGTERM."""
+replicas whose /health is not 200, sends a request a replica failed before answering to the next one, answers 503
+when no replica takes a connection, and drains on SIGTERM. (A replica that vanishes mid-answer: tests/docker.)"""
 
 from __future__ import annotations
 
@@ -20,8 +21,11 @@ EVENT_GAP = 0.4
 
 
 class Backend:
-    def __init__(self, name: str, healthy: bool = True):
+    def __init__(self, name: str, healthy: bool = True, answer: int | None = None, drop: bool = False):
+        """answer: the status of every request but /health (a replica loading or full); drop: close the connection
+        after reading the request, without a byte of answer (a replica that died)."""
         self.name, self.healthy, self.release = name, healthy, threading.Event()
+        self.seen: list[bytes] = []
         backend = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -47,6 +51,17 @@ class Backend:
                     self.wfile.write(b"data: [DONE]\n\n")
                     return
                 self._send(200, backend.name.encode())
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                backend.seen.append(body)
+                if drop:
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if answer is not None:
+                    return self._send(answer, b'{"error": "loading"}')
+                self._send(200, backend.name.encode() + b":" + body)
 
             def _send(self, code, body):
                 self.send_response(code)
@@ -85,10 +100,10 @@ class Proxy:
                 time.sleep(0.05)
         time.sleep(0.3)  # the first health check runs at start
 
-    def get(self, path: str) -> tuple[int, bytes]:
+    def get(self, path: str, body: bytes | None = None) -> tuple[int, bytes]:
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=20)
         try:
-            c.request("GET", path)
+            c.request("GET" if body is None else "POST", path, body=body)
             r = c.getresponse()
             return r.status, r.read()
         finally:
@@ -104,9 +119,9 @@ class Proxy:
 def backends():
     made: list[Backend] = []
 
-    def make(*names_health):
+    def make(*names_health, **kw):
         for name, healthy in names_health:
-            made.append(Backend(name, healthy))
+            made.append(Backend(name, healthy, **kw.get(name, {})))
         return made
     yield make
     for b in made:
@@ -152,6 +167,31 @@ def test_a_replica_that_is_not_healthy_gets_no_connections(backends):
     p = Proxy([a.address, b.address])
     try:
         assert {p.get("/who")[1] for _ in range(6)} == {b"b"}
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("failure", [{"answer": 503}, {"answer": 429}, {"drop": True}])
+def test_a_request_a_replica_failed_before_answering_goes_to_the_next_one_whole(backends, failure):
+    """A replica loading (503), full (429) or dying (connection closed, no byte) did no work: the client's bytes
+    are replayed on the other replica and the client never sees the failure."""
+    a, b = backends(("a", True), ("b", True), a=failure)
+    p = Proxy([a.address, b.address])
+    try:
+        body = json.dumps({"prompt": "x" * 100_000}).encode()
+        for _ in range(3):
+            assert p.get("/v1/completions", body) == (200, b"b:" + body)
+        assert a.seen and all(seen == body for seen in a.seen)  # tried first (fewest connections, listed first)
+    finally:
+        p.close()
+
+
+def test_the_last_replica_answer_is_passed_on_as_it_is(backends):
+    a, b = backends(("a", True), ("b", True), a={"answer": 503}, b={"answer": 503})
+    p = Proxy([a.address, b.address])
+    try:
+        assert p.get("/v1/completions", b"{}") == (503, b'{"error": "loading"}')
+        assert len(a.seen) == len(b.seen) == 1
     finally:
         p.close()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.server.live import LiveServer
+from tests.server.live import LiveServer, free_port
 
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 128
@@ -18,8 +18,10 @@ def tiny_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def server(tiny_model):
+    metrics_port = free_port()
     s = LiveServer(tiny_model, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16",
-                   "--served-model-name", "tiny", api_key=API_KEY)
+                   "--served-model-name", "tiny", "--metrics-port", str(metrics_port), api_key=API_KEY)
+    s.metrics_port = metrics_port  # a listener serving /metrics alone (a pod's Prometheus-only port)
     try:
         yield s.wait_ready()
     finally:

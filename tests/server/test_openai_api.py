@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+import httpx
 import pytest
 
 from deploykit import cpulist
@@ -172,6 +173,16 @@ def test_metrics_follow_the_requests(client, server):
     assert server.metric("deploykit_engine_up") == 1
 
 
+def test_the_metrics_port_serves_the_same_metrics_and_no_api(server):
+    """What the chart's NetworkPolicy opens to the monitoring namespace: /metrics, and nothing of the API."""
+    scrape = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10)
+    assert scrape.status_code == 200 and "deploykit_engine_up" in scrape.text
+    generated = server.metric("deploykit_generation_tokens_total")  # through the API port
+    assert f'deploykit_generation_tokens_total{{model_name="tiny"}} {generated}' in scrape.text
+    post = httpx.post(f"http://127.0.0.1:{server.metrics_port}/v1/completions", json={"model": "tiny"}, timeout=10)
+    assert post.status_code == 405  # no such method there: the API is only on the API port
+
+
 def test_debug_binding_reports_the_engine_process(server):
     rep = server.get("/debug/binding").json()
     engine = rep["engine"]
@@ -179,3 +190,6 @@ def test_debug_binding_reports_the_engine_process(server):
     omp = [t for t in engine["threads"] if t["omp_thread"] is not None]
     assert len(omp) == engine["omp_threads"] >= 1
     assert set(cpulist.parse(engine["planned_cpus"])) <= os.sched_getaffinity(0)
+    # each OpenMP thread's L3 group, from the host's cache files (this host: one L3 shared by its CPUs)
+    groups = {g[0]: set(cpulist.parse(g[1])) for g in engine["topology"]["l3_groups"]}
+    assert groups and all(int(cpulist.parse(t["allowed_cpus"])[0]) in groups[t["l3"]] for t in omp)

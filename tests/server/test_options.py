@@ -75,17 +75,19 @@ def test_environment_carries_every_setting_a_pod_needs():
     o = options(env={"DEPLOYKIT_CPUS": "auto", "DEPLOYKIT_RESERVED_CPUS": "2", "DEPLOYKIT_USE_SMT": "true",
                      "DEPLOYKIT_THREADS": "8", "DEPLOYKIT_DTYPE": "bfloat16", "DEPLOYKIT_MAX_MODEL_LEN": "4096",
                      "DEPLOYKIT_MAX_NUM_SEQS": "32", "DEPLOYKIT_MAX_NUM_BATCHED_TOKENS": "1024",
-                     "DEPLOYKIT_KV_CACHE": "2GiB", "DEPLOYKIT_SERVED_MODEL_NAME": "qwen"})
+                     "DEPLOYKIT_KV_CACHE": "2GiB", "DEPLOYKIT_SERVED_MODEL_NAME": "qwen",
+                     "DEPLOYKIT_METRICS_PORT": "9400"})
     assert (o.binding, o.binding_source, o.reserved_cpus, o.use_smt, o.threads) == ("auto", None, 2, True, 8)
     assert (o.dtype, o.max_model_len, o.max_num_seqs, o.max_num_batched_tokens) == ("bfloat16", 4096, 32, 1024)
-    assert (o.kv_cache_bytes, o.model_name) == (2 << 30, "qwen")
+    assert (o.kv_cache_bytes, o.model_name, o.metrics_port) == (2 << 30, "qwen", 9400)
     assert options("--max-num-seqs", "4", env={"DEPLOYKIT_MAX_NUM_SEQS": "32"}).max_num_seqs == 4  # flags win
 
 
 @pytest.mark.parametrize("var, value, needle", [("DEPLOYKIT_MAX_MODEL_LEN", "lots", "DEPLOYKIT_MAX_MODEL_LEN"),
                                                 ("DEPLOYKIT_USE_SMT", "maybe", "DEPLOYKIT_USE_SMT"),
                                                 ("DEPLOYKIT_RESERVED_CPUS", "-1", "--reserved-cpus must be"),
-                                                ("DEPLOYKIT_KV_CACHE", "big", "DEPLOYKIT_KV_CACHE")])
+                                                ("DEPLOYKIT_KV_CACHE", "big", "DEPLOYKIT_KV_CACHE"),
+                                                ("DEPLOYKIT_METRICS_PORT", "0", "--metrics-port must be")])
 def test_bad_environment_settings_are_named(var, value, needle):
     with pytest.raises(OptionsError, match=needle):
         options(env={var: value})

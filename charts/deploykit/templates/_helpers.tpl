@@ -55,6 +55,16 @@ app.kubernetes.io/component: engine
 {{- printf "%s-%s" ($full | trunc (int (sub 62 (len (toString .slot.name))))) (toString .slot.name) | trimSuffix "-" }}
 {{- end }}
 
+{{/* The cluster DNS pods, as a NetworkPolicyPeer list entry. */}}
+{{- define "deploykit.dnsPeer" -}}
+- namespaceSelector:
+    matchLabels:
+      kubernetes.io/metadata.name: {{ .Values.networkPolicy.dns.namespace }}
+  podSelector:
+    matchLabels:
+      {{- toYaml .Values.networkPolicy.dns.podLabels | nindent 6 }}
+{{- end }}
+
 {{- define "deploykit.image" -}}
 {{- if .Values.image.digest }}
 {{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
@@ -63,9 +73,14 @@ app.kubernetes.io/component: engine
 {{- end }}
 {{- end }}
 
+{{/* Physical cores a slot leaves to the kubelet: its own coresLeftToKubelet, else placement.coresLeftToKubelet. */}}
+{{- define "deploykit.slotLeft" -}}
+{{- if hasKey .slot "coresLeftToKubelet" }}{{ int .slot.coresLeftToKubelet }}{{ else }}{{ int .root.Values.placement.coresLeftToKubelet }}{{ end }}
+{{- end }}
+
 {{/* Logical CPUs a slot's pod requests: whole physical cores (full-pcpus-only admits nothing else). */}}
 {{- define "deploykit.slotCpus" -}}
-{{- mul (sub (int .slot.cores) (int .root.Values.placement.coresLeftToKubelet)) (int .root.Values.placement.threadsPerCore) }}
+{{- mul (sub (int .slot.cores) (int (include "deploykit.slotLeft" .))) (int .root.Values.placement.threadsPerCore) }}
 {{- end }}
 
 {{- define "deploykit.resources" -}}
@@ -115,9 +130,10 @@ Every problem the schema cannot express, collected and reported at once (a user 
 {{- end }}
 {{- $names := dict }}
 {{- range $i, $slot := $v.placement.slots }}
-{{- $cores := sub (int $slot.cores) (int $v.placement.coresLeftToKubelet) }}
+{{- $left := int (include "deploykit.slotLeft" (dict "root" $ "slot" $slot)) }}
+{{- $cores := sub (int $slot.cores) $left }}
 {{- if lt $cores 1 }}
-{{- $errors = append $errors (printf "placement.slots[%d].cores: %v minus placement.coresLeftToKubelet %v leaves no core" $i $slot.cores $v.placement.coresLeftToKubelet) }}
+{{- $errors = append $errors (printf "placement.slots[%d].cores: %v minus coresLeftToKubelet %v leaves no core" $i $slot.cores $left) }}
 {{- else if and (not (kindIs "invalid" $v.binding.reservedCpus)) (ge (int $v.binding.reservedCpus) $cores) }}
 {{- $errors = append $errors (printf "binding.reservedCpus: %v leaves no core for inference in slot %v (%d cores requested)" $v.binding.reservedCpus $slot.name $cores) }}
 {{- end }}
@@ -143,6 +159,12 @@ Every problem the schema cannot express, collected and reported at once (a user 
 {{- end }}
 {{- if and $v.namespace.create (eq $v.namespace.podSecurity "baseline") $v.security.sysNice }}
 {{- $errors = append $errors "security.sysNice: CAP_SYS_NICE fails Pod Security \"baseline\": set namespace.podSecurity=privileged or drop it" }}
+{{- end }}
+{{- if eq (int $v.metrics.port) (int $v.engine.port) }}
+{{- $errors = append $errors (printf "metrics.port: %v is engine.port too; the metrics listener needs a port of its own" $v.metrics.port) }}
+{{- end }}
+{{- if and $v.networkPolicy.enabled $v.metrics.serviceMonitor.enabled (not $v.networkPolicy.metricsNamespace) }}
+{{- $errors = append $errors "networkPolicy.metricsNamespace: required with metrics.serviceMonitor.enabled (the namespace Prometheus runs in); the NetworkPolicy would refuse its scrapes" }}
 {{- end }}
 {{- if $errors }}
 {{- fail (printf "\n\ndeploykit chart: %d problem(s) in the values:\n  - %s\n" (len $errors) (join "\n  - " $errors)) }}

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Build the engine image registry.example.com/llm/engine:2025.1 for deployment "qwen" (rendered by deploykit 0.1.0).
 #
-#   ./build.sh                 stage ./wheels, then docker build this directory
+#   ./build.sh                 stage ./wheels, docker build this directory, copy the image's SBOM to ./sbom.cdx.json
 # Env: IMAGE (default registry.example.com/llm/engine:2025.1), DOCKER (default docker), PYTHON (default python3),
 #      DEPLOYKIT_WHEEL  a built deploykit wheel to use as is, or
 #      DEPLOYKIT_SRC    a deploykit source checkout to build one from (default: the checkout PYTHON imports
 #                       deploykit from),
-#      WHEELHOUSE       the offline wheelhouse (default: the spec's image.wheelhouse).
+#      WHEELHOUSE       the offline wheelhouse (default: the spec's image.wheelhouse; pip wheel
+#                       'deploykit[engine,sbom]' fills one).
 # Extra arguments go to `docker build` (e.g. --build-arg KERNELS=off).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -35,4 +36,9 @@ for whl in "$WHEELHOUSE"/*.whl; do
     case "$(basename "$whl")" in deploykit-*) continue ;; esac
     ln -f "$whl" wheels/ 2>/dev/null || cp -f "$whl" wheels/
 done
-exec "$DOCKER" build --build-arg BASE="${BASE:-deploykit-base:bookworm}" -t "$IMAGE" "$@" .
+"$DOCKER" build -t "$IMAGE" "$@" .
+# The bill of materials the build wrote into the image, next to the files it was built from.
+id="$("$DOCKER" create "$IMAGE")"
+trap '"$DOCKER" rm "$id" >/dev/null' EXIT
+"$DOCKER" cp "$id:/opt/deploykit/sbom.cdx.json" sbom.cdx.json
+echo "built $IMAGE; its SBOM is $(pwd)/sbom.cdx.json"

@@ -5,7 +5,7 @@
 # `exec` keeps the server as PID 1, so the SIGTERM of `docker stop` reaches it and in-flight requests finish.
 set -eu
 : "${DEPLOYKIT_REPLICA:?DEPLOYKIT_REPLICA is not set: the index of this container's replica in plan.json}"
-# Inside the container every replica listens on the serving port; the host port is chosen when publishing.
+# Every replica listens on the serving port inside its container; only the load balancer publishes a port.
 exec python -m engine serve "${DEPLOYKIT_MODEL_DIR:-/model/tiny.Q8_0.gguf}" \
     --plan "${DEPLOYKIT_PLAN:-/etc/deploykit/plan.json}" --replica "$DEPLOYKIT_REPLICA" \
     --host 0.0.0.0 --port "${DEPLOYKIT_PORT:-8000}" "$@"

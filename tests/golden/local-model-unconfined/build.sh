@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the engine image deploykit-engine:0.1.0 for deployment "qwen" (rendered by deploykit 0.1.0).
 #
-#   ./build.sh                 stage ./wheels, then docker build this directory
+#   ./build.sh                 stage ./wheels, docker build this directory, copy the image's SBOM to ./sbom.cdx.json
 # Env: IMAGE (default deploykit-engine:0.1.0), DOCKER (default docker), PYTHON (default python3),
 #      DEPLOYKIT_WHEEL  a built deploykit wheel to use as is, or
 #      DEPLOYKIT_SRC    a deploykit source checkout to build one from (default: the checkout PYTHON imports
@@ -27,4 +27,9 @@ else
     "$PYTHON" -c 'import setuptools' 2>/dev/null && isolation=(--no-build-isolation)
     "$PYTHON" -m pip wheel --quiet --no-deps "${isolation[@]}" --wheel-dir wheels "$src"
 fi
-exec "$DOCKER" build --build-arg BASE="${BASE:-python:3.11-slim-bookworm}" -t "$IMAGE" "$@" .
+"$DOCKER" build -t "$IMAGE" "$@" .
+# The bill of materials the build wrote into the image, next to the files it was built from.
+id="$("$DOCKER" create "$IMAGE")"
+trap '"$DOCKER" rm "$id" >/dev/null' EXIT
+"$DOCKER" cp "$id:/opt/deploykit/sbom.cdx.json" sbom.cdx.json
+echo "built $IMAGE; its SBOM is $(pwd)/sbom.cdx.json"

@@ -31,14 +31,18 @@ if [ "${1:-up}" = down ]; then
     # docker stop, not rm -f: each container gets its stop signal and grace period (engines drain, nginx
     # finishes the streams it proxies), all at once.
     [ -z "$ids" ] || { "$DOCKER" stop $ids >/dev/null; "$DOCKER" rm -f $ids >/dev/null; }
-    "$DOCKER" network rm qwen >/dev/null 2>&1 || true
+    "$DOCKER" network rm qwen-edge >/dev/null 2>&1 || true
+    "$DOCKER" network rm qwen-internal >/dev/null 2>&1 || true
     exit 0
 fi
 MODEL_DIR="${MODEL_DIR:?set MODEL_DIR to the model directory on this host (nothing is downloaded at run time)}"
 
-# Replicas and the load balancer find each other by container name on this network.
-"$DOCKER" network inspect qwen >/dev/null 2>&1 \
-    || "$DOCKER" network create --label "deploykit.deployment=$DEPLOYMENT" qwen >/dev/null
+# Members find each other by container name. The engines' network is internal, with no address on this host: no
+# route out, not even to this host's own services. Only the load balancer joins the edge network and publishes.
+"$DOCKER" network inspect qwen-edge >/dev/null 2>&1 \
+    || "$DOCKER" network create --label "deploykit.deployment=$DEPLOYMENT" qwen-edge >/dev/null
+"$DOCKER" network inspect qwen-internal >/dev/null 2>&1 \
+    || "$DOCKER" network create --label "deploykit.deployment=$DEPLOYMENT" --internal --opt com.docker.network.bridge.inhibit_ipv4=true qwen-internal >/dev/null
 
 # replica 0 on NUMA node 0: inference CPUs 0 (1 OpenMP thread), front end shares those CPUs; memory on node 0, limit 3.8 GiB
 replace qwen-0
@@ -48,7 +52,7 @@ replace qwen-0
     --label deploykit.replica=0 \
     --restart unless-stopped \
     --stop-timeout 50 \
-    --network qwen \
+    --network qwen-internal \
     --cpuset-cpus 0 \
     --cpuset-mems 0 \
     --memory 4120192742 \
@@ -67,7 +71,6 @@ replace qwen-0
     --env OMP_NUM_THREADS=1 \
     --volume "$MODEL_DIR:/model:ro" \
     --volume "$HERE/plan.json:/etc/deploykit/plan.json:ro" \
-    --publish 0.0.0.0:8001:8000 \
     "$IMAGE"
 
 # replica 1 on NUMA node 0: inference CPUs 1 (1 OpenMP thread), front end shares those CPUs; memory on node 0, limit 3.8 GiB
@@ -78,7 +81,7 @@ replace qwen-1
     --label deploykit.replica=1 \
     --restart unless-stopped \
     --stop-timeout 50 \
-    --network qwen \
+    --network qwen-internal \
     --cpuset-cpus 1 \
     --cpuset-mems 0 \
     --memory 4120192742 \
@@ -97,19 +100,18 @@ replace qwen-1
     --env OMP_NUM_THREADS=1 \
     --volume "$MODEL_DIR:/model:ro" \
     --volume "$HERE/plan.json:/etc/deploykit/plan.json:ro" \
-    --publish 0.0.0.0:8002:8000 \
     "$IMAGE"
 
-# nginx load balancer (least connections, streaming) in front of the replicas; runs from the engine image, so nothing is pulled from a registry
+# nginx load balancer (least connections, streaming) in front of the replicas, the only published port; runs from the engine image, so nothing is pulled from a registry
 replace qwen-lb
-"$DOCKER" run --detach \
+"$DOCKER" create \
     --name qwen-lb \
     --label deploykit.deployment=qwen \
     --label deploykit.replica=lb \
     --restart unless-stopped \
     --stop-timeout 50 \
     --stop-signal SIGQUIT \
-    --network qwen \
+    --network qwen-edge \
     --memory 268435456 \
     --memory-swap 268435456 \
     --user 10001:10001 \
@@ -117,9 +119,15 @@ replace qwen-lb
     --tmpfs /tmp:rw,nosuid,nodev,noexec,size=64m \
     --cap-drop ALL \
     --security-opt no-new-privileges \
+    --sysctl net.ipv4.tcp_keepalive_intvl=2 \
+    --sysctl net.ipv4.tcp_keepalive_probes=3 \
+    --sysctl net.ipv4.tcp_keepalive_time=2 \
+    --sysctl net.ipv4.tcp_retries2=4 \
     --security-opt "seccomp=$HERE/seccomp.json" \
     --volume "$HERE/nginx.conf:/etc/deploykit/nginx.conf:ro" \
     --publish 0.0.0.0:8000:8000 \
     --entrypoint /usr/sbin/nginx \
     "$IMAGE" -e stderr -c /etc/deploykit/nginx.conf
+"$DOCKER" network connect --alias qwen-lb qwen-internal qwen-lb
+"$DOCKER" start qwen-lb >/dev/null
 echo "deployment $DEPLOYMENT: 2 replicas behind port 8000 on 0.0.0.0 (GET /health)"

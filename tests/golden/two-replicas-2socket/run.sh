@@ -32,15 +32,19 @@ if [ "${1:-up}" = down ]; then
     # docker stop, not rm -f: each container gets its stop signal and grace period (engines drain, nginx
     # finishes the streams it proxies), all at once.
     [ -z "$ids" ] || { "$DOCKER" stop $ids >/dev/null; "$DOCKER" rm -f $ids >/dev/null; }
-    "$DOCKER" network rm qwen >/dev/null 2>&1 || true
+    "$DOCKER" network rm qwen-edge >/dev/null 2>&1 || true
+    "$DOCKER" network rm qwen-internal >/dev/null 2>&1 || true
     exit 0
 fi
 MODEL_DIR="${MODEL_DIR:?set MODEL_DIR to the model directory on this host (nothing is downloaded at run time)}"
 : "${DEPLOYKIT_API_KEY:?the deployment requires an API key: export DEPLOYKIT_API_KEY first (it is passed to the containers by name)}"
 
-# Replicas and the load balancer find each other by container name on this network.
-"$DOCKER" network inspect qwen >/dev/null 2>&1 \
-    || "$DOCKER" network create --label "deploykit.deployment=$DEPLOYMENT" qwen >/dev/null
+# Members find each other by container name. The engines' network is internal, with no address on this host: no
+# route out, not even to this host's own services. Only the load balancer joins the edge network and publishes.
+"$DOCKER" network inspect qwen-edge >/dev/null 2>&1 \
+    || "$DOCKER" network create --label "deploykit.deployment=$DEPLOYMENT" qwen-edge >/dev/null
+"$DOCKER" network inspect qwen-internal >/dev/null 2>&1 \
+    || "$DOCKER" network create --label "deploykit.deployment=$DEPLOYMENT" --internal --opt com.docker.network.bridge.inhibit_ipv4=true qwen-internal >/dev/null
 
 # replica 0 on NUMA node 0: inference CPUs 0-94 (95 OpenMP threads), front end on CPUs 95,287; memory on node 0, limit 98.0 GiB
 replace qwen-0
@@ -50,7 +54,7 @@ replace qwen-0
     --label deploykit.replica=0 \
     --restart unless-stopped \
     --stop-timeout 50 \
-    --network qwen \
+    --network qwen-internal \
     --cpuset-cpus 0-95,287 \
     --cpuset-mems 0 \
     --memory 105207453900 \
@@ -70,7 +74,6 @@ replace qwen-0
     --env OMP_NUM_THREADS=95 \
     --volume "$MODEL_DIR:/model:ro" \
     --volume "$HERE/plan.json:/etc/deploykit/plan.json:ro" \
-    --publish 127.0.0.1:8001:8000 \
     "$IMAGE"
 
 # replica 1 on NUMA node 1: inference CPUs 96-190 (95 OpenMP threads), front end on CPUs 191,383; memory on node 1, limit 98.0 GiB
@@ -81,7 +84,7 @@ replace qwen-1
     --label deploykit.replica=1 \
     --restart unless-stopped \
     --stop-timeout 50 \
-    --network qwen \
+    --network qwen-internal \
     --cpuset-cpus 96-191,383 \
     --cpuset-mems 1 \
     --memory 105207453900 \
@@ -101,19 +104,18 @@ replace qwen-1
     --env OMP_NUM_THREADS=95 \
     --volume "$MODEL_DIR:/model:ro" \
     --volume "$HERE/plan.json:/etc/deploykit/plan.json:ro" \
-    --publish 127.0.0.1:8002:8000 \
     "$IMAGE"
 
-# nginx load balancer (least connections, streaming) in front of the replicas; runs from the engine image, so nothing is pulled from a registry
+# nginx load balancer (least connections, streaming) in front of the replicas, the only published port; runs from the engine image, so nothing is pulled from a registry
 replace qwen-lb
-"$DOCKER" run --detach \
+"$DOCKER" create \
     --name qwen-lb \
     --label deploykit.deployment=qwen \
     --label deploykit.replica=lb \
     --restart unless-stopped \
     --stop-timeout 50 \
     --stop-signal SIGQUIT \
-    --network qwen \
+    --network qwen-edge \
     --cpuset-cpus 95,191,287,383 \
     --memory 268435456 \
     --memory-swap 268435456 \
@@ -122,9 +124,15 @@ replace qwen-lb
     --tmpfs /tmp:rw,nosuid,nodev,noexec,size=64m \
     --cap-drop ALL \
     --security-opt no-new-privileges \
+    --sysctl net.ipv4.tcp_keepalive_intvl=2 \
+    --sysctl net.ipv4.tcp_keepalive_probes=3 \
+    --sysctl net.ipv4.tcp_keepalive_time=2 \
+    --sysctl net.ipv4.tcp_retries2=4 \
     --security-opt "seccomp=$HERE/seccomp.json" \
     --volume "$HERE/nginx.conf:/etc/deploykit/nginx.conf:ro" \
     --publish 127.0.0.1:8000:8000 \
     --entrypoint /usr/sbin/nginx \
     "$IMAGE" -e stderr -c /etc/deploykit/nginx.conf
+"$DOCKER" network connect --alias qwen-lb qwen-internal qwen-lb
+"$DOCKER" start qwen-lb >/dev/null
 echo "deployment $DEPLOYMENT: 2 replicas behind port 8000 on 127.0.0.1 (GET /health)"

@@ -31,14 +31,18 @@ if [ "${1:-up}" = down ]; then
     # docker stop, not rm -f: each container gets its stop signal and grace period (engines drain, nginx
     # finishes the streams it proxies), all at once.
     [ -z "$ids" ] || { "$DOCKER" stop $ids >/dev/null; "$DOCKER" rm -f $ids >/dev/null; }
-    "$DOCKER" network rm qwen >/dev/null 2>&1 || true
+    "$DOCKER" network rm qwen-edge >/dev/null 2>&1 || true
+    "$DOCKER" network rm qwen-internal >/dev/null 2>&1 || true
     exit 0
 fi
 MODEL_DIR="${MODEL_DIR:?set MODEL_DIR to the model directory on this host (nothing is downloaded at run time)}"
 
-# Replicas and the load balancer find each other by container name on this network.
-"$DOCKER" network inspect qwen >/dev/null 2>&1 \
-    || "$DOCKER" network create --label "deploykit.deployment=$DEPLOYMENT" qwen >/dev/null
+# Members find each other by container name. The engines' network is internal, with no address on this host: no
+# route out, not even to this host's own services. Only the load balancer joins the edge network and publishes.
+"$DOCKER" network inspect qwen-edge >/dev/null 2>&1 \
+    || "$DOCKER" network create --label "deploykit.deployment=$DEPLOYMENT" qwen-edge >/dev/null
+"$DOCKER" network inspect qwen-internal >/dev/null 2>&1 \
+    || "$DOCKER" network create --label "deploykit.deployment=$DEPLOYMENT" --internal --opt com.docker.network.bridge.inhibit_ipv4=true qwen-internal >/dev/null
 
 # replica 0 on NUMA node 0: inference CPUs 0-26,112-138 (54 OpenMP threads), front end on CPUs 27,139; memory on node 0, limit 98.0 GiB
 replace qwen-0
@@ -48,7 +52,7 @@ replace qwen-0
     --label deploykit.replica=0 \
     --restart unless-stopped \
     --stop-timeout 50 \
-    --network qwen \
+    --network qwen-internal \
     --cpuset-cpus 0-27,112-139 \
     --cpuset-mems 0 \
     --memory 105207453900 \
@@ -67,7 +71,6 @@ replace qwen-0
     --env OMP_NUM_THREADS=54 \
     --volume "$MODEL_DIR:/model:ro" \
     --volume "$HERE/plan.json:/etc/deploykit/plan.json:ro" \
-    --publish 0.0.0.0:8001:8000 \
     "$IMAGE"
 
 # replica 1 on NUMA node 1: inference CPUs 28-54,140-166 (54 OpenMP threads), front end on CPUs 55,167; memory on node 1, limit 98.0 GiB
@@ -78,7 +81,7 @@ replace qwen-1
     --label deploykit.replica=1 \
     --restart unless-stopped \
     --stop-timeout 50 \
-    --network qwen \
+    --network qwen-internal \
     --cpuset-cpus 28-55,140-167 \
     --cpuset-mems 1 \
     --memory 105207453900 \
@@ -97,7 +100,6 @@ replace qwen-1
     --env OMP_NUM_THREADS=54 \
     --volume "$MODEL_DIR:/model:ro" \
     --volume "$HERE/plan.json:/etc/deploykit/plan.json:ro" \
-    --publish 0.0.0.0:8002:8000 \
     "$IMAGE"
 
 # replica 2 on NUMA node 2: inference CPUs 56-82,168-194 (54 OpenMP threads), front end on CPUs 83,195; memory on node 2, limit 98.0 GiB
@@ -108,7 +110,7 @@ replace qwen-2
     --label deploykit.replica=2 \
     --restart unless-stopped \
     --stop-timeout 50 \
-    --network qwen \
+    --network qwen-internal \
     --cpuset-cpus 56-83,168-195 \
     --cpuset-mems 2 \
     --memory 105207453900 \
@@ -127,7 +129,6 @@ replace qwen-2
     --env OMP_NUM_THREADS=54 \
     --volume "$MODEL_DIR:/model:ro" \
     --volume "$HERE/plan.json:/etc/deploykit/plan.json:ro" \
-    --publish 0.0.0.0:8003:8000 \
     "$IMAGE"
 
 # replica 3 on NUMA node 3: inference CPUs 84-110,196-222 (54 OpenMP threads), front end on CPUs 111,223; memory on node 3, limit 98.0 GiB
@@ -138,7 +139,7 @@ replace qwen-3
     --label deploykit.replica=3 \
     --restart unless-stopped \
     --stop-timeout 50 \
-    --network qwen \
+    --network qwen-internal \
     --cpuset-cpus 84-111,196-223 \
     --cpuset-mems 3 \
     --memory 105207453900 \
@@ -157,19 +158,18 @@ replace qwen-3
     --env OMP_NUM_THREADS=54 \
     --volume "$MODEL_DIR:/model:ro" \
     --volume "$HERE/plan.json:/etc/deploykit/plan.json:ro" \
-    --publish 0.0.0.0:8004:8000 \
     "$IMAGE"
 
-# nginx load balancer (least connections, streaming) in front of the replicas; runs from the engine image, so nothing is pulled from a registry
+# nginx load balancer (least connections, streaming) in front of the replicas, the only published port; runs from the engine image, so nothing is pulled from a registry
 replace qwen-lb
-"$DOCKER" run --detach \
+"$DOCKER" create \
     --name qwen-lb \
     --label deploykit.deployment=qwen \
     --label deploykit.replica=lb \
     --restart unless-stopped \
     --stop-timeout 50 \
     --stop-signal SIGQUIT \
-    --network qwen \
+    --network qwen-edge \
     --cpuset-cpus 27,55,83,111,139,167,195,223 \
     --memory 268435456 \
     --memory-swap 268435456 \
@@ -178,9 +178,15 @@ replace qwen-lb
     --tmpfs /tmp:rw,nosuid,nodev,noexec,size=64m \
     --cap-drop ALL \
     --security-opt no-new-privileges \
+    --sysctl net.ipv4.tcp_keepalive_intvl=2 \
+    --sysctl net.ipv4.tcp_keepalive_probes=3 \
+    --sysctl net.ipv4.tcp_keepalive_time=2 \
+    --sysctl net.ipv4.tcp_retries2=4 \
     --security-opt "seccomp=$HERE/seccomp.json" \
     --volume "$HERE/nginx.conf:/etc/deploykit/nginx.conf:ro" \
     --publish 0.0.0.0:8000:8000 \
     --entrypoint /usr/sbin/nginx \
     "$IMAGE" -e stderr -c /etc/deploykit/nginx.conf
+"$DOCKER" network connect --alias qwen-lb qwen-internal qwen-lb
+"$DOCKER" start qwen-lb >/dev/null
 echo "deployment $DEPLOYMENT: 4 replicas behind port 8000 on 0.0.0.0 (GET /health)"
