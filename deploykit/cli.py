@@ -10,6 +10,7 @@ import json
 import sys
 
 from . import __version__
+from .bench.command import ARGS as BENCH_ARGS  # argparse only: httpx, rich and matplotlib load when bench runs
 from .commands import Tool, arg
 from .errors import DeploykitError, exit_code
 from .runtime import RUNTIMES
@@ -235,6 +236,13 @@ def _logs(args: argparse.Namespace) -> int:
     from .runtime import lifecycle
     return lifecycle.logs(args.target, args.replica, runtime=args.runtime, state_dir=args.state_dir,
                           follow=args.follow, tail=args.tail)
+
+
+@cli.command("bench", "load-test an OpenAI-compatible endpoint or a deployment (TTFT, inter-token latency, "
+                      "throughput per concurrency); --sweep measures a spec's placements", *BENCH_ARGS)
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import command
+    return command.run(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -106,7 +106,8 @@ class Unhealthy(DeploykitError):
 
 
 class TargetError(DeploykitError):
-    """The process, server or container `deploykit doctor` was pointed at does not exist or cannot be read."""
+    """The process, server, container or endpoint `deploykit doctor` or `deploykit bench` was pointed at does not
+    exist or cannot be read (or, for bench, failed every request)."""
 
     kind = "target"
 

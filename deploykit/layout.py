@@ -248,7 +248,7 @@ def choices(pl: PlacementSpec, topo: Topology) -> tuple[PlacementSpec, ...]:
     kept. Memory is not checked here: planner.feasible() plans each and keeps those that fit."""
     if pl.strategy == "explicit":
         return (pl,)
-    keep = pl.model_dump(exclude={"strategy", "replicas_per_node", "l3_groups_per_replica"})
+    keep = pl.model_dump(exclude={"strategy", "replicas_per_node", "l3_groups_per_replica"}, exclude_unset=True)
     options: list[dict] = [{"strategy": "per-numa-node"}, {"strategy": "per-socket"}, {"strategy": "single"}]
     nodes = [n for n in topo.nodes if n.cpus and set(n.cpus) & set(topo.allowed_cpus)]
     if pl.numa_nodes is not None:

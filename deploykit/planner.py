@@ -134,15 +134,18 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
     )
 
 
-def feasible(spec: Spec, topo: Topology, shape: ModelShape) -> tuple[tuple[str, Plan], ...]:
+def feasible(spec: Spec, topo: Topology, shape: ModelShape,
+             refused: list[tuple[str, str]] | None = None) -> tuple[tuple[str, Plan], ...]:
     """Every placement layout.choices() offers for this spec on this machine that plans (memory included), as
-    (short name, Plan), in that order: what `deploykit bench --sweep` runs."""
+    (short name, Plan), in that order: what `deploykit bench --sweep` runs. `refused` collects (short name, the
+    planner's first line) for the others."""
     out = []
     for pl in layout.choices(spec.placement, topo):
         try:
             out.append((layout.describe(pl), make_plan(spec.model_copy(update={"placement": pl}), topo, shape)))
-        except PlanError:
-            continue
+        except PlanError as e:
+            if refused is not None:
+                refused.append((layout.describe(pl), str(e).splitlines()[0]))
     return tuple(out)
 
 

@@ -25,13 +25,15 @@ cli = Tool("python -m engine", "deploykit CPU inference engine", errors=EngineEr
              arg("--tie-word-embeddings", action="store_true"),
              arg("--rope-scaling", choices=["llama3"], default=None),
              arg("--max-shard-size", default=None, help="e.g. 200MB: write sharded safetensors"),
-             arg("--seed", type=int, default=0), arg("--dtype", default="float32", choices=["float32", "bfloat16"]))
+             arg("--seed", type=int, default=0), arg("--dtype", default="float32", choices=["float32", "bfloat16"]),
+             arg("--chat-template", default="chatml", choices=["chatml", "qwen3", "llama3"],
+                 help="chatml: plain; qwen3: tools, <tool_call> and <think>; llama3: tools as JSON calls"))
 def _tiny_model(a: argparse.Namespace) -> int:
     from engine.tinymodel import make_tiny_model
     make_tiny_model(a.dir, a.arch, hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
                     intermediate=a.intermediate, head_dim=a.head_dim, seed=a.seed, dtype=a.dtype,
                     max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings,
-                    rope_scaling=a.rope_scaling, max_shard_size=a.max_shard_size)
+                    rope_scaling=a.rope_scaling, max_shard_size=a.max_shard_size, chat_template=a.chat_template)
     print(a.dir)
     return 0
 

@@ -9,6 +9,7 @@ import torch
 from deploykit import memory
 from engine.config import EngineConfig, dtype_name, mem_available_bytes
 from engine.errors import ModelLoadError, RequestError
+from engine.grammar import Grammars
 from engine.kv_cache import BlockAllocator, KVCache
 from engine.loader import load_config
 from engine.messages import EngineStats, TokenOutput
@@ -53,6 +54,7 @@ class EngineCore:
         self.runner = ModelRunner(self.model, kv, config.block_size)
         self.sampler = Sampler()
         self.eos_token_ids = spec.eos_token_ids
+        self.grammars = Grammars(config.model, spec.vocab_size, spec.eos_token_ids)  # built on first use
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._prompt_tokens = 0
@@ -82,7 +84,7 @@ class EngineCore:
         max_tokens = check_prompt(prompt_token_ids, params.max_tokens, vocab_size=vocab,
                                   max_model_len=self.max_model_len)
         n = len(prompt_token_ids)
-        state = SamplingState(params, prompt_token_ids, self.eos_token_ids, vocab)
+        state = SamplingState(params, prompt_token_ids, self.eos_token_ids, vocab, self.grammars)
         seq = Sequence(request_id, list(prompt_token_ids), n, max_tokens, state, next(self._arrivals))
         self._requests[request_id] = seq
         self.scheduler.add(seq)
@@ -128,6 +130,8 @@ class EngineCore:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.sampling.params
+        if seq.sampling.complete:  # its grammar admits nothing more
+            return "stop"
         if seq.num_output_tokens > p.min_tokens:  # a stop token counts only once min_tokens were produced
             if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
                 return "stop"

@@ -13,6 +13,8 @@ from engine.errors import RequestError
 
 MAX_LOGPROBS = 20
 MAX_STOP = 32  # OpenAI allows 4; vLLM clients send more. Each is matched against every new token's text.
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI documents no limit, and each costs a scatter per step
+LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
 # Temperatures below this are treated as greedy (as vLLM does): dividing logits by ~0 overflows.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -78,6 +80,8 @@ class SamplingParams:
     ignore_eos: bool = False  # EOS is masked out for the whole generation
     min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives; 0 = only the chosen token
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), in [-100, 100]
+    grammar: str | None = None  # an llguidance grammar (engine.grammar builds it) the output must follow
 
     def __post_init__(self) -> None:
         # Accept a bare string or a list at the edge; store tuples so params stay hashable.
@@ -85,6 +89,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         for name, r in RANGES.items():
             if not r.holds(getattr(self, name)):
                 raise RequestError(f"{name} must be {r.describe()}, got {getattr(self, name)!r}", param=name)
@@ -95,6 +101,11 @@ class SamplingParams:
             ("stop_token_ids", isinstance(self.stop_token_ids, tuple)
              and all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "a list of integers >= 0"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "a bool"),
+            ("logit_bias", isinstance(self.logit_bias, tuple) and len(self.logit_bias) <= MAX_LOGIT_BIAS
+             and all(isinstance(e, tuple) and len(e) == 2 and _is_int(e[0]) and e[0] >= 0
+                     and Range(ge=-LOGIT_BIAS, le=LOGIT_BIAS).holds(e[1]) for e in self.logit_bias),
+             f"at most {MAX_LOGIT_BIAS} token ids (>= 0) mapped to numbers in [-{LOGIT_BIAS:g}, {LOGIT_BIAS:g}]"),
+            ("grammar", self.grammar is None or isinstance(self.grammar, str), "a grammar string or null"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens, "<= max_tokens"),
         )
         for name, ok, allowed in others:
@@ -148,8 +159,10 @@ def check_prompt(ids: list[int], max_tokens: int | None, *, vocab_size: int, max
     return max_tokens
 
 
-def check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    bad = [t for t in params.stop_token_ids if t >= vocab_size]
-    if bad:
-        raise RequestError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})",
-                           param="stop_token_ids")
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """The token ids a request names (stop_token_ids, logit_bias) index the logits: each must be in the vocabulary."""
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise RequestError(f"{name} {bad[:8]} {'are' if len(bad) > 1 else 'is'} outside the vocabulary "
+                               f"[0, {vocab_size})", param=name)

@@ -4,14 +4,19 @@ from __future__ import annotations
 import math
 from array import array
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
+import numpy as np
 import torch
 
-from engine.params import GREEDY_TEMPERATURE, MAX_LOGPROBS, SamplingParams, TokenLogprobs, check_stop_token_ids
+from engine.errors import RequestError
+from engine.params import GREEDY_TEMPERATURE, MAX_LOGPROBS, SamplingParams, TokenLogprobs, check_token_ids
+
+if TYPE_CHECKING:
+    from engine.grammar import Grammars
 
 __all__ = ["GREEDY_TEMPERATURE", "MAX_LOGPROBS", "SamplerOutput", "Sampler", "SamplingParams", "SamplingState",
-           "TokenLogprobs", "apply_bans", "apply_penalties"]
+           "TokenLogprobs", "apply_bans", "apply_grammars", "apply_logit_bias", "apply_penalties"]
 
 # Two-level argmax/top-k: one vectorised amax over [R, V/BLOCK, BLOCK] picks candidate blocks, so the slow
 # index-tracking kernels (argmax, topk) only run on a few thousand elements. Large k uses narrower blocks.
@@ -32,11 +37,11 @@ class SamplingState:
     """Per-request mutable sampling state; the engine calls `append` for every accepted token."""
 
     __slots__ = ("params", "vocab_size", "eos_token_ids", "num_output_tokens", "generator", "has_penalties",
-                 "_min_tokens_ban", "_always_ban", "_slot", "_ids", "_counts")
+                 "matcher", "_bias", "_min_tokens_ban", "_always_ban", "_slot", "_ids", "_counts")
 
     def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int], eos_token_ids: Sequence[int],
-                 vocab_size: int):
-        check_stop_token_ids(params, vocab_size)  # they index the logits
+                 vocab_size: int, grammars: Grammars | None = None):
+        check_token_ids(params, vocab_size)  # they index the logits
         self.params = params
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
@@ -46,6 +51,12 @@ class SamplingState:
         self._always_ban = self.eos_token_ids if params.ignore_eos else ()
         self.has_penalties = (params.repetition_penalty != 1 or params.presence_penalty != 0
                               or params.frequency_penalty != 0)
+        self._bias = None if not params.logit_bias else (  # (token ids [N] int64, biases [N] float32)
+            torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64),
+            torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32))
+        if params.grammar is not None and grammars is None:
+            raise RequestError("this engine was built without grammar support", param="response_format")
+        self.matcher = grammars.matcher(params.grammar) if params.grammar is not None else None
         # Sparse penalty bookkeeping, one slot per distinct token seen: a step costs O(distinct tokens),
         # not O(V). _counts counts output occurrences only (prompt tokens sit at 0 for the repetition penalty).
         self._slot: dict[int, int] = {}
@@ -59,6 +70,8 @@ class SamplingState:
 
     def append(self, token_id: int) -> None:
         self.num_output_tokens += 1
+        if self.matcher is not None:
+            self.matcher.accept(token_id)  # a refused token leaves the matcher failed: `complete` ends the request
         if not self.has_penalties:
             return
         slot = self._slot.get(token_id)
@@ -68,6 +81,16 @@ class SamplingState:
             self._counts.append(1.0)
         else:
             self._counts[slot] += 1.0
+
+    @property
+    def complete(self) -> bool:
+        """The grammar admits nothing more: the output is a whole document (or, never expected, broke it)."""
+        return self.matcher is not None and self.matcher.done
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether anything but temperature and truncation touches this row's logits before the draw."""
+        return self.has_penalties or self._bias is not None or self.matcher is not None or bool(self.banned_token_ids())
 
     def banned_token_ids(self) -> tuple[int, ...]:
         """Token ids whose logits are forced to -inf at this step."""
@@ -114,6 +137,37 @@ def apply_bans(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
         r = torch.tensor([i for i, ids in bans for _ in ids], dtype=torch.int64)
         c = torch.tensor([t for _, ids in bans for t in ids], dtype=torch.int64)
         logits[r, c] = -math.inf
+
+
+def apply_logit_bias(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
+    """In place on [B, V]: each request's logit_bias added to its tokens' logits (OpenAI's semantics)."""
+    for i, s in enumerate(states):
+        if s._bias is not None:
+            ids, bias = s._bias
+            logits[i].index_add_(0, ids, bias)
+
+
+_ALLOWED_TO_ADD = torch.tensor([-math.inf, 0.0])  # a token's bit (0: not allowed, 1: allowed) -> added to its logit
+
+
+def apply_grammars(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
+    """In place on [B, V]: -inf for every token the row's grammar does not allow next. The matcher's bitmask
+    (one bit per token, little-endian) is unpacked by numpy into a [R, V] 0/1 array, looked up as 0/-inf and
+    added into the rows: a gather and an add, branch-free (masked_fill_ with the scattered mask of a JSON string
+    state costs several times more on CPU; benchmarks/grammar.py). A row the grammar would leave empty
+    (everything it allows was banned) keeps its end tokens so the request can end."""
+    rows = [i for i, s in enumerate(states) if s.matcher is not None]
+    if not rows:
+        return
+    v = logits.shape[1]
+    masks = np.stack([np.frombuffer(states[i].matcher.bitmask(), dtype=np.uint8) for i in rows])  # [R, W*4]
+    allowed = torch.from_numpy(np.unpackbits(masks, axis=1, count=v, bitorder="little"))  # [R, V] uint8
+    add = _ALLOWED_TO_ADD.index_select(0, allowed.view(-1).int()).view(len(rows), v)  # [R, V] 0 / -inf
+    logits.index_add_(0, torch.tensor(rows), add)
+    empty = logits.amax(-1) == -math.inf  # [B]
+    for r in rows:
+        if empty[r]:
+            logits[r, list(states[r].eos_token_ids)] = 0.0
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
@@ -242,8 +296,9 @@ def _logprobs(raw: torch.Tensor, chosen: list[int], ns: list[int]) -> list[Token
 
 
 class Sampler:
-    """Turns last-position logits into next tokens. Processing order follows HF/vLLM: penalties ->
-    min_tokens/ignore_eos masks -> temperature -> top-k -> top-p -> min-p -> draw.
+    """Turns last-position logits into next tokens. Processing order follows HF/vLLM: penalties -> logit_bias ->
+    min_tokens/ignore_eos masks -> grammar mask -> temperature -> top-k -> top-p -> min-p -> draw. The grammar
+    mask comes before temperature and truncation, so those act on the allowed tokens only.
     The logits tensor is overwritten; callers must not reuse it."""
 
     def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
@@ -253,13 +308,15 @@ class Sampler:
         x = logits.float()  # [B, V], no copy when already float32
         params = [s.params for s in states]
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
-        untouched = not any(s.has_penalties or s.banned_token_ids() for s in states)
+        untouched = not any(s.edits_logits for s in states)
         if untouched and not want_lp and all(p.is_greedy for p in params):
             return SamplerOutput(_argmax(x).tolist(), [None] * rows)
 
         raw = x[want_lp] if want_lp else None  # [L, V] copy kept for logprobs
         apply_penalties(x, states)
+        apply_logit_bias(x, states)
         apply_bans(x, states)
+        apply_grammars(x, states)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
         # Seeded rows are sampled one by one with their own generator, so their stream never depends on
         # what else is in the batch; unseeded rows in one batch with and one without top-k/top-p.

@@ -95,7 +95,7 @@ def ports_free(d: Deployment, members: Iterable[Member], ours: set[int],
     replaces). `holder(port)` names who has it, where the runtime can tell."""
     address = d.plan.serving.publish_address.strip("[]")
     for m in members:
-        if m.port in ours or _can_bind(address, m.port):
+        if m.port in ours or can_bind(address, m.port):
             continue
         who = holder(m.port)
         raise RuntimeFailure(f"port {m.port} on {address} is already in use{f' by {who}' if who else ''} ({m.name} "
@@ -104,7 +104,7 @@ def ports_free(d: Deployment, members: Iterable[Member], ours: set[int],
                                   "serving.port (replicas use the ports after it)".replace("PORT", str(m.port)))
 
 
-def _can_bind(address: str, port: int) -> bool:
+def can_bind(address: str, port: int) -> bool:
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT leftover is no conflict

@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from deploykit import __version__
-from engine.server import errors, serving
+from engine.server import errors, responses, serving
 from engine.server import protocol as p
 from engine.server.frontend import Frontend, State
 from engine.server.middleware import Gate
@@ -68,6 +68,15 @@ def build_app(fe: Frontend, *, api_key: str | None, max_body_bytes: int, allowed
     @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=ERRORS)
     async def chat_completions(req: p.ChatCompletionRequest, request: Request) -> Response:
         return await _counted(fe, serving.create_chat_completion(fe, req, request))
+
+    @app.post("/v1/responses", responses=ERRORS)
+    async def create_response(req: responses.ResponsesRequest, request: Request) -> Response:
+        return await _counted(fe, responses.create_response(fe, req, request))
+
+    @app.get("/v1/responses/{response_id}", responses=ERRORS)
+    async def get_response(response_id: str) -> Response:
+        raise errors.APIError(404, f"response {response_id!r} not found: this server is stateless and stores no "
+                                   "responses (store is always false)", param="response_id", code="not_found")
 
     @app.post("/tokenize", response_model=p.TokenizeResponse, responses=ERRORS)
     async def tokenize(req: p.TokenizeRequest) -> p.TokenizeResponse:

@@ -15,9 +15,10 @@ from engine import tokenizer as tokenizers
 from engine.errors import RequestError
 from engine.messages import (AbortRequest, AddRequest, Call, EngineStats, Fatal, Op, Ready, Rejected, StepResult)
 from engine.outputs import RequestOutput, RequestState, fold
-from engine.params import SamplingParams, check_prompt, check_stop_token_ids
+from engine.params import SamplingParams, check_prompt, check_token_ids
 from engine.server.errors import APIError, bad_request, from_request_error, unavailable
 from engine.server.metrics import Metrics
+from engine.server.templates import ChatTemplate
 from engine.server.worker import EngineProcess
 
 log = logging.getLogger("engine.server")
@@ -77,8 +78,10 @@ class Generation:
 
 class Frontend:
     def __init__(self, tokenizer, engine: EngineProcess, model_name: str, *, max_num_seqs: int, max_waiting: int,
-                 stall_timeout: float = 0.0, sse_keepalive: float | None = 15.0):
+                 stall_timeout: float = 0.0, sse_keepalive: float | None = 15.0, tool_call_parser: str = "auto",
+                 reasoning_parser: str = "auto"):
         self.tokenizer = tokenizer
+        self.chat_template = ChatTemplate(tokenizer, tool_call_parser, reasoning_parser)
         self.sse_keepalive = sse_keepalive  # seconds of silence before an SSE comment line
         self.engine = engine
         self.model_name = model_name
@@ -151,9 +154,9 @@ class Frontend:
             raise APIError(429, f"too many requests waiting ({self.num_inflight} in flight, capacity "
                            f"{self.capacity}); retry later", code="queue_full", headers={"Retry-After": "1"})
 
-    def check_stop_tokens(self, params: SamplingParams) -> None:
+    def check_token_ids(self, params: SamplingParams) -> None:
         try:
-            check_stop_token_ids(params, self.info.vocab_size)
+            check_token_ids(params, self.info.vocab_size)
         except RequestError as e:
             raise from_request_error(e) from None
 
@@ -167,7 +170,7 @@ class Frontend:
 
     # ---- tokenizer ----
     @staticmethod
-    async def _off_loop(size: int, work: Callable[[], T]) -> T:
+    async def off_loop(size: int, work: Callable[[], T]) -> T:
         """Run `work` in a thread when it handles more than LONG_TEXT characters in all (one request's whole batch,
         not each string): a long tokenization would stall every stream served by this loop."""
         if size > LONG_TEXT:
@@ -178,24 +181,11 @@ class Frontend:
         return (await self.encode_many([text], add_special_tokens))[0]
 
     async def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        return await self._off_loop(sum(map(len, texts)), lambda: [
+        return await self.off_loop(sum(map(len, texts)), lambda: [
             self.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts])
 
     async def decode_many(self, prompts: list[list[int]]) -> list[str]:
-        return await self._off_loop(CHARS_PER_TOKEN * sum(map(len, prompts)), lambda: [self.decode(x) for x in prompts])
-
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
-        return await self._off_loop(sum(len(m["content"]) for m in messages) + len(messages) * 64,
-                                    functools.partial(self._render_chat, messages, add_generation_prompt))
-
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-        except Exception as e:  # noqa: BLE001 - a template raises whatever it likes ("roles must alternate")
-            raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+        return await self.off_loop(CHARS_PER_TOKEN * sum(map(len, prompts)), lambda: [self.decode(x) for x in prompts])
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -103,7 +103,8 @@ def _run(o: ServeOptions, b, engine, sock: socket.socket) -> int:
         log.error("%s", e)
         return EXIT_STARTUP
     fe = Frontend(tokenizer, engine, o.model_name, max_num_seqs=o.max_num_seqs, max_waiting=o.max_waiting,
-                  stall_timeout=o.stall_timeout, sse_keepalive=o.sse_keepalive or None)
+                  stall_timeout=o.stall_timeout, sse_keepalive=o.sse_keepalive or None,
+                  tool_call_parser=o.tool_call_parser, reasoning_parser=o.reasoning_parser)
     app = build_app(fe, api_key=o.api_key, max_body_bytes=o.max_body_bytes, allowed_origins=o.allowed_origins,
                     on_shutdown=lambda: engine.stop(timeout=0 if fe.state is State.LOADING else 10.0))
     config = uvicorn.Config(app, log_level="info", access_log=o.access_log, timeout_graceful_shutdown=5)

@@ -13,6 +13,9 @@ from deploykit.units import parse_size
 from engine.config import EngineConfig
 from engine.errors import OptionsError
 
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
+REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
+
 
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
@@ -43,6 +46,8 @@ class ServeOptions:
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API
     seed: int = 0
     access_log: bool = True
+    tool_call_parser: str = "auto"  # how tool calls are written: auto (from the chat template) | hermes | llama3_json
+    reasoning_parser: str = "auto"  # <think> blocks -> reasoning_content: auto (the template thinks) | none | ...
 
     @property
     def model_name(self) -> str:
@@ -99,6 +104,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated browser origins allowed by CORS (e.g. https://app.example.com, or *)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-access-log", action="store_true")
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="the tool-call format the model writes: auto (from its chat template: <tool_call> is hermes, "
+                        "Llama 3's is llama3_json) | hermes | llama3_json (env DEPLOYKIT_TOOL_CALL_PARSER)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split <think>...</think> into reasoning_content: auto (when the chat template mentions "
+                        "</think>) | none | qwen3 | deepseek_r1 (env DEPLOYKIT_REASONING_PARSER)")
 
 
 def _check_ranges(flags: dict) -> None:
@@ -150,6 +161,7 @@ def options(model: str, *, plan: Plan | None = None, replica: int = 0, environ: 
         if given.get("binding") not in (None, "auto", "none"):
             given["binding_source"] = "env"
         given |= _env_settings(env)
+    given |= _env_settings(env, _ENV_ALWAYS)
     given = {k: v for k, v in given.items() if v is not None}
     explicit = {k: v for k, v in flags.items() if v is not None}
     if explicit.get("binding") not in (None, "auto", "none"):
@@ -175,6 +187,15 @@ _ENV_SETTINGS = {"DEPLOYKIT_DTYPE": ("dtype", str), "DEPLOYKIT_MAX_MODEL_LEN": (
                  "DEPLOYKIT_METRICS_PORT": ("metrics_port", int),
                  "DEPLOYKIT_RESERVED_CPUS": ("reserved_cpus", int), "DEPLOYKIT_THREADS": ("threads", int),
                  "DEPLOYKIT_USE_SMT": ("use_smt", lambda v: _flag(v))}
+# Settings a plan does not hold: read from the environment with or without one.
+_ENV_ALWAYS = {"DEPLOYKIT_TOOL_CALL_PARSER": ("tool_call_parser", lambda v: _choice(v, TOOL_CALL_PARSERS)),
+               "DEPLOYKIT_REASONING_PARSER": ("reasoning_parser", lambda v: _choice(v, REASONING_PARSERS))}
+
+
+def _choice(text: str, allowed: tuple[str, ...]) -> str:
+    if text not in allowed:
+        raise ValueError(f"expected one of {', '.join(allowed)}")
+    return text
 
 
 def _flag(text: str) -> bool:
@@ -185,9 +206,9 @@ def _flag(text: str) -> bool:
     raise ValueError("expected 1/true or 0/false")
 
 
-def _env_settings(env) -> dict:
+def _env_settings(env, table: dict | None = None) -> dict:
     out = {}
-    for var, (name, parse) in _ENV_SETTINGS.items():
+    for var, (name, parse) in (_ENV_SETTINGS if table is None else table).items():
         text = env.get(var)
         if text is None or text == "":
             continue
@@ -225,7 +246,8 @@ def options_from_args(a: argparse.Namespace, environ: dict | None = None) -> Ser
                    served_model_name=a.served_model_name, max_waiting=a.max_waiting, max_body_bytes=body,
                    shutdown_timeout=a.shutdown_timeout, stall_timeout=a.stall_timeout, sse_keepalive=a.sse_keepalive,
                    allowed_origins=_origins(a.allowed_origins), seed=a.seed,
-                   access_log=False if a.no_access_log else None)
+                   access_log=False if a.no_access_log else None, tool_call_parser=a.tool_call_parser,
+                   reasoning_parser=a.reasoning_parser)
 
 
 def _origins(text: str | None) -> tuple[str, ...] | None:

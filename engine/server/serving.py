@@ -12,29 +12,47 @@ from starlette.responses import Response, StreamingResponse
 
 from engine.errors import RequestError
 from engine.params import SamplingParams
+from engine.server import chat, fields
 from engine.server import protocol as p
 from engine.server.errors import APIError, bad_request, from_request_error
 from engine.server.frontend import Frontend, Generation
+from engine.server.templates import Message
+from engine.server.tools import Function, call_id
 
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity; OpenAI clients expect a number
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering (nginx in front)
 
 
-def _dumps(obj) -> str:
+def dumps(obj) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
-def _params(req: p.SamplingFields, max_tokens: int | None, logprobs: int | None) -> list[SamplingParams]:
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    out = []
+    for key, value in (bias or {}).items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids (integers as strings), got {key!r}",
+                              "logit_bias") from None
+        if tid < 0:
+            raise bad_request(f"logit_bias keys must be token ids >= 0, got {key!r}", "logit_bias")
+        out.append((tid, value))
+    return tuple(sorted(out))
+
+
+def _params(req: p.SamplingFields, max_tokens: int | None, logprobs: int | None,
+            grammar_text: str | None = None) -> list[SamplingParams]:
     """One SamplingParams per choice: with a seed, choice i uses seed + i (reproducible, yet the choices differ)."""
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     kw = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
           "min_p": req.min_p, "repetition_penalty": req.repetition_penalty, "presence_penalty": req.presence_penalty,
           "frequency_penalty": req.frequency_penalty, "stop": stop, "stop_token_ids": tuple(req.stop_token_ids or ()),
-          "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens, "logprobs": logprobs}
+          "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens, "logprobs": logprobs,
+          "logit_bias": logit_bias(req.logit_bias), "grammar": grammar_text}
     try:
         if req.seed is None:
             return [SamplingParams(**kw)] * req.n
@@ -43,7 +61,7 @@ def _params(req: p.SamplingFields, max_tokens: int | None, logprobs: int | None)
         raise from_request_error(e) from None
 
 
-def _usage(gen: Generation) -> dict:
+def usage_of(gen: Generation) -> dict:
     done = sum(len(ch.state.token_ids) for ch in gen.choices)
     prompt = sum(gen.prompt_lens)
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
@@ -54,7 +72,7 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-async def _collect(gen: Generation, request: Request) -> bool:
+async def collect(gen: Generation, request: Request) -> bool:
     """Run a non-streaming generation to the end; False if the client went away first (its requests aborted)."""
     async def consume() -> None:
         async for _ in gen.stream():
@@ -74,7 +92,7 @@ async def _collect(gen: Generation, request: Request) -> bool:
         gen.cancel()
 
 
-class _Stream(StreamingResponse):
+class EventStream(StreamingResponse):
     """An SSE response that aborts its generation however the response ends: done, client gone (cancellation),
     or cancelled before the first chunk was even produced."""
 
@@ -103,15 +121,23 @@ async def _events(gen: Generation, chunk, start: list[str], usage_chunk) -> Asyn
             index, ro = item
             c = chunk(index, ro)
             if c is not None:
-                yield f"data: {_dumps(c)}\n\n"
+                yield f"data: {dumps(c)}\n\n"
         if usage_chunk is not None:
-            yield f"data: {_dumps(usage_chunk(_usage(gen)))}\n\n"
+            yield f"data: {dumps(usage_chunk(usage_of(gen)))}\n\n"
     except APIError as e:  # headers are already sent: report in-band, as OpenAI does
-        yield f"data: {_dumps(e.body())}\n\n"
+        yield f"data: {dumps(e.body())}\n\n"
     yield "data: [DONE]\n\n"
 
 
 # ---- /v1/completions ----
+
+def _completion_grammar(fmt: p.ResponseFormat | None) -> str | None:
+    """response_format on a completion: the text itself must be the JSON document."""
+    out = output_format(fmt, "response_format")
+    if out is None:
+        return None
+    return chat.schema_grammar(out.schema or {"type": "object"}, "response_format schema", "response_format")
+
 
 async def _prompts(fe: Frontend, prompt) -> list[list[int]]:
     if isinstance(prompt, str):
@@ -141,17 +167,16 @@ async def create_completion(fe: Frontend, req: p.CompletionRequest, request: Req
     arrival = time.monotonic()
     fe.check_available()
     fe.check_model(req.model)
+    fields.check(req, "completions")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of different from n is not supported", "best_of")
-    if req.suffix:
-        raise bad_request("suffix is not supported", "suffix")
     if req.echo and req.logprobs is not None:
         raise bad_request("echo together with logprobs (prompt logprobs) is not supported", "echo")
-    params = _params(req, req.max_tokens, req.logprobs)
+    params = _params(req, req.max_tokens, req.logprobs, _completion_grammar(req.response_format))
     single = isinstance(req.prompt, str) or not req.prompt or isinstance(req.prompt[0], int)
     count = (1 if single else len(req.prompt)) * req.n
     fe.check_fits(count, "n")
-    fe.check_stop_tokens(params[0])
+    fe.check_token_ids(params[0])
     fe.admit(count)  # a full queue answers 429 before any tokenizing
     prompts = await _prompts(fe, req.prompt)
     for ids in prompts:
@@ -185,9 +210,9 @@ async def create_completion(fe: Frontend, req: p.CompletionRequest, request: Req
             return {**c, "usage": None} if with_usage else c
 
         usage = (lambda u: {**head, "choices": [], "usage": u}) if with_usage else None
-        return _Stream(_events(gen, chunk, [], usage), gen)
+        return EventStream(_events(gen, chunk, [], usage), gen)
 
-    if not await _collect(gen, request):
+    if not await collect(gen, request):
         return Response(status_code=499)
     choices = []
     for ch in gen.choices:
@@ -196,7 +221,7 @@ async def create_completion(fe: Frontend, req: p.CompletionRequest, request: Req
         choices.append(p.CompletionChoice(index=ch.index, text=(echo[ch.index] if echo else "") + c.text,
                                           logprobs=lp, finish_reason=c.finish_reason))
     body = p.CompletionResponse(id=rid, created=gen.created, model=model, choices=choices,
-                                usage=p.Usage(**_usage(gen)))
+                                usage=p.Usage(**usage_of(gen)))
     return Response(body.model_dump_json(), media_type="application/json")
 
 
@@ -209,54 +234,122 @@ def _chat_logprobs(fe: Frontend, lps) -> list[dict]:
     return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
 
+def output_format(fmt: p.ResponseFormat | None, param: str) -> chat.OutputFormat | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise bad_request(f"{param} of type json_schema needs json_schema: {{name, schema}}", param)
+        return chat.OutputFormat("json_schema", fmt.json_schema.schema_)
+    return chat.OutputFormat("json_object")
+
+
+def arguments_object(text: str, where: str, param: str = "messages") -> dict:
+    """A call's arguments as sent back in the history (JSON text) -> the object templates render."""
+    try:
+        args = json.loads(text) if text.strip() else {}
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise bad_request(f"{where} must be a JSON object as text, got {text[:80]!r}", param)
+    return args
+
+
+def chat_messages(messages: list[p.ChatMessage]) -> list[Message]:
+    out = []
+    for i, m in enumerate(messages):
+        listed = isinstance(m.content, list)
+        parts = tuple(x.text for x in m.content) if listed else None if m.content is None else (m.content,)
+        calls = tuple((c.id or call_id(), c.function.name,
+                       arguments_object(c.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments"))
+                      for j, c in enumerate(m.tool_calls or ()))
+        if calls and m.role != "assistant":
+            raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls", "messages")
+        out.append(Message("system" if m.role == "developer" else m.role, parts, listed, m.name, calls,
+                           m.tool_call_id, m.reasoning_content))
+    return out
+
+
+def chat_turn(req: p.ChatCompletionRequest) -> chat.ChatTurn:
+    choice = req.tool_choice or "auto"
+    named = choice.function.name if isinstance(choice, p.NamedToolChoice) else None
+    functions = [Function(t.function.name, t.function.description, t.function.parameters or {"type": "object"},
+                          bool(t.function.strict)) for t in req.tools or ()]
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    add_gen = req.add_generation_prompt
+    if req.continue_final_message:
+        if "add_generation_prompt" in req.model_fields_set and add_gen:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true: the first "
+                              "continues the last message, the second starts a new one", "continue_final_message")
+        add_gen = False
+    return chat.ChatTurn(chat_messages(req.messages), functions, "function" if named else choice, named,
+                         req.parallel_tool_calls, output_format(req.response_format, "response_format"), kwargs,
+                         add_gen, req.continue_final_message)
+
+
 async def create_chat_completion(fe: Frontend, req: p.ChatCompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
     fe.check_available()
     fe.check_model(req.model)
-    if req.tools:
-        raise bad_request("tools are not supported", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
+    fields.check(req, "chat")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
     max_tokens = req.max_completion_tokens or req.max_tokens
-    params = _params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    turn = chat_turn(req)
+    _params(req, max_tokens, None)  # every sampling check before any template work
     fe.check_fits(req.n, "n")
-    fe.check_stop_tokens(params[0])
     fe.admit(req.n)  # a full queue answers 429 before any template rendering or tokenizing
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-    ids = await fe.encode(await fe.render_chat(messages, req.add_generation_prompt), add_special_tokens=False)
+    prep = await chat.prepare(fe, turn)
+    params = _params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, prep.grammar)
+    fe.check_token_ids(params[0])
+    ids = await fe.encode(prep.prompt, add_special_tokens=False)
     fe.check_prompt(ids, max_tokens, "messages")
     fe.admit(req.n)
     rid, model = f"chatcmpl-{uuid.uuid4().hex}", fe.model_name
     gen = fe.submit(rid, [ids], [params], arrival)
+    outs = [prep.output() for _ in gen.choices]
 
     if req.stream:
         head = {"id": rid, "object": "chat.completion.chunk", "created": gen.created, "model": model}
         with_usage = req.stream_options is not None and req.stream_options.include_usage
         extra = {"usage": None} if with_usage else {}
         role = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        start = [f"data: {_dumps({**head, 'choices': [{'index': i, **role}], **extra})}\n\n" for i in range(req.n)]
+        start = [f"data: {dumps({**head, 'choices': [{'index': i, **role}], **extra})}\n\n" for i in range(req.n)]
 
         def chunk(i: int, ro) -> dict | None:
-            if not ro.text and not ro.finished and not ro.logprobs:
+            out = outs[i]
+            d = out.feed(ro.text)
+            if ro.finished:
+                d = d.add(out.finish())
+            if not (d.reasoning or d.content or d.pieces) and not ro.finished and not ro.logprobs:
                 return None
+            delta: dict = {}
+            if d.reasoning:
+                delta["reasoning_content"] = d.reasoning
+            if d.content:
+                delta["content"] = d.content
+            if d.pieces:
+                delta["tool_calls"] = chat.call_deltas(d.pieces)
             lp = {"content": _chat_logprobs(fe, ro.logprobs)} if ro.logprobs is not None and req.logprobs else None
-            delta = {"content": ro.text} if ro.text else {}
-            return {**head, "choices": [{"index": i, "delta": delta, "logprobs": lp,
-                                         "finish_reason": ro.finish_reason if ro.finished else None}], **extra}
+            reason = chat.finish_reason(out, ro.finish_reason) if ro.finished else None
+            return {**head, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}],
+                    **extra}
 
         usage = (lambda u: {**head, "choices": [], "usage": u}) if with_usage else None
-        return _Stream(_events(gen, chunk, start, usage), gen)
+        return EventStream(_events(gen, chunk, start, usage), gen)
 
-    if not await _collect(gen, request):
+    if not await collect(gen, request):
         return Response(status_code=499)
     choices = []
-    for ch in gen.choices:
+    for ch, out in zip(gen.choices, outs):
         c = ch.state.completion()
+        out.feed(c.text)
+        out.finish()
         lp = p.ChatLogprobs(content=_chat_logprobs(fe, c.logprobs or [])) if req.logprobs else None
-        choices.append(p.ChatChoice(index=ch.index, message=p.AssistantMessage(content=c.text), logprobs=lp,
-                                    finish_reason=c.finish_reason))
+        choices.append(p.ChatChoice(index=ch.index, message=p.AssistantMessage(**out.message()), logprobs=lp,
+                                    finish_reason=chat.finish_reason(out, c.finish_reason)))
     body = p.ChatCompletionResponse(id=rid, created=gen.created, model=model, choices=choices,
-                                    usage=p.Usage(**_usage(gen)))
+                                    usage=p.Usage(**usage_of(gen)))
     return Response(body.model_dump_json(), media_type="application/json")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -154,6 +155,24 @@ def test_logs_of_one_replica_and_of_all(local):
         follow.send_signal(signal.SIGINT)
     out, _ = follow.communicate(timeout=30)
     assert follow.returncode == 130 and "POST /v1/chat/completions" in out, out
+
+
+def test_bench_finds_the_deployment_and_reports_each_replicas_metrics(local, tmp_path):
+    # after the logs test: bench's requests fill the replicas' access logs past its --tail 50
+    r = deploykit("bench", NAME, "--concurrency", "2", "--requests", "6", "--max-tokens", "4", "--prompt-tokens", "8",
+                  "--warmup", "0", "--no-progress", "--out", tmp_path / "r.json", env=local.env)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["server"]["url"] == f"http://127.0.0.1:{local.port}" and doc["server"]["deployment"] == NAME
+    [lv] = doc["levels"]
+    assert (lv["requests"], lv["errors"], lv["output_tokens"]) == (6, 0, 24)
+    metrics = lv["replica_metrics"]
+    assert set(metrics) == {f"{NAME}-0", f"{NAME}-1"}
+    # the replicas' own counters account for every token and request the client saw
+    assert sum(m["deltas"].get("deploykit_generation_tokens_total", 0) for m in metrics.values()) == 24
+    assert sum(m["deltas"].get("deploykit_request_success_total", 0) for m in metrics.values()) == 6
+    assert all("deploykit_kv_cache_usage_ratio" in m["peaks"] for m in metrics.values())
+    assert re.search(rf"{NAME}-[01]: deploykit_generation_tokens_total \+", r.stdout), r.stdout
 
 
 def test_a_changed_spec_replaces_the_replicas_one_at_a_time_and_keeps_the_proxy(local):

@@ -44,7 +44,12 @@ def test_prompt_plus_max_tokens_over_the_context_names_both_numbers(server):
     ({"prompt": []}, "prompt"),
     ({"prompt": [5, 100000]}, "prompt"),
     ({"prompt": ""}, "prompt"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"five": 1}}, "logit_bias"),
+    ({"logit_bias": {"100000": 1}}, "logit_bias"),  # outside the vocabulary
+    ({"suffix": "and then"}, "suffix"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+     "response_format"),
     ({"prompt": [True, False]}, "prompt"),
     ({"n": 10_000}, "n"),  # more sequences than the server can ever hold: not a "retry later" 429
     ({"stop_token_ids": [100_000]}, "stop_token_ids"),
@@ -67,7 +72,8 @@ def test_chat_parameter_checks(server):
     assert error(chat(top_logprobs=2), 400)["param"] == "top_logprobs"
     assert error(chat(messages=[]), 400)["param"] == "messages"
     assert error(chat(messages=[{"role": "wizard", "content": "x"}]), 400)["param"] == "messages"
-    assert error(chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400)["param"] == "tools"
+    assert error(chat(tools=[{"type": "function", "function": {"name": "no spaces"}}]), 400)["param"] == "tools"
+    assert error(chat(tools=[{"type": "retrieval"}]), 400)["param"] == "tools"
     assert chat(max_tokens=2, unknown_field={"sdk": "extra"}).status_code == 200  # unknown fields are ignored
 
 

@@ -36,12 +36,17 @@ def test_chat_uses_the_chat_template(client, tokenizer):
     assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
 
 
-def test_max_completion_tokens_and_default_fills_the_context(client, tokenizer):
+def test_max_tokens_defaults_match_openai(client, tokenizer):
+    """Chat: max_completion_tokens wins, and without either the rest of the context. Completions: 16 without
+    max_tokens (OpenAI's and vLLM's default), the rest of the context with an explicit null."""
     r = client.chat.completions.create(model="tiny", messages=chat("hi"), max_completion_tokens=3, **GREEDY)
     assert r.usage.completion_tokens == 3
-    r = client.completions.create(model="tiny", prompt=PROMPT, **GREEDY)  # no max_tokens: the rest of the context
-    assert r.choices[0].finish_reason == "length"
-    assert r.usage.total_tokens == MAX_MODEL_LEN
+    r = client.chat.completions.create(model="tiny", messages=chat("hi"), **GREEDY)
+    assert r.choices[0].finish_reason == "length" and r.usage.total_tokens == MAX_MODEL_LEN
+    r = client.completions.create(model="tiny", prompt=PROMPT, **GREEDY)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 16
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=None, **GREEDY)
+    assert r.choices[0].finish_reason == "length" and r.usage.total_tokens == MAX_MODEL_LEN
 
 
 def test_streamed_completion_equals_the_blocking_one(client):

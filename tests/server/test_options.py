@@ -108,3 +108,16 @@ def test_prefix_caching_is_on_unless_a_flag_the_environment_or_the_plan_turns_it
                       tmp_path / "plan.json")
     assert options("--plan", off, env={"MY_KEY": "k"}).prefix_caching is False
     assert options("--plan", off, "--prefix-caching", env={"MY_KEY": "k"}).prefix_caching is True
+
+
+def test_parsers_come_from_flags_or_the_environment_with_or_without_a_plan(plan):
+    assert (options().tool_call_parser, options().reasoning_parser) == ("auto", "auto")
+    o = options("--tool-call-parser", "llama3_json", "--reasoning-parser", "none")
+    assert (o.tool_call_parser, o.reasoning_parser) == ("llama3_json", "none")
+    env = {"MY_KEY": "k", "DEPLOYKIT_TOOL_CALL_PARSER": "hermes", "DEPLOYKIT_REASONING_PARSER": "deepseek_r1"}
+    o = options("--plan", plan, env=env)  # a plan holds neither: a container sets them in its environment
+    assert (o.tool_call_parser, o.reasoning_parser) == ("hermes", "deepseek_r1")
+    with pytest.raises(OptionsError, match="DEPLOYKIT_REASONING_PARSER.*one of auto, none"):
+        options(env={"DEPLOYKIT_REASONING_PARSER": "think"})
+    with pytest.raises(SystemExit):  # argparse names the choices
+        options("--tool-call-parser", "mistral")

@@ -6,9 +6,11 @@ Checks of content use distributions where bf16 could flip a greedy string (see t
 """
 from __future__ import annotations
 
+import json
 import math
 import sys
 
+import jsonschema
 import openai
 import pytest
 import yaml
@@ -87,3 +89,84 @@ def test_deploykit_serve_answers_from_a_gguf_spec(tmp_path, smollm2):
         assert s.get("/debug/binding").json()["engine"]["source"] == "plan"
     finally:
         s.close()
+
+
+# ---- what agent frameworks send, on the real model (its template takes no tools: ours describe them) ----
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city",
+                                           "parameters": WEATHER}}]
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 130},
+                                           "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 30},
+                                                       "maxItems": 4}},
+          "required": ["name", "age", "hobbies"], "additionalProperties": False}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_tool_call_is_valid_for_the_schema(client, choice):
+    r = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                       parallel_tool_calls=False, temperature=0.7, seed=1, max_tokens=128)
+    (c,) = r.choices
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER)
+    assert "paris" in args["city"].lower(), args  # the model read the question, not just the grammar
+
+
+@pytest.mark.slow
+def test_a_two_turn_tool_conversation_answers_from_the_result(client):
+    first = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, temperature=0, max_tokens=128)
+    msg = first.choices[0].message
+    history = ASK + [msg.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": msg.tool_calls[0].id,
+                                                         "content": '{"temperature": 31, "sky": "sunny"}'}]
+    second = client.chat.completions.create(model="smollm2", messages=history, tools=TOOLS, temperature=0,
+                                            max_tokens=96)
+    (c,) = second.choices
+    assert c.finish_reason in ("stop", "length", "tool_calls")
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 20  # the call and its result were rendered
+
+
+@pytest.mark.slow
+def test_json_schema_output_validates_for_20_samples_at_temperature_1(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    msgs = [{"role": "user", "content": "Describe a fictional person as JSON with name, age and hobbies."}]
+    r = client.chat.completions.create(model="smollm2", messages=msgs, response_format=fmt, n=20, temperature=1.0,
+                                       seed=3, max_tokens=200)
+    assert len(r.choices) == 20
+    for c in r.choices:
+        assert c.finish_reason == "stop", c.message.content
+        jsonschema.validate(json.loads(c.message.content), PERSON)
+
+
+@pytest.mark.slow
+def test_responses_api_text_and_function_calls(client):
+    r = client.responses.create(model="smollm2", input="What is 2 + 2?", instructions="Answer briefly.",
+                                max_output_tokens=128, temperature=0)
+    assert r.status == "completed" and "4" in r.output_text and r.usage.output_tokens < 128
+    with client.responses.stream(model="smollm2", input="What is 2 + 2?", instructions="Answer briefly.",
+                                 max_output_tokens=128, temperature=0) as s:
+        deltas = [e.delta for e in s if e.type == "response.output_text.delta"]
+        final = s.get_final_response()
+    assert "".join(deltas) == final.output_text == r.output_text
+    tools = [{"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
+              "parameters": WEATHER, "strict": True}]
+    with client.responses.stream(model="smollm2", input="What is the weather like in Paris today?", tools=tools,
+                                 tool_choice="required", parallel_tool_calls=False, max_output_tokens=128,
+                                 temperature=0) as s:
+        args = "".join(e.delta for e in s if e.type == "response.function_call_arguments.delta")
+        final = s.get_final_response()
+    (call,) = final.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.arguments == args
+    jsonschema.validate(json.loads(args), WEATHER)
+    done = client.responses.create(model="smollm2", tools=tools, max_output_tokens=64, temperature=0, input=[
+        {"role": "user", "content": "What is the weather like in Paris today?"}, call.model_dump(),
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 31, "sky": "sunny"}'}])
+    assert done.status in ("completed", "incomplete") and done.output
