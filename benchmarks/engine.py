@@ -55,7 +55,8 @@ class Ours:
         self.core = EngineCore(EngineConfig(src, dtype="bfloat16", max_model_len=MAX_LEN, max_num_seqs=BATCH))
         self.ids, self.probe, self.mats = itertools.count(), None, None
         self.info = {"kernels": kernels.status(), "torch": torch.__version__,
-                     "weights_held_bytes": getattr(self.core.model, "weight_bytes", None)}
+                     "weights_held_bytes": getattr(self.core.model, "weight_bytes", None), "rss_after_load": rss(),
+                     "kv_cache_bytes": self.core.runner.kv.nbytes if self.core.runner.kv is not None else None}
 
     def generate(self, prompts: list[list[int]], tokens: int) -> dict:
         from engine.sampling import SamplingParams
@@ -144,6 +145,14 @@ def llamacpp_worker(a):
 
 
 WORKERS = {"ours": Ours, "transformers": Transformers, "llamacpp": llamacpp_worker}
+
+
+def rss() -> dict:
+    """This process's resident memory by kind (bytes): anonymous (weights, KV cache, runtime) and file-backed
+    (mapped libraries; a checkpoint left mapped would show here)."""
+    with open("/proc/self/status") as f:
+        kv = dict(ln.split(":", 1) for ln in f)
+    return {k: int(kv[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "RssFile")}
 
 
 def best_time(fn, reps: int) -> float:
