@@ -2,7 +2,11 @@
 Qwen2-shaped bf16 model, with the memory bandwidth (decode roofline) and bf16 matmul peak measured in the same run.
 
 Run: flock /tmp/deploykit-heavy.lock python benchmarks/engine.py [--quick] [--threads N] [--rounds R]
-         [--skip-transformers] [--skip-llamacpp] [--model-dir DIR]       (JSON on stdout, progress on stderr)
+         [--skip-transformers] [--skip-llamacpp] [--model-dir DIR] [--weights bf16|Q8_0|Q4_0|Q4_K_M]
+                                                                          (JSON on stdout, progress on stderr)
+
+--weights Q8_0 (Q4_0, Q4_K_M) runs ours and llama.cpp on the same GGUF file, made from the bf16 export by llama.cpp's
+own quantizer; ours keeps its blocks quantized (engine/quant.py) and the roofline counts the file's bytes.
 
 Each framework runs in its own worker process with the binding `python -m engine serve` uses (one pinned OpenMP
 thread per CPU), so llama.cpp's OpenMP runtime never shares a process with torch's. The host is shared: rounds visit
@@ -23,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from functools import partial
 from pathlib import Path
 from statistics import median
@@ -46,9 +51,12 @@ class Ours:
         from engine.config import EngineConfig
         from engine.core import EngineCore
         self.torch, self.kernels = torch, kernels
-        self.core = EngineCore(EngineConfig(a.model_dir, dtype="bfloat16", max_model_len=MAX_LEN, max_num_seqs=BATCH))
+        src = a.model_dir if a.weights == "bf16" else a.gguf  # a quantized run loads llama.cpp's very file
+        self.core = EngineCore(EngineConfig(src, dtype="bfloat16", max_model_len=MAX_LEN, max_num_seqs=BATCH))
         self.ids, self.probe, self.mats = itertools.count(), None, None
-        self.info = {"kernels": kernels.status(), "torch": torch.__version__}
+        self.info = {"kernels": kernels.status(), "torch": torch.__version__,
+                     "weights_held_bytes": getattr(self.core.model, "weight_bytes", None), "rss_after_load": rss(),
+                     "kv_cache_bytes": self.core.runner.kv.nbytes if self.core.runner.kv is not None else None}
 
     def generate(self, prompts: list[list[int]], tokens: int) -> dict:
         from engine.sampling import SamplingParams
@@ -139,6 +147,14 @@ def llamacpp_worker(a):
 WORKERS = {"ours": Ours, "transformers": Transformers, "llamacpp": llamacpp_worker}
 
 
+def rss() -> dict:
+    """This process's resident memory by kind (bytes): anonymous (weights, KV cache, runtime) and file-backed
+    (mapped libraries; a checkpoint left mapped would show here)."""
+    with open("/proc/self/status") as f:
+        kv = dict(ln.split(":", 1) for ln in f)
+    return {k: int(kv[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "RssFile")}
+
+
 def best_time(fn, reps: int) -> float:
     fn()  # warm-up: page-in, oneDNN primitive cache, AMX tile state
     best = float("inf")
@@ -174,7 +190,7 @@ class Worker:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
         self.kind, self.proc = kind, subprocess.Popen(
             [sys.executable, __file__, "--worker", kind, "--model-dir", str(a.model_dir), "--cpus", cpus,
-             "--threads", str(threads), "--gguf", str(a.gguf)],
+             "--threads", str(threads), "--gguf", str(a.gguf), "--weights", a.weights],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
 
     def call(self, op: str | None = None, **kwargs) -> dict:
@@ -216,6 +232,18 @@ def weight_stats(model_dir: Path) -> dict:
             "decode_read_bytes": total - (0 if tied else embed), "tied_embeddings": tied,
             "layer_matmul_params": sum(math.prod(v["shape"]) for k, v in meta.items()
                                        if ".layers." in k and len(v["shape"]) == 2)}
+
+
+def gguf_weight_stats(path: str) -> dict:
+    """weight_stats for a (quantized) GGUF file: the bytes its tensors take in the file, which is what both engines
+    hold and stream (llama.cpp by design; ours keeps the blocks, repacked at the same size but for a few bytes)."""
+    from deploykit import gguf
+    h = gguf.read(path)
+    nbytes = {t.name: t.nbytes for t in h.tensors}
+    tied, total = "output.weight" not in nbytes, sum(nbytes.values())
+    return {"params": h.num_parameters, "bytes": total, "file": path, "types": dict(sorted(Counter(t.type_name for t in h.tensors).items())),
+            "decode_read_bytes": total - (0 if tied else nbytes["token_embd.weight"]), "tied_embeddings": tied,
+            "layer_matmul_params": sum(t.numel for t in h.tensors if t.name.startswith("blk.") and len(t.shape) == 2)}
 
 
 def stats(xs: list[float], nd: int = 2, lower_is_better: bool = False, samples: bool = True) -> dict:
@@ -346,6 +374,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run: one round of 8-token decodes")
     for flag in ("--skip-transformers", "--skip-llamacpp"):
         ap.add_argument(flag, action="store_true")
+    ap.add_argument("--weights", default="bf16", choices=["bf16", "Q8_0", "Q4_0", "Q4_K_M"],
+                    help="bf16: the safetensors; else ours and llama.cpp on the same llama.cpp-quantized GGUF")
     for hidden in ("--worker", "--cpus", "--gguf"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -358,14 +388,22 @@ def main() -> None:
     b = binding.resolve("auto" if a.threads is None else cpulist.format(sorted(os.sched_getaffinity(0))[:a.threads]))
     notes, load_before = [], os.getloadavg()
     generated = ensure_model(a.model_dir)
+    if a.weights != "bf16":  # transformers has no kernels for GGUF blocks: it would dequantize, which is not a peer
+        a.skip_transformers = True
     kinds, gguf_check = ["ours"] + ([] if a.skip_transformers else ["transformers"]), None
+    if importlib.util.find_spec("llama_cpp") is None and a.weights != "bf16":
+        raise SystemExit(f"--weights {a.weights} needs llama_cpp to quantize the file (benchmarks/README.md)")
     if not a.skip_llamacpp and importlib.util.find_spec("llama_cpp") is None:
         notes.append("llama.cpp not measured: llama_cpp is not importable (benchmarks/README.md says how to install)")
     elif not a.skip_llamacpp:
         from benchmarks.gguf_export import ensure_gguf
         a.gguf, gguf_check = ensure_gguf(str(a.model_dir))
         kinds.append("llamacpp")
-    w, cfg = weight_stats(a.model_dir), json.loads((a.model_dir / "config.json").read_text())
+    if a.weights != "bf16":
+        from benchmarks.gguf_export import ensure_gguf, ensure_quantized
+        a.gguf = ensure_quantized(a.gguf or ensure_gguf(str(a.model_dir))[0], a.weights)
+    w = weight_stats(a.model_dir) if a.weights == "bf16" else gguf_weight_stats(a.gguf)
+    cfg = json.loads((a.model_dir / "config.json").read_text())
     workers = {k: Worker(k, a, cpulist.format(b.cpus), b.threads) for k in kinds}
     try:
         infos = {k: wk.call() for k, wk in workers.items()}  # the ready line: each worker has loaded its model
@@ -386,7 +424,7 @@ def main() -> None:
             "intermediate_size", "vocab_size", "dtype")}},
         "machine": {"cpus": cpulist.format(b.cpus), "threads": b.threads, "isa": kern["isa"],
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "workers": infos},
-        "settings": {"rounds": a.rounds, "decode_tokens": a.tokens, "decode_prompt_tokens": PROMPT,
+        "settings": {"weights": a.weights, "rounds": a.rounds, "decode_tokens": a.tokens, "decode_prompt_tokens": PROMPT,
                      "batch": BATCH, "small_batch": SMALL_BATCH, "prefill_tokens": PREFILL, "quick": a.quick},
         **s, "ratios": derived, "targets": targets,
         "retried_for_foreign_load": {k: sum(x["retries"] for x in v) for k, v in samples.items()},

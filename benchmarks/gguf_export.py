@@ -30,6 +30,27 @@ def ensure_gguf(model_dir: str, name: str = "model-bf16.gguf") -> tuple[str, dic
     return path, {"logits": check_logits(path, model_dir), "tokenizer": check_tokenizer(path, model_dir)}
 
 
+# llama.cpp's file types (llama_ftype) for the quantized copies the benchmarks compare on.
+FTYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+
+
+def ensure_quantized(bf16_gguf: str, ftype: str) -> str:
+    """llama.cpp's own quantization of a bf16 GGUF (llama_model_quantize, as its llama-quantize tool), made once next
+    to it as <name>-<ftype>.gguf."""
+    import llama_cpp
+    out = bf16_gguf.replace("-bf16.gguf", "") .removesuffix(".gguf") + f"-{ftype}.gguf"
+    if os.path.isfile(out) and os.path.getmtime(out) >= os.path.getmtime(bf16_gguf):
+        return out
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[ftype]
+    params.nthread = os.cpu_count() or 1
+    print(f"quantizing {bf16_gguf} -> {out} ({ftype}) with llama.cpp ...", file=sys.stderr)
+    if llama_cpp.llama_model_quantize(bf16_gguf.encode(), (out + ".partial").encode(), params) != 0:
+        raise RuntimeError(f"llama_model_quantize failed for {ftype}")
+    os.replace(out + ".partial", out)
+    return out
+
+
 def _last_logits(llm) -> np.ndarray:
     # Llama.scores is only filled with logits_all=True (which computes logits for every prompt token).
     import llama_cpp

@@ -13,6 +13,7 @@ from . import __version__
 from .bench.command import ARGS as BENCH_ARGS  # argparse only: httpx, rich and matplotlib load when bench runs
 from .commands import Tool, arg
 from .errors import DeploykitError, exit_code
+from .quant import ON_LOAD
 from .runtime import RUNTIMES
 
 
@@ -27,10 +28,13 @@ SPEC = arg("spec", help="the deployment spec (YAML)")
 SYSROOT = arg("--sysroot", metavar="DIR", help="plan for a snapshot instead of the spec's hardware")
 
 
-def load_plan(spec_path: str, sysroot: str | None):
-    """spec file -> (Spec, Topology, Plan): the one pipeline every command uses."""
+def load_plan(spec_path: str, sysroot: str | None, quantization: str | None = None):
+    """spec file -> (Spec, Topology, Plan): the one pipeline every command uses. quantization: overrides
+    model.quantization (deploykit serve --quantization), before planning so memory is sized for it."""
     from . import hardware, memory, planner, specfile
     spec = specfile.load(spec_path)
+    if quantization is not None:
+        spec = spec.model_copy(update={"model": spec.model.model_copy(update={"quantization": quantization})})
     topo = hardware.resolve(spec, sysroot)
     return spec, topo, planner.make_plan(spec, topo, memory.shape(spec.model))
 
@@ -137,12 +141,14 @@ def _check(out: str, files, spec: str) -> int:
              arg("--host", help="listen address (default: serving.publish_address)"),
              arg("--port", type=int, help="listen port (default: the replica's port; 0 = any free port)"),
              arg("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                 help="reuse the KV cache of prompt prefixes seen before (default: serving.prefix_caching)"))
+                 help="reuse the KV cache of prompt prefixes seen before (default: serving.prefix_caching)"),
+             arg("--quantization", choices=ON_LOAD,
+                 help="override model.quantization (what the engine holds quantized; see the spec reference)"))
 def _serve(args: argparse.Namespace) -> int:
     """Run one replica of the plan on this host without Docker, with the plan handed to the engine as an object
     (the containers' entry point reads the same plan from plan.json)."""
     from .errors import ModelError, PlanError, RuntimeFailure
-    spec, _, plan = load_plan(args.spec, None)
+    spec, _, plan = load_plan(args.spec, None, args.quantization)
     if spec.hardware != "auto":
         raise PlanError("deploykit serve runs the plan on this host, but the spec describes other hardware",
                         path="hardware", value="sysroot" if hasattr(spec.hardware, "sysroot") else "inline",

@@ -56,6 +56,13 @@ def kernel_variant(flags: frozenset[str] | set[str] | tuple[str, ...]) -> str | 
     return "avx512bf16" if "avx512_bf16" in f else "avx512"
 
 
+def quantized_kernels(flags: frozenset[str] | set[str] | tuple[str, ...]) -> bool:
+    """The native int8 kernels for block-quantized weights (GGUF Q8_0, Q4_0, Q4_K...) run here: an AVX-512 kernel
+    build and AVX512-VNNI (vpdpbusd). Elsewhere the engine dequantizes such weights at load."""
+    # By tier, not kernel_variant: a Topology keeps only OF_INTEREST flags (no avx512dq, which every VNNI CPU has).
+    return tier(flags) in ("avx512", *BF16_TIERS) and "avx512_vnni" in set(flags)
+
+
 def amx_granted() -> bool:
     """Whether the kernel lets this process use AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM, Linux >= 5.16).
     The cpuinfo flags only say the CPU has AMX; a kernel too old, or a hypervisor that does not expose the
@@ -82,13 +89,14 @@ NFD_LABELS = {"avx2": "AVX2", "avx512f": "AVX512F", "avx512bw": "AVX512BW", "avx
               "amx_tile": "AMXTILE", "amx_bf16": "AMXBF16", "amx_int8": "AMXINT8"}
 
 
-def node_features(cpu_tier: str, dtype: str) -> tuple[str, ...]:
+def node_features(cpu_tier: str, dtype: str, quantized: bool = False) -> tuple[str, ...]:
     """NFD CPUID labels a node must have to run a plan made for `cpu_tier` as planned: AVX-512F for the native
-    kernels, and for bfloat16 the units that make it native on the planned machine (AVX512-BF16, AMX tiles), so a
-    pod never lands where bf16 is widened or emulated and runs several times slower than the plan assumed."""
+    kernels, for bfloat16 the units that make it native on the planned machine (AVX512-BF16, AMX tiles), and
+    AVX512-VNNI when weights are held quantized (the int8 kernels), so a pod never lands where bf16 is widened or
+    emulated, or quantized weights would be dequantized, and runs several times slower than the plan assumed."""
     if cpu_tier not in ("avx512", *BF16_TIERS):
         return ()
-    flags = ["avx512f"]
+    flags = ["avx512f"] + (["avx512_vnni"] if quantized else [])
     if dtype == "bfloat16" and cpu_tier in BF16_TIERS:
         flags.append("avx512_bf16")
         if cpu_tier == "amx":

@@ -8,13 +8,14 @@ cache (never downloads); falls back to the spec's explicit architecture numbers.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import gguf, modelconfig
+from . import gguf, modelconfig, quant
 from .errors import ModelError
 from .spec import ModelSpec
 
@@ -39,9 +40,26 @@ class ModelShape:
     head_dim: int
     max_position_embeddings: int | None
     counted_from: str  # "safetensors", "gguf", "config.json" or "spec"
+    # (type, shape) of every weight where the files were read: the ggml type name of a GGUF tensor, or F32 / F16 /
+    # BF16 of a safetensors one. Empty when sized from config.json or the spec's numbers.
+    tensors: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
-    def weight_bytes(self, dtype: str) -> int:
-        return self.num_parameters * DTYPE_BYTES[dtype]
+    def weight_bytes(self, dtype: str, quantization: str = "none", native_quant: bool = False) -> int:
+        """Bytes of weights the engine holds: each matrix quantized where deploykit.quant says it stays (or becomes)
+        quantized, the rest in `dtype`. native_quant: the CPU runs the int8 kernels (isa.quantized_kernels)."""
+        if not self.tensors:
+            if native_quant and quantization in ("q8_0", "q4_0"):
+                return math.ceil(self.num_parameters * quant.KEPT[quantization.upper()].bits_per_weight / 8)
+            return self.num_parameters * DTYPE_BYTES[dtype]
+        total = 0
+        for type_name, dims in self.tensors:
+            fmt = quant.held_as(type_name, dims, quantization, native_quant)
+            total += quant.KEPT[fmt].bytes(*dims) if fmt else math.prod(dims) * DTYPE_BYTES[dtype]
+        return total
+
+    def held_formats(self, quantization: str = "none", native_quant: bool = False) -> tuple[str, ...]:
+        """The quantized formats the engine holds weights in (empty: all in the model's dtype)."""
+        return tuple(sorted({f for t, d in self.tensors if (f := quant.held_as(t, d, quantization, native_quant))}))
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         elements = modelconfig.kv_elements_per_token(self.num_hidden_layers, self.num_key_value_heads, self.head_dim)
@@ -160,17 +178,24 @@ def shape(spec: ModelSpec) -> ModelShape:
 def _from_local(source: str, path: Path) -> ModelShape:
     cfg = read_config(path)
     if path.is_file():
-        params, counted = modelconfig.parameters_in(gguf.read(path)), "gguf"
+        header = gguf.read(path)
+        params, counted = modelconfig.parameters_in(header), "gguf"
+        tensors = tuple((t.type_name, t.shape) for t in header.tensors if t.name != "rope_freqs.weight")
     else:
-        params, counted = _count_safetensors(path), "safetensors"
+        tensors = _safetensors_tensors(path)
+        params, counted = (sum(math.prod(d) for _, d in tensors), "safetensors") if tensors is not None else (None, "")
         if params is None:
-            params, counted = cfg.count_parameters(), "config.json"
+            params, counted, tensors = cfg.count_parameters(), "config.json", ()
     return ModelShape(source, str(path), cfg.architecture, params, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                      cfg.max_position_embeddings, counted)
+                      cfg.max_position_embeddings, counted, tensors)
 
 
-def _count_safetensors(path: Path) -> int | None:
-    """Exact parameter count from safetensors headers (8-byte length + JSON); None if there are none."""
+# safetensors dtype names -> the float type names deploykit.quant uses (others count as F32-sized weights).
+_SAFETENSORS_TYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16"}
+
+
+def _safetensors_tensors(path: Path) -> tuple[tuple[str, tuple[int, ...]], ...] | None:
+    """(type, shape) of every tensor in the safetensors headers (8-byte length + JSON); None if there are none."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -181,7 +206,7 @@ def _count_safetensors(path: Path) -> int | None:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         return None
-    total = 0
+    out = []
     for name in files:
         f = path / name
         try:
@@ -198,8 +223,5 @@ def _count_safetensors(path: Path) -> int | None:
         for key, t in header.items():
             if key == "__metadata__" or not isinstance(t, dict):
                 continue
-            numel = 1
-            for d in t.get("shape", []):
-                numel *= int(d)
-            total += numel
-    return total
+            out.append((_SAFETENSORS_TYPES.get(str(t.get("dtype")), "F32"), tuple(int(d) for d in t.get("shape", []))))
+    return tuple(out)

@@ -66,6 +66,9 @@ class ModelPlan:
     kv_bytes_per_token: int
     served_name: str
     sized_from: str  # safetensors | gguf | config.json | spec
+    quantization: str = "none"  # model.quantization: float weights quantized on load (none | q8_0 | q4_0)
+    # The block formats weights are held in (GGUF types kept quantized, or made on load); () = all in `dtype`.
+    weight_formats: tuple[str, ...] = ()
 
     @property
     def is_file(self) -> bool:

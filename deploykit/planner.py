@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from . import cpulist, layout, memory, placement
+from . import cpulist, isa, layout, memory, placement
 from .errors import PlanError
 from .memory import ModelShape
 from .plan import (BindingPolicy, HardwareSummary, ImagePlan, Layout, ModelPlan, Plan, Replica, SecurityPlan,
@@ -68,7 +68,14 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
         choices.append((nodes, ch, _mems(spec, topo, nodes, label)))
 
     sharers = Counter(m for _, _, mems in choices for m in mems)
-    weights = shape.weight_bytes(dtype)
+    # Quantized weights run on the int8 kernels of AVX512-VNNI CPUs and are sized as held there; elsewhere they are
+    # dequantized at load and sized in `dtype` (deploykit/quant.py is the rule the engine applies too).
+    qz, native_quant = spec.model.quantization, isa.quantized_kernels(topo.isa)
+    weights = shape.weight_bytes(dtype, qz, native_quant)
+    formats = shape.held_formats(qz, native_quant)
+    if qz in ("q8_0", "q4_0") and not native_quant:
+        warnings.append(f"model.quantization {qz!r} needs the engine's int8 kernels (AVX-512 with AVX512-VNNI), which "
+                        f"this CPU (ISA tier {topo.isa_tier}) lacks: the weights stay in {dtype}")
     per_token = shape.kv_bytes_per_token(dtype)
     multi = len(choices) > 1
     replicas = []
@@ -110,7 +117,7 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
                         max_model_len=max_len, num_parameters=shape.num_parameters, weight_bytes=weights,
                         kv_bytes_per_token=per_token,
                         served_name=sv.served_model_name or memory.served_name(spec.model.source),
-                        sized_from=shape.counted_from),
+                        sized_from=shape.counted_from, quantization=qz, weight_formats=formats),
         replicas=tuple(replicas),
         serving=ServingPlan(port=sv.port, publish_address=sv.publish_address, max_num_seqs=sv.max_num_seqs,
                             max_num_batched_tokens=sv.max_num_batched_tokens, api_key_env=key_env,

@@ -53,6 +53,13 @@ def topology_text(topo: Topology) -> str:
     return "\n".join(out) + "\n"
 
 
+def _held(m) -> str:
+    """The block formats weights stay in, when some do (the rest is in the model's dtype)."""
+    if not m.weight_formats:
+        return ""
+    return f" ({' + '.join(m.weight_formats)} blocks, {m.weight_bytes * 8 / m.num_parameters:.2f} bits/weight)"
+
+
 def _groups(n: int) -> str:
     return f"{n} L3 group{'' if n == 1 else 's'}"
 
@@ -86,7 +93,8 @@ def plan_text(plan: Plan, topo: Topology) -> str:
     out = [f"plan {plan.name}: {len(plan.replicas)} replica(s) | {h.sockets} socket(s), {h.numa_nodes} NUMA node(s),"
            f" SMT {h.threads_per_core}, ISA {h.isa_tier}",
            f"model {m.source} ({m.architecture}) {m.dtype}: {_count(m.num_parameters)} params, weights "
-           f"{human(m.weight_bytes)}, KV {human(m.kv_bytes_per_token)}/token, max_model_len {m.max_model_len}",
+           f"{human(m.weight_bytes)}{_held(m)}, KV {human(m.kv_bytes_per_token)}/token, max_model_len "
+           f"{m.max_model_len}",
            ""]
     head = ("replica", "nodes", "inference CPUs", "threads", "front end", "mems", "port", "KV cache", "mem limit")
     rows = [head] + [(r.name, cpulist.format(r.numa_nodes), cpulist.format(r.cpus), str(r.omp_threads),

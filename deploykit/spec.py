@@ -15,6 +15,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, S
 
 from . import cpulist
 from .isa import OF_INTEREST as ISA_FLAGS
+from .quant import ON_LOAD
 from .units import parse_size
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
@@ -83,6 +84,10 @@ class ModelSpec(_Model):
     source: Annotated[str, Field(min_length=1)]
     revision: str | None = None
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"
+    # none: a .gguf's quantized tensors stay in their blocks (run by the int8 kernels), float weights in `dtype`;
+    # q8_0 / q4_0: float weights (safetensors, or F32/F16/BF16 tensors of a .gguf) are also quantized on load;
+    # dequantize: every weight is held in `dtype` (deploykit/quant.py has the rule).
+    quantization: Literal[ON_LOAD] = "none"  # type: ignore[valid-type]
     max_model_len: PosInt | None = None
     architecture: Architecture | None = None
 

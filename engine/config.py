@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from deploykit import isa, memory
+from deploykit import isa, memory, quant
 from engine.errors import OptionsError
 
 log = logging.getLogger("engine")
@@ -25,12 +25,15 @@ class EngineConfig:
     prefix_caching: bool = True             # reuse cached KV blocks of identical prompt prefixes
     seed: int = 0
     served_model_name: str | None = None
+    quantization: str = "none"              # float weights quantized on load (deploykit.quant.ON_LOAD)
 
     def __post_init__(self) -> None:
         try:
             memory.canonical_dtype(self.dtype)
         except ValueError as e:
             raise OptionsError(str(e)) from None
+        if self.quantization not in quant.ON_LOAD:
+            raise OptionsError(f"quantization must be one of {', '.join(quant.ON_LOAD)}, got {self.quantization!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise OptionsError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -45,7 +45,7 @@ class EngineCore:
             log.warning("KV cache holds %d tokens, less than max_model_len %d; lowering max_model_len",
                         num_blocks * config.block_size, self.max_model_len)
             self.max_model_len = num_blocks * config.block_size
-        self.model = build_model(spec, self.dtype, self.max_model_len)
+        self.model = build_model(spec, self.dtype, self.max_model_len, config.quantization)
         kv = KVCache(spec.num_layers, num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
                      self.dtype) if is_native(spec) else None
         # Prefix caching shares blocks of the paged pool; the transformers fallback keeps its own caches.

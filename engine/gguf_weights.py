@@ -1,8 +1,8 @@
 """The tensors of a GGUF file under Hugging Face names, dequantized one at a time as the model loads them.
 
-The engine runs bf16 (or fp32) kernels, so quantized weights are expanded at load time, not run quantized: a
-Q4_1 file of 93 MB becomes 269 MB of bf16 weights. Dequantization is llama.cpp's own Python package (`gguf`),
-on a read-only memory map, so only one tensor's fp32 copy exists at a time.
+Tensors of the types the int8 kernels run stay in their blocks (raw(): engine/quant.py packs them); the others, or
+all of them on a CPU without the kernels, are dequantized here with llama.cpp's own Python package (`gguf`), on a
+read-only memory map, so only one tensor's fp32 copy exists at a time. Nothing keeps the map once loading ends.
 """
 from __future__ import annotations
 
@@ -76,6 +76,24 @@ class GGUFCheckpoint:
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(ggml type name, shape) of a tensor."""
+        t = self._tensors[name]
+        return t.type_name, t.shape
+
+    def raw(self, name: str):
+        """The tensor's blocks as the file holds them (engine.quant.Raw), copied out of the map, with Llama's q/k
+        rows put back in Hugging Face's order as get() does; for the types the engine keeps quantized."""
+        from engine.quant import Raw
+        t = self._tensors[name]
+        rows = t.numel // t.shape[-1]
+        data = torch.from_numpy(np.array(self._data[self._base + t.offset:self._base + t.offset + t.nbytes]))
+        data = data.view(rows, -1)
+        if self._unpermute and (".q_proj." in name or ".k_proj." in name):
+            c = self.config
+            data = _unpermute(data, c.num_heads if ".q_proj." in name else c.num_kv_heads)
+        return Raw(t.type_name, data)
 
     def get(self, name: str) -> torch.Tensor:
         t = self._tensors.get(name)

@@ -50,6 +50,9 @@ def _load_json(path: str) -> dict:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
 
 
+_FLOAT_TYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16"}  # safetensors dtype -> deploykit.quant's type names
+
+
 class CheckpointReader:
     """Tensors by HF name from model.safetensors or the shards listed in model.safetensors.index.json."""
 
@@ -90,11 +93,21 @@ class CheckpointReader:
     def names(self) -> list[str]:
         return list(self._files)
 
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(F32 / F16 / BF16, shape) of a tensor, from the file's header."""
+        sl = self._open(self._files[name]).get_slice(name)
+        return _FLOAT_TYPES.get(sl.get_dtype(), "F32"), tuple(sl.get_shape())
+
+    def raw(self, name: str):
+        raise ModelLoadError(f"{name} is a float tensor: it has no quantized blocks")
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self._files:
             raise ModelLoadError(f"tensor {name!r} not found in the checkpoint at "
                                  f"{os.path.dirname(next(iter(self._files.values()), ''))}")
-        return self._open(self._files[name]).get_tensor(name)
+        # A copy the model owns: safetensors hands out tensors backed by its map of the file, and one kept (a norm
+        # weight) would keep the whole checkpoint mapped, its pages counted in RSS and the container's memory.
+        return self._open(self._files[name]).get_tensor(name).clone()
 
     def close(self) -> None:
         self._handles.clear()

@@ -65,7 +65,7 @@ def values(plan: Plan) -> dict:
             "threadsPerCore": plan.hardware.threads_per_core,
             "coresLeftToKubelet": node.kubelet_cores(plan),
             "slots": [_slot(plan, r) for r in plan.replicas]},
-        "nodeFeatures": list(isa.node_features(plan.hardware.isa_tier, m.dtype)),
+        "nodeFeatures": list(isa.node_features(plan.hardware.isa_tier, m.dtype, bool(m.weight_formats))),
         "security": {"runAsUser": sec.run_as_user, "runAsGroup": sec.run_as_user,
                      "readOnlyRootFilesystem": sec.read_only_root, "sysNice": sec.sys_nice},
         "seccomp": {"type": SECCOMP_TYPES[sec.seccomp]},

@@ -6,14 +6,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deploykit import isa
 from engine.kernels import loader
 
 __all__ = ["add_rms_norm", "decode_attention", "decode_attention_supported", "decode_step_", "fused", "head_rms_norm_",
-           "linear", "prepare_bias", "prepare_weight", "rotary_", "silu_mul", "status"]
+           "is_quantized", "linear", "logits", "prepare_bias", "prepare_weight", "quant_pack", "quant_parts",
+           "quant_rows", "quantized_ok", "rotary_", "silu_mul", "status"]
 
 _NATIVE = loader.load()
 _ops = torch.ops.deploykit if _NATIVE.loaded else None
 _BF16 = torch.bfloat16
+_U8 = torch.uint8
+# Block-quantized weights (engine/quant.py) run on the int8 kernels: the library has them and the CPU has VNNI.
+_QUANT = _ops is not None and isa.quantized_kernels(isa.cpu_flags())
 
 # Measured with benchmarks/kernels.py on Sapphire Rapids (2 cores): vdpbf16ps GEMV streams at
 # the memory roofline up to M≈4, past that it turns compute-bound and AMX tiles win at every M.
@@ -42,6 +47,32 @@ if _ops is not None:  # resolved once: the OpOverloadPacket lookup costs microse
     _head_rms_norm = _ops.head_rms_norm_.default
     _decode_step = _ops.decode_step_.default
     _decode_attention = _ops.decode_attention.default
+    _quant_linear = _ops.quant_linear.default
+
+
+def quantized_ok() -> bool:
+    """Whether weights may be held block-quantized here (else they are dequantized at load)."""
+    return _QUANT
+
+
+def is_quantized(w: torch.Tensor) -> bool:
+    """A packed quantized matrix is a 1-D uint8 blob (kernels/quant_layout.h)."""
+    return w.dtype == _U8 and w.dim() == 1
+
+
+def quant_pack(raws: list[torch.Tensor], formats: list[int], k: int) -> torch.Tensor:
+    """GGUF blocks of each row part [rows, bytes] (uint8) in ggml type `formats[i]` -> one quantized matrix blob."""
+    return _ops.quant_pack(raws, formats, k)
+
+
+def quant_parts(blob: torch.Tensor) -> list[int]:
+    """[N, K, format, rows, format, rows, ...] of a quantized matrix."""
+    return list(_ops.quant_parts(blob))
+
+
+def quant_rows(blob: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` [n] of a quantized matrix, dequantized -> [n, K] (an embedding lookup)."""
+    return _ops.quant_rows(blob, ids, dtype)
 
 
 def is_packed(w: torch.Tensor) -> bool:
@@ -89,6 +120,10 @@ def fallback_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear semantics: x [..., K], w [N, K] or prepare_weight(w), bias [N] -> [..., N]."""
     # Hot path of every decode step (~100 calls per token): keep the Python work minimal.
+    if w.dtype == _U8:  # block-quantized (exists only where _QUANT): bf16 or fp32 activations
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        y = _quant_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, bias, False)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
     if _ops is None or x.dtype != _BF16 or w.dtype != _BF16:
         return fallback_linear(x, w, bias)
     lead = x.shape[:-1]
@@ -111,6 +146,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     else:
         return fallback_linear(x, w, bias)
     return y if x.dim() == 2 else y.view(*lead, y.shape[-1])
+
+
+def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [B, H] against the lm_head -> fp32 logits [B, V]; a quantized head writes fp32 directly (no bf16 rounding of
+    near-tied logits)."""
+    if w.dtype == _U8:
+        return _quant_linear(x.contiguous(), w, None, True)
+    return linear(x, w, None).float()
 
 
 def fused(x: torch.Tensor) -> bool:
@@ -202,4 +245,5 @@ def status() -> dict:
         "amx_min_m": AMX_MIN_M,
         "rows_max_m": ROWS_MAX_M,
         "plain_amx_max_m": PLAIN_AMX_MAX_M,
+        "quantized": _QUANT,
     }

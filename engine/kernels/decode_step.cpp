@@ -29,6 +29,7 @@
 
 #include "attention.h"
 #include "gemv.h"
+#include "quant_gemv.h"
 #include "row_ops.h"
 
 namespace deploykit {
@@ -42,8 +43,16 @@ constexpr int64_t MAX_ROWS = 4;
 // Per-layer entries of the `weights` list, in this order (None where the model has no such tensor).
 enum Slot { LN1, QKV, QKV_BIAS, QK_NORM, O, O_BIAS, LN2, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, PER_LAYER };
 
+// A matrix of the step: packed bf16 (gemv.h) or block-quantized (quant_layout.h), chosen per weight at load.
+struct Weight {
+  const bf16* packed = nullptr;
+  quant::Matrix q{};
+  bool quantized() const { return packed == nullptr; }
+};
+
 struct Layer {
-  const bf16 *ln1, *qkv, *qk_norm, *o, *ln2, *gate_up, *down;
+  const bf16 *ln1, *qk_norm, *ln2;
+  Weight qkv, o, gate_up, down;
   const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
   bf16* kv;
   int64_t window;
@@ -55,10 +64,36 @@ struct Matrix {
   const char* name;
 };
 
-void check_packed(const at::Tensor& w, int64_t N, int64_t K, int64_t layer, const char* name) {
+Weight weight(const at::Tensor& w, int64_t N, int64_t K, int64_t layer, const char* name) {
+  Weight out;
+  if (quant::is_blob(w)) {
+    out.q = quant::matrix(w);
+    TORCH_CHECK(out.q.N == N && out.q.K == K, "layer ", layer, " ", name, ": the quantized weight is [", out.q.N,
+                ", ", out.q.K, "], expected [", N, ", ", K, "]");
+    return out;
+  }
   TORCH_CHECK(w.dim() == 4 && w.size(0) * 16 == N && w.size(1) * 2 == K && w.size(2) == 16 && w.size(3) == 2 &&
                   w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
-              "layer ", layer, " ", name, ": expected a packed bf16 [", N / 16, ", ", K / 2, ", 16, 2] weight");
+              "layer ", layer, " ", name, ": expected a packed bf16 [", N / 16, ", ", K / 2, ", 16, 2] weight or a "
+              "quantized one");
+  out.packed = w.data_ptr<bf16>();
+  return out;
+}
+
+// y[:, 16 b0 .. 16 b1) = x W^T + bias for B rows of x [B, K]: the same code as the per-op linear of W's kind. acts:
+// this thread's room for x quantized (quantized weights take int8 activations).
+void matvec(int64_t B, const bf16* x, int64_t K, const Weight& w, quant::ActBuffer& acts, int64_t b0, int64_t b1,
+            const float* bias, bf16* y, int64_t ldy) {
+  if (!w.quantized()) {
+    gemv::packed_rows(B, x, K, w.packed, K / 2, b0, b1, bias, y, ldy);
+    return;
+  }
+  quant::Act a[MAX_ROWS];
+  for (int64_t b = 0; b < B; ++b) {
+    a[b] = acts.row(b);
+    quant::quantize(x + b * K, K, a[b]);
+  }
+  quant::rows(B, a, w.q, b0, b1, bias, y, ldy);
 }
 
 const float* bias_ptr(const std::optional<at::Tensor>& b, int64_t N, int64_t layer, const char* name) {
@@ -126,8 +161,9 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
   TORCH_CHECK(D % 32 == 0 && D <= attention::MAX_HEAD_DIM, "head_dim must be a multiple of 32 up to ",
               attention::MAX_HEAD_DIM);
   const auto& gu0 = weights[GATE_UP];
-  TORCH_CHECK(gu0.has_value() && gu0->dim() == 4, "layer 0 gate_up: expected a packed weight");
-  const int64_t I = gu0->size(0) * 8;
+  TORCH_CHECK(gu0.has_value() && gu0->defined() && (gu0->dim() == 4 || quant::is_blob(*gu0)),
+              "layer 0 gate_up: expected a packed or quantized weight");
+  const int64_t I = quant::is_blob(*gu0) ? quant::matrix(*gu0).N / 2 : gu0->size(0) * 8;
   TORCH_CHECK(I % 16 == 0, "intermediate size must be a multiple of 16");
   for (const at::Tensor* t : {&position, &slot})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == B && t->scalar_type() == at::kLong && t->is_contiguous(),
@@ -143,19 +179,17 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
     auto w = [&](int s) -> const std::optional<at::Tensor>& { return weights[l * PER_LAYER + s]; };
     const Matrix matrices[] = {{QKV, NQKV, H, "qkv"}, {O, H, Hq * D, "o_proj"}, {GATE_UP, 2 * I, H, "gate_up"},
                                {DOWN, H, I, "down_proj"}};
-    for (const Matrix& m : matrices) {
-      TORCH_CHECK(w(m.slot).has_value() && w(m.slot)->defined(), "layer ", l, " ", m.name, " is missing");
-      check_packed(*w(m.slot), m.rows, m.cols, l, m.name);
-    }
     Layer& y = layers[l];
+    Weight* dst[] = {&y.qkv, &y.o, &y.gate_up, &y.down};
+    for (int i = 0; i < 4; ++i) {
+      const Matrix& m = matrices[i];
+      TORCH_CHECK(w(m.slot).has_value() && w(m.slot)->defined(), "layer ", l, " ", m.name, " is missing");
+      *dst[i] = weight(*w(m.slot), m.rows, m.cols, l, m.name);
+    }
     y.ln1 = vector_ptr(w(LN1), H, l, "input_layernorm");
     y.ln2 = vector_ptr(w(LN2), H, l, "post_attention_layernorm");
     y.qk_norm = w(QK_NORM).has_value() && w(QK_NORM)->defined()
                     ? vector_ptr(w(QK_NORM), (Hq + Hkv) * D, l, "qk_norm") : nullptr;
-    y.qkv = w(QKV)->data_ptr<bf16>();
-    y.o = w(O)->data_ptr<bf16>();
-    y.gate_up = w(GATE_UP)->data_ptr<bf16>();
-    y.down = w(DOWN)->data_ptr<bf16>();
     y.qkv_bias = bias_ptr(w(QKV_BIAS), NQKV, l, "qkv bias");
     y.o_bias = bias_ptr(w(O_BIAS), H, l, "o_proj bias");
     y.gate_up_bias = bias_ptr(w(GATE_UP_BIAS), 2 * I, l, "gate_up bias");
@@ -200,6 +234,8 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
   std::vector<bf16> own(stride * max_threads + 32);
   bf16* own0 = reinterpret_cast<bf16*>((reinterpret_cast<uintptr_t>(own.data()) + 63) & ~uintptr_t{63});
   std::vector<attention::Scratch> scratches(max_threads);
+  std::vector<quant::ActBuffer> acts(max_threads);
+  for (auto& a : acts) a.reserve(B, std::max({H, Hq * D, I}));
   for (auto& s : scratches) {
     s.scores.reserve(G * longest);
     s.acc.reserve(G * D);
@@ -218,6 +254,7 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
     bf16* x = res + B * H;
     std::copy(hp, hp + B * H, res);
     attention::Scratch& scratch = scratches[tid];
+    quant::ActBuffer& act_q = acts[tid];
     const auto [qb0, qb1] = share(NQKV / 16, tid, nt);
     const auto [ob0, ob1] = share(H / 16, tid, nt);
     const auto [jb0, jb1] = share(I / 16, tid, nt);
@@ -226,7 +263,7 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
     for (int64_t b = 0; b < B; ++b) rows::rms_norm(res + b * H, layers[0].ln1, H, feps, x + b * H);
     for (int64_t l = 0; l < L; ++l) {
       const Layer& y = layers[l];
-      gemv::packed_rows(B, x, H, y.qkv, H / 2, qb0, qb1, y.qkv_bias, qkv.data(), NQKV);
+      matvec(B, x, H, y.qkv, act_q, qb0, qb1, y.qkv_bias, qkv.data(), NQKV);
 #pragma omp barrier
       const attention::PagedKV cache{y.kv, bs, Hkv, D};
       for (int64_t task = t0; task < t1; ++task) {
@@ -246,21 +283,29 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
                           o.data() + (b * Hq + kh * G) * D);
       }
 #pragma omp barrier
-      gemv::packed_rows(B, o.data(), Hq * D, y.o, Hq * D / 2, ob0, ob1, y.o_bias, d.data(), H);
+      matvec(B, o.data(), Hq * D, y.o, act_q, ob0, ob1, y.o_bias, d.data(), H);
 #pragma omp barrier
       for (int64_t b = 0; b < B; ++b) {
         rows::add_(res + b * H, d.data() + b * H, H);
         rows::rms_norm(res + b * H, y.ln2, H, feps, x + b * H);
       }
-      gemv::with_rows(B, [&](auto mt) {
-        gate_up_pairs<decltype(mt)::value>(x, H, y.gate_up, H / 2, J, jb0, jb1, y.gate_up_bias, gu.data(), 2 * I);
-      });
+      if (y.gate_up.quantized()) {  // gate groups [jb0, jb1) and the same up groups: silu(gate) * up stays local
+        matvec(B, x, H, y.gate_up, act_q, jb0, jb1, y.gate_up_bias, gu.data(), 2 * I);
+        quant::Act a[MAX_ROWS];
+        for (int64_t b = 0; b < B; ++b) a[b] = act_q.row(b);  // x is still quantized from the gate call
+        quant::rows(B, a, y.gate_up.q, J + jb0, J + jb1, y.gate_up_bias, gu.data(), 2 * I);
+      } else {
+        gemv::with_rows(B, [&](auto mt) {
+          gate_up_pairs<decltype(mt)::value>(x, H, y.gate_up.packed, H / 2, J, jb0, jb1, y.gate_up_bias, gu.data(),
+                                             2 * I);
+        });
+      }
       for (int64_t b = 0; b < B; ++b) {
         const bf16* g = gu.data() + b * 2 * I;
         rows::silu_mul(g + jb0 * 16, g + I + jb0 * 16, (jb1 - jb0) * 16, act.data() + b * I + jb0 * 16);
       }
 #pragma omp barrier
-      gemv::packed_rows(B, act.data(), I, y.down, I / 2, ob0, ob1, y.down_bias, d.data(), H);
+      matvec(B, act.data(), I, y.down, act_q, ob0, ob1, y.down_bias, d.data(), H);
 #pragma omp barrier
       for (int64_t b = 0; b < B; ++b) {
         rows::add_(res + b * H, d.data() + b * H, H);

@@ -14,11 +14,12 @@ def is_native(spec: ModelConfig) -> bool:
     return spec.architecture in ARCHITECTURES
 
 
-def build_model(spec: ModelConfig, dtype: torch.dtype, max_len: int) -> LlamaModel | HFCausalLM:
+def build_model(spec: ModelConfig, dtype: torch.dtype, max_len: int,
+                quantization: str = "none") -> LlamaModel | HFCausalLM:
     if is_native(spec):
         reader = open_checkpoint(spec)
         try:
-            return LlamaModel(spec, reader, dtype, max_len)
+            return LlamaModel(spec, reader, dtype, max_len, quantization)
         finally:
             reader.close()
     return HFCausalLM(spec, dtype)

@@ -13,9 +13,11 @@ from engine.errors import ModelLoadError
 from engine import kernels
 
 
-def embed_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Embedding lookup [N] -> [N, H] from a plain [V, H] matrix or a kernel-packed one [V/16, H/2, 16, 2]
-    (tied embeddings keep only the packed lm_head copy)."""
+def embed_rows(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Embedding lookup [N] -> [N, H] from a plain [V, H] matrix, a kernel-packed one [V/16, H/2, 16, 2] (tied
+    embeddings keep only the packed lm_head copy) or a quantized one (rows dequantized to `dtype`)."""
+    if kernels.is_quantized(weight):
+        return kernels.quant_rows(weight, ids, dtype)
     if weight.dim() == 2:
         return F.embedding(ids, weight)
     return weight[ids // 16, :, ids % 16, :].flatten(1)

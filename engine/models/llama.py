@@ -5,7 +5,7 @@ import logging
 
 import torch
 
-from engine import kernels
+from engine import kernels, quant
 from engine.errors import ModelLoadError
 from engine.kernels import linear, prepare_bias, prepare_weight
 from engine.kv_cache import KVCache
@@ -37,7 +37,7 @@ class LlamaModel:
     """Plain tensors + functional ops; no nn.Module, so each layer is a short, fixed list of kernel calls."""
     native = True
 
-    def __init__(self, spec: ModelConfig, reader, dtype: torch.dtype, max_len: int):
+    def __init__(self, spec: ModelConfig, reader, dtype: torch.dtype, max_len: int, quantization: str = "none"):
         if spec.hidden_act not in ACTIVATIONS:
             raise ModelLoadError(f"{spec.source}: hidden_act {spec.hidden_act!r} is not supported "
                                  f"(supported: {', '.join(ACTIVATIONS)})")
@@ -53,36 +53,57 @@ class LlamaModel:
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_len, dtype, spec.rope_freq_factors)
-        self._load(reader)
+        held = quant.Loader(reader, dtype, quantization)
+        self._load(reader, held)
+        self.weight_paths = held.paths.summary()  # {type in the file: {path: tensors}}, for /debug/binding
+        self.weight_bytes = held.paths.bytes
+        log.info("weights: %.1f MiB held; by type in the file: %s", held.paths.bytes / 2**20, held.paths.text())
         self.step_weights = self._step_weights()  # None: small decode steps take the per-op path as well
 
-    def _load(self, r) -> None:
+    def _load(self, r, held: quant.Loader) -> None:
         s, dt = self.spec, self.dtype
         used: set[str] = set()
 
         def get(name: str) -> torch.Tensor:
             used.add(name)
-            return r.get(name).to(dt)
+            return held.dense(name, r.get(name).to(dt))
+
+        def check(names: list[str], shape: tuple[int, ...], rows: int, cols: int) -> None:
+            if tuple(shape) != (rows, cols):
+                raise ModelLoadError(f"{s.source}: {' + '.join(names)} has shape {tuple(shape)}, the model's "
+                                     f"configuration implies {(rows, cols)}; the configuration does not match the "
+                                     "weights")
+
+        def quantized(names: list[str], rows: int, cols: int) -> torch.Tensor | None:
+            # Held in its GGUF blocks (or quantized on load) where deploykit.quant says so: one blob for the group.
+            w = held.matrix(names)
+            if w is not None:
+                used.update(names)
+                check(names, tuple(kernels.quant_parts(w)[:2]), rows, cols)
+            return w
 
         def opt(name: str) -> torch.Tensor | None:
             return get(name) if name in r else None
 
         def fused(names: list[str], rows: int, cols: int) -> torch.Tensor:
             # One GEMM per projection group; the parts are freed as soon as the fused copy exists.
+            q = quantized(names, rows, cols)
+            if q is not None:
+                return q
             w = torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
-            if tuple(w.shape) != (rows, cols):
-                raise ModelLoadError(f"{s.source}: {' + '.join(names)} has shape {tuple(w.shape)}, the model's configuration "
-                                     f"implies {(rows, cols)}; the configuration does not match the weights")
+            check(names, w.shape, rows, cols)
             return prepare_weight(w)
 
         def fused_bias(names: list[str]) -> torch.Tensor | None:
             return prepare_bias(torch.cat([get(n) for n in names])) if names[0] in r else None
 
         hidden, inter = s.hidden_size, s.intermediate_size
-        self.embed = get("model.embed_tokens.weight")
-        if tuple(self.embed.shape) != (s.vocab_size, hidden):
-            raise ModelLoadError(f"{s.source}: model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
-                                 f"the model's configuration implies {(s.vocab_size, hidden)}; it does not match the weights")
+        embed = ["model.embed_tokens.weight"]
+        # A quantized table is looked up row by row (kernels.quant_rows) and, when tied, is the lm_head as well.
+        self.embed = quantized(embed, s.vocab_size, hidden)
+        if self.embed is None:
+            self.embed = get(embed[0])
+            check(embed, self.embed.shape, s.vocab_size, hidden)
         self.layers: list[_Layer] = []
         for i in range(s.num_layers):
             p = f"model.layers.{i}."
@@ -109,7 +130,7 @@ class LlamaModel:
             self.lm_head = fused(["lm_head.weight"], s.vocab_size, hidden)
         else:
             used.add("lm_head.weight")
-            self.lm_head = prepare_weight(self.embed)
+            self.lm_head = self.embed if kernels.is_quantized(self.embed) else prepare_weight(self.embed)
             if self.lm_head is not self.embed:  # the kernel relaid the tied matrix out; look rows up in that copy
                 self.embed = None
         unknown = sorted(n for n in r.names() if n not in used and not n.endswith("rotary_emb.inv_freq"))
@@ -126,7 +147,7 @@ class LlamaModel:
             return None
         weights: list[torch.Tensor | None] = []
         for L in self.layers:
-            if not all(kernels.is_packed(w) for w in (L.qkv, L.o, L.gate_up, L.down)):
+            if not all(kernels.is_packed(w) or kernels.is_quantized(w) for w in (L.qkv, L.o, L.gate_up, L.down)):
                 return None
             weights += [L.ln1.weight, L.qkv, L.qkv_bias, L.qk_norm, L.o, L.o_bias, L.ln2.weight, L.gate_up,
                         L.gate_up_bias, L.down, L.down_bias]
@@ -139,7 +160,7 @@ class LlamaModel:
         s = self.spec
         n = input_ids.shape[0]
         nh, nkv, hd = s.num_heads, s.num_kv_heads, s.head_dim
-        h = embed_rows(self.embed if self.embed is not None else self.lm_head, input_ids)  # [N, H]
+        h = embed_rows(self.embed if self.embed is not None else self.lm_head, input_ids, self.dtype)  # [N, H]
         if meta.num_decode == n <= kernels.STEP_MAX_ROWS and self.step_weights is not None:
             # Decode of a few sequences, the latency path: every layer in one native call, not ~25 ops per layer.
             h = h.contiguous()
@@ -174,4 +195,4 @@ class LlamaModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, H] at the positions being sampled -> logits [B, V] in fp32."""
-        return linear(self.norm(hidden), self.lm_head, None).float()
+        return kernels.logits(self.norm(hidden), self.lm_head)

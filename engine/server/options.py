@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from deploykit import cpulist, memory
+from deploykit import cpulist, memory, quant
 from deploykit.errors import DeploykitError
 from deploykit.plan import Plan
 from deploykit.units import parse_size
@@ -24,6 +24,7 @@ class ServeOptions:
     port: int = 8000
     metrics_port: int | None = None  # also serve GET /metrics alone on this port (a pod's Prometheus-only port)
     dtype: str = "auto"
+    quantization: str = "none"  # deploykit.quant.ON_LOAD: none | q8_0 | q4_0 | dequantize
     max_model_len: int | None = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
@@ -57,7 +58,7 @@ class ServeOptions:
         return EngineConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
                             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                             kv_cache_bytes=self.kv_cache_bytes, prefix_caching=self.prefix_caching, seed=self.seed,
-                            served_model_name=self.model_name)
+                            served_model_name=self.model_name, quantization=self.quantization)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also serve GET /metrics alone on this port, so a scraper needs no access to the API port "
                         "(env DEPLOYKIT_METRICS_PORT; default: /metrics on the API port only)")
     p.add_argument("--dtype", default=None, help="auto | bfloat16 | float32 (default: plan, else auto)")
+    p.add_argument("--quantization", default=None, choices=quant.ON_LOAD,
+                   help="none: a .gguf's quantized tensors stay in their blocks (int8 kernels), float weights in "
+                        "--dtype; q8_0 / q4_0: float weights are quantized on load too; dequantize: every weight in "
+                        "--dtype (default: plan, else none; env DEPLOYKIT_QUANTIZATION)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -143,7 +148,8 @@ def options(model: str, *, plan: Plan | None = None, replica: int = 0, environ: 
     given: dict = {"api_key": env.get("DEPLOYKIT_API_KEY") or None}
     if plan is not None:
         r, sv = plan.replicas[replica], plan.serving
-        given |= {"dtype": plan.model.dtype, "max_model_len": plan.model.max_model_len,
+        given |= {"dtype": plan.model.dtype, "quantization": plan.model.quantization,
+                  "max_model_len": plan.model.max_model_len,
                   "max_num_seqs": sv.max_num_seqs, "max_num_batched_tokens": sv.max_num_batched_tokens,
                   "kv_cache_bytes": r.kv_cache_bytes, "prefix_caching": sv.prefix_caching,
                   "binding": cpulist.format(r.cpus), "binding_source": "plan",
@@ -178,7 +184,9 @@ def options(model: str, *, plan: Plan | None = None, replica: int = 0, environ: 
 
 # Settings a container can pass as environment variables (a Kubernetes ConfigMap, `docker run --env`), below
 # flags and a plan. Binding variables (DEPLOYKIT_CPUS, _FRONTEND_CPUS, _MEMS) are read above.
-_ENV_SETTINGS = {"DEPLOYKIT_DTYPE": ("dtype", str), "DEPLOYKIT_MAX_MODEL_LEN": ("max_model_len", int),
+_ENV_SETTINGS = {"DEPLOYKIT_DTYPE": ("dtype", str),
+                 "DEPLOYKIT_QUANTIZATION": ("quantization", lambda v: _choice(v, quant.ON_LOAD)),
+                 "DEPLOYKIT_MAX_MODEL_LEN": ("max_model_len", int),
                  "DEPLOYKIT_MAX_NUM_SEQS": ("max_num_seqs", int),
                  "DEPLOYKIT_MAX_NUM_BATCHED_TOKENS": ("max_num_batched_tokens", int),
                  "DEPLOYKIT_KV_CACHE": ("kv_cache_bytes", parse_size),
@@ -237,7 +245,7 @@ def options_from_args(a: argparse.Namespace, environ: dict | None = None) -> Ser
     except ValueError as e:
         raise OptionsError(str(e)) from None
     return options(a.model, plan=plan, replica=a.replica, environ=environ, host=a.host, port=a.port,
-                   metrics_port=a.metrics_port, dtype=a.dtype,
+                   metrics_port=a.metrics_port, dtype=a.dtype, quantization=a.quantization,
                    max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                    max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_bytes=kv,
                    prefix_caching=a.prefix_caching, binding=a.binding,

@@ -101,6 +101,13 @@ class _Loop:
                 self.live.discard(o.request_id)
         return outputs
 
+    def _binding(self) -> dict:
+        """The binding report, and how the weights are held (by type in the file: quantized or in the dtype), so a
+        scraper sees which kernels this replica runs."""
+        model = self.core.model
+        return {**self.report(), "weights": {"bytes": getattr(model, "weight_bytes", None),
+                                             "by_type": getattr(model, "weight_paths", {})}}
+
     def _apply(self, op: Op, rejected: list[Rejected], replies: list[Reply]) -> None:
         """One operation; whatever it raises stays with it (the loop and the other requests keep going)."""
         try:
@@ -127,7 +134,7 @@ class _Loop:
             self.core.abort_request(op.request_id)
             self.live.discard(op.request_id)
         elif isinstance(op, Call):
-            replies.append(Reply(op.call_id, self.report() if op.name == "binding" else None))
+            replies.append(Reply(op.call_id, self._binding() if op.name == "binding" else None))
         elif isinstance(op, Shutdown):
             self.running = False
 

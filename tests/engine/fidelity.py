@@ -26,6 +26,14 @@ CHAT = [
     "Give me a synonym for 'happy'.",
     "Why is the sky blue?",
     "Translate 'good morning' into Spanish.",
+    "What does a compiler do?",
+    "Name two planets in our solar system.",
+    "Suggest a name for a pet goldfish.",
+    "What is 12 times 7?",
+    "Describe a rainbow to a child.",
+    "What are the benefits of regular exercise?",
+    "Write one sentence about autumn.",
+    "How does a bicycle stay upright?",
 ]
 PLAIN = [
     "The quick brown fox",
@@ -39,11 +47,16 @@ PLAIN = [
 ]
 
 
-def prompt_ids(tokenizer) -> list[list[int]]:
+def chat_ids(tokenizer, questions: list[str] = CHAT) -> list[list[int]]:
+    """Each question as a one-turn chat, rendered by the model's own template, ready for the answer."""
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                           add_generation_prompt=True) for q in CHAT]
-    return ([tokenizer.encode(c, add_special_tokens=False) for c in chats]
-            + [tokenizer.encode(p) for p in PLAIN])
+                                           add_generation_prompt=True) for q in questions]
+    return [tokenizer.encode(c, add_special_tokens=False) for c in chats]
+
+
+def prompt_ids(tokenizer) -> list[list[int]]:
+    """8 chat prompts and 8 plain completions: the fidelity tests' mix."""
+    return chat_ids(tokenizer, CHAT[:8]) + [tokenizer.encode(p) for p in PLAIN]
 
 
 def lengths(n: int, tokens: int) -> list[int]:
@@ -70,8 +83,9 @@ def engine_continuations(model: str, prompts: list[list[int]], tokens: int, **co
             out[o.request_id] += o.new_token_ids
         batches.add(sum(1 for s in core.scheduler.running if s.is_decoding))  # the next step's decode rows
     fused = getattr(core.model, "step_weights", None) is not None
+    quantized = any("quantized" in p for paths in getattr(core.model, "weight_paths", {}).values() for p in paths)
     return {"tokens": [out[str(i)] for i in range(len(prompts))], "kernels": kernels.status()["path"],
-            "dtype": core.dtype_name, "fused_step": fused, "decode_batches": sorted(batches)}
+            "dtype": core.dtype_name, "fused_step": fused, "decode_batches": sorted(batches), "quantized": quantized}
 
 
 def engine_in_child(model: str, prompts: list[list[int]], tokens: int, kernels: str | None = None, **config) -> dict:
@@ -107,6 +121,49 @@ def agreement(ref_model, prompts: list[list[int]], continuations: list[list[int]
     refs = reference_choices(ref_model, prompts, continuations)
     same = sum(a == b for c, r in zip(continuations, refs) for a, b in zip(c, r))
     return same / sum(len(c) for c in continuations)
+
+
+class LlamaCpp:
+    """llama.cpp (llama-cpp-python) on a .gguf, as the reference for quantized weights: the same file, its own
+    kernels. Token ids in, end tokens banned as in reference_choices."""
+
+    def __init__(self, gguf: str, eos: list[int], threads: int = 2):
+        from llama_cpp import Llama
+        self.llm = Llama(model_path=gguf, n_ctx=2048, n_batch=512, n_threads=threads, logits_all=True, verbose=False)
+        self.eos = eos
+
+    def _scores(self, first: int, n: int):
+        import numpy as np
+        s = np.array(self.llm.scores[first:first + n])
+        s[:, self.eos] = -np.inf
+        return s
+
+    def choices(self, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
+        """llama.cpp's argmax at every generated position, fed the same prefix (teacher-forced)."""
+        out = []
+        for p, c in zip(prompts, continuations, strict=True):
+            self.llm.reset()
+            self.llm.eval(p + c[:-1])
+            out.append(self._scores(len(p) - 1, len(c)).argmax(-1).tolist())
+        return out
+
+    def greedy(self, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+        """llama.cpp's own greedy continuations (lengths() long), to measure it against the fp32 reference."""
+        out = []
+        for p, n in zip(prompts, lengths(len(prompts), tokens)):
+            self.llm.reset()
+            self.llm.eval(p)
+            seq = []
+            for _ in range(n):
+                seq.append(int(self._scores(self.llm.n_tokens - 1, 1)[0].argmax()))
+                self.llm.eval(seq[-1:])
+            out.append(seq)
+        return out
+
+
+def share_equal(a: list[list[int]], b: list[list[int]]) -> float:
+    same = sum(x == y for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True))
+    return same / sum(len(u) for u in a)
 
 
 def transformers_greedy(model, prompts: list[list[int]], tokens: int) -> list[list[int]]:

@@ -106,3 +106,17 @@ def test_sliding_window_defaults_follow_transformers():
     types = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
     assert _sliding({"model_type": "qwen3", "sliding_window": 32, "layer_types": types}, 4) == (32, (1, 3))
     assert _sliding({"model_type": "llama"}, 4) == (None, ())
+
+
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+def test_no_checkpoint_stays_mapped_after_load(tiny_model, smollm2, source):
+    """Once loaded, the model holds its own copies: a mapped checkpoint's pages would count twice in RSS and against
+    a container's memory limit (safetensors hands out tensors backed by its map)."""
+    import gc
+    path = tiny_model("qwen2", dtype="bfloat16") if source == "safetensors" else smollm2
+    core = EngineCore(EngineConfig(path, dtype="bfloat16", max_model_len=128))
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        mapped = [line.split()[-1] for line in f if path in line]
+    assert mapped == [], mapped
+    assert core.model is not None

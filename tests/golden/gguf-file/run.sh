@@ -55,8 +55,8 @@ replace qwen-0
     --network qwen-internal \
     --cpuset-cpus 0-1 \
     --cpuset-mems 0 \
-    --memory 2152541888 \
-    --memory-swap 2152541888 \
+    --memory 2152465856 \
+    --memory-swap 2152465856 \
     --shm-size 256m \
     --user 10001:10001 \
     --read-only \

@@ -1,0 +1,82 @@
+// quant_linear: x [M, K] (bf16 or fp32) times a quantized weight (quant_layout.h) -> [M, N], for every M.
+//
+// x is quantized to int8 per block of 32 once per call (quant_act.h). Up to 4 rows take the GEMV of quant_gemv.h
+// with each weight line loaded once for all of them, the 16-row groups split evenly between threads (the fused
+// decode step runs the same code). More rows (batched decode, prefill) go in tiles of 4 over a pair of groups at a
+// time, so the pair's weights are read from memory once and from L1/L2 for the later tiles.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "op_args.h"
+#include "quant_gemv.h"
+
+namespace deploykit {
+namespace {
+
+using namespace quant;
+
+bool cpu_has_vnni() {
+  static const bool yes = __builtin_cpu_supports("avx512vnni");
+  return yes;
+}
+
+template <class In, class Out>
+void run(const In* x, int64_t ldx, int64_t M, const Matrix& w, const float* bias, Out* out) {
+  const int64_t K = w.K, N = w.N, NG = N / 16;
+  ActBuffer buf(M, K);
+  std::vector<Act> acts(M);
+  for (int64_t m = 0; m < M; ++m) acts[m] = buf.row(m);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quantize(x + m * ldx, K, acts[m]);
+  });
+  if (M <= 4) {
+    at::parallel_for(0, NG, 8, [&](int64_t b0, int64_t b1) { rows(M, acts.data(), w, b0, b1, bias, out, N); });
+    return;
+  }
+  at::parallel_for(0, NG, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b += 2) {
+      const int64_t e = std::min(b + 2, b1);
+      for (int64_t m = 0; m < M; m += 4)
+        rows(std::min<int64_t>(4, M - m), acts.data() + m, w, b, e, bias, out + m * N, N);
+    }
+  });
+}
+
+}  // namespace
+
+// x [M, K] bf16/fp32 with contiguous rows, blob [N, K] quantized, bias fp32/bf16 [N] or None -> [M, N] in x's dtype,
+// or fp32 with float_out (logits).
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blob, const std::optional<at::Tensor>& bias,
+                        bool float_out) {
+  TORCH_CHECK(cpu_has_vnni(), "quantized weights need AVX512-VNNI; this CPU lacks it (the engine dequantizes "
+              "them at load instead)");
+  const Matrix w = matrix(blob);
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be a 2-D bf16 or fp32 tensor");
+  TORCH_CHECK(x.size(1) == w.K, "x has K=", x.size(1), ", the quantized weight has K=", w.K);
+  TORCH_CHECK(x.stride(1) == 1 || x.size(1) == 1, "x rows must be contiguous");
+  const at::Tensor b = op_args::float_bias(bias, w.N);
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, w.N}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
+  if (M == 0) return out;
+  const int64_t ldx = x.stride(0);
+  if (x.scalar_type() == at::kBFloat16) {
+    if (float_out)
+      run(x.data_ptr<at::BFloat16>(), ldx, M, w, bp, out.data_ptr<float>());
+    else
+      run(x.data_ptr<at::BFloat16>(), ldx, M, w, bp, out.data_ptr<at::BFloat16>());
+  } else {
+    run(x.data_ptr<float>(), ldx, M, w, bp, out.data_ptr<float>());
+  }
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(deploykit, m) { m.def("quant_linear(Tensor x, Tensor blob, Tensor? bias, bool float_out) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(deploykit, CPU, m) { m.impl("quant_linear", &quant_linear); }
+
+}  // namespace deploykit

@@ -1,0 +1,238 @@
+// Matrix-vector products on quantized weights (quant_layout.h) with int8 activations (quant_act.h): vpdpbusd
+// (AVX512-VNNI) accumulates exact int32 dot products of 32 k per unit, and each unit's int32 sums become fp32 once
+// with the weight and activation scales. Shared by quant_linear (qlinear.cpp) and the fused decode step, so both
+// give bitwise the same outputs: every output column is summed over k in the same order whatever the grouping,
+// the row count or the thread split.
+//
+// Registers (AVX-512 has 32): MT rows x G column groups of 16 need 2 MT*G int32 accumulators (two chains) and MT*G
+// fp32 ones plus 2 MT broadcast activations.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "quant_act.h"
+#include "quant_layout.h"
+#include "vec.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
+// GCC 12 warns inside its own _mm512_cvtph_ps / _mm512_reduce_* about an _mm256_undefined_* placeholder.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace deploykit {
+namespace quant {
+
+// One 16-row group at a time per core, for every format and row count: measured on Zen 4 (quant_linear at
+// the model's shapes, M = 1, 2, 4), G = 1 read 38.9 GB/s on Q8_0 and Q4_0 9728x896 against 33-36 for G = 8 and 20-25
+// for G = 2 or 4; a single sequential stream per core is what the hardware prefetcher follows best, and the two
+// accumulator chains per group already hide vpdpbusd's latency. (G stays a parameter for CPUs where more streams
+// in flight pay, e.g. more memory channels per core.)
+template <int F, int MT>
+constexpr int groups_for() {
+  return 1;
+}
+
+// No software prefetch: measured on Zen 4 (M = 1, the model's shapes), prefetching each group's stream 2 KiB ahead
+// (as gemv.h does for bf16) cost 10-30 %, and fetching the next G groups into L2 during these did not help either; a
+// 16-row group of 4-bit weights is a short stream (8 KiB at K = 896) that the hardware prefetcher follows alone.
+
+inline __m512 halves(const uint8_t* p) {  // 16 fp16 -> fp32
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+inline __m512 cvt(__m512i v) { return _mm512_cvtepi32_ps(v); }
+
+inline void store16(at::BFloat16* p, __m512 v) { vec::store16(p, v); }
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+// out[m, col[g] .. col[g] + 16) for MT activation rows and G groups (local indices gl[] of part p).
+template <int F, int MT, int G, class Out>
+inline void groups(const Act* act, const Part& p, const int64_t gl[G], int64_t K, const float* bias, Out* out,
+                   int64_t ldo) {
+  constexpr Info inf = info_of(F);
+  constexpr bool nibbles = F != Q8_0, five = F == Q5_0 || F == Q5_1, offset = F == Q4_1 || F == Q5_1;
+  const uint8_t* base[G];
+  for (int g = 0; g < G; ++g) base[g] = p.data + gl[g] * p.group_bytes;
+  __m512 accf[MT][G];
+  for (int m = 0; m < MT; ++m)
+    for (int g = 0; g < G; ++g) accf[m][g] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit5 = _mm512_set1_epi8(0x10), top2 = _mm512_set1_epi8(0x30);
+  const int64_t chunks = K / (32 * inf.units);
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int u = 0; u < inf.units; ++u) {
+      const int64_t unit = c * inf.units + u;
+      __m512i acc[MT][G], accb[MT][G];  // two chains; Q6_K: accb is the unit's second 16 k (its own scale)
+      for (int m = 0; m < MT; ++m)
+        for (int g = 0; g < G; ++g) acc[m][g] = accb[m][g] = _mm512_setzero_si512();
+      if constexpr (!nibbles) {
+        for (int e = 0; e < 8; ++e) {
+          __m512i bx[MT];
+          for (int m = 0; m < MT; ++m) bx[m] = bcast4(act[m].q + unit * 32 + 4 * e);
+          for (int g = 0; g < G; ++g) {
+            const __m512i w = _mm512_loadu_si512(base[g] + c * inf.chunk_bytes + u * 512 + e * 64);
+            for (int m = 0; m < MT; ++m) {  // even and odd lines on two chains: half the dependency latency
+              if (e % 2 == 0)
+                acc[m][g] = _mm512_dpbusd_epi32(acc[m][g], w, bx[m]);
+              else
+                accb[m][g] = _mm512_dpbusd_epi32(accb[m][g], w, bx[m]);
+            }
+          }
+        }
+      } else {
+        constexpr int64_t unit_bytes = F == Q6_K ? 384 : 256;
+        for (int l = 0; l < 4; ++l) {
+          __m512i bl[MT], bh[MT];
+          for (int m = 0; m < MT; ++m) {
+            bl[m] = bcast4(act[m].q + unit * 32 + 4 * l);
+            bh[m] = bcast4(act[m].q + unit * 32 + 16 + 4 * l);
+          }
+          for (int g = 0; g < G; ++g) {
+            const uint8_t* lines = base[g] + c * inf.chunk_bytes + u * unit_bytes;
+            const __m512i v = _mm512_loadu_si512(lines + l * 64);
+            __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            if constexpr (five) {
+              uint64_t ml, mh;
+              const uint8_t* masks = base[g] + c * inf.chunk_bytes + 512 + u * 64;
+              std::memcpy(&ml, masks + 8 * l, 8);
+              std::memcpy(&mh, masks + 8 * (l + 4), 8);
+              lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(ml, bit5));
+              hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(mh, bit5));
+            }
+            if constexpr (F == Q6_K) {  // top 2 bits of k-group l in h-line 0, of l + 4 in h-line 1, bits 2l..2l+1
+              const __m512i h0 = _mm512_loadu_si512(lines + 256), h1 = _mm512_loadu_si512(lines + 320);
+              const int s = 4 - 2 * l;  // move bits 2l..2l+1 to 4..5
+              const __m512i t0 = s >= 0 ? _mm512_slli_epi16(h0, s) : _mm512_srli_epi16(h0, -s);
+              const __m512i t1 = s >= 0 ? _mm512_slli_epi16(h1, s) : _mm512_srli_epi16(h1, -s);
+              lo = _mm512_or_si512(lo, _mm512_and_si512(t0, top2));
+              hi = _mm512_or_si512(hi, _mm512_and_si512(t1, top2));
+            }
+            for (int m = 0; m < MT; ++m) {  // low and high nibbles on two chains (Q6_K: its two 16-k scales)
+              acc[m][g] = _mm512_dpbusd_epi32(acc[m][g], lo, bl[m]);
+              accb[m][g] = _mm512_dpbusd_epi32(accb[m][g], hi, bh[m]);
+            }
+          }
+        }
+      }
+      // acc (+ accb) = sum over the unit of code * q; scale it into accf.
+      if constexpr (F != Q6_K)
+        for (int m = 0; m < MT; ++m)
+          for (int g = 0; g < G; ++g) acc[m][g] = _mm512_add_epi32(acc[m][g], accb[m][g]);
+      for (int g = 0; g < G; ++g) {
+        const uint8_t* ch = base[g] + c * inf.chunk_bytes;
+        if constexpr (F == Q8_0 || F == Q4_0 || F == Q5_0) {
+          constexpr int zero = F == Q8_0 ? 128 : F == Q4_0 ? 8 : 16;
+          const __m512 dw = halves(ch + (F == Q8_0 ? 1024 : F == Q4_0 ? 512 : 640) + u * 32);
+          for (int m = 0; m < MT; ++m) {
+            const __m512i t = _mm512_sub_epi32(acc[m][g], _mm512_set1_epi32(zero * act[m].s32[unit]));
+            accf[m][g] = _mm512_fmadd_ps(cvt(t), _mm512_mul_ps(dw, _mm512_set1_ps(act[m].d[unit])), accf[m][g]);
+          }
+        } else if constexpr (offset) {
+          const uint8_t* sc = ch + (five ? 640 : 512);
+          const __m512 dw = halves(sc + u * 32), mw = halves(sc + 64 + u * 32);
+          for (int m = 0; m < MT; ++m) {
+            const float dx = act[m].d[unit];
+            accf[m][g] = _mm512_fmadd_ps(cvt(acc[m][g]), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), accf[m][g]);
+            accf[m][g] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx * (float)act[m].s32[unit]), accf[m][g]);
+          }
+        } else if constexpr (F == Q4_K) {
+          const auto u8s = [&](int64_t at) {
+            return cvt(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + at))));
+          };
+          const __m512 scale = _mm512_mul_ps(halves(ch + 2048), u8s(2048 + 64 + u * 16));
+          const __m512 mins = _mm512_mul_ps(halves(ch + 2048 + 32), u8s(2048 + 192 + u * 16));
+          for (int m = 0; m < MT; ++m) {
+            const float dx = act[m].d[unit];
+            accf[m][g] = _mm512_fmadd_ps(cvt(acc[m][g]), _mm512_mul_ps(scale, _mm512_set1_ps(dx)), accf[m][g]);
+            accf[m][g] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(dx * (float)act[m].s32[unit]), accf[m][g]);
+          }
+        } else {  // Q6_K: d * (sc_a * (dot_a - 32 sum_a) + sc_b * (dot_b - 32 sum_b)) per 16 k
+          const auto s8s = [&](int64_t at) {
+            return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + at)));
+          };
+          const __m512i sa = s8s(3072 + 2 * u * 16), sb = s8s(3072 + (2 * u + 1) * 16);
+          const __m512 dw = halves(ch + 3072 + 256);
+          for (int m = 0; m < MT; ++m) {
+            const __m512i ta = _mm512_sub_epi32(acc[m][g], _mm512_set1_epi32(32 * act[m].s16[2 * unit]));
+            const __m512i tb = _mm512_sub_epi32(accb[m][g], _mm512_set1_epi32(32 * act[m].s16[2 * unit + 1]));
+            const __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(ta, sa), _mm512_mullo_epi32(tb, sb));
+            accf[m][g] = _mm512_fmadd_ps(cvt(t), _mm512_mul_ps(dw, _mm512_set1_ps(act[m].d[unit])), accf[m][g]);
+          }
+        }
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const int64_t col = p.row0 + 16 * gl[g];
+    const __m512 b = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m) store16(out + m * ldo + col, _mm512_add_ps(accf[m][g], b));
+  }
+}
+
+// Groups [g, g1) of part p, G at a time while G fit, then in halves: a range's tail still streams several groups at
+// once instead of one by one.
+template <int F, int MT, int G, class Out>
+inline void batches(const Act* act, const Part& p, int64_t g, int64_t g1, int64_t K, const float* bias, Out* out,
+                    int64_t ldo) {
+  for (; g + G <= g1; g += G) {
+    int64_t gl[G];
+    for (int i = 0; i < G; ++i) gl[i] = g + i;
+    groups<F, MT, G>(act, p, gl, K, bias, out, ldo);
+  }
+  if constexpr (G > 1) batches<F, MT, G / 2>(act, p, g, g1, K, bias, out, ldo);
+}
+
+template <int F, int MT, class Out>
+inline void part_range(const Act* act, const Part& p, int64_t g0, int64_t g1, int64_t K, const float* bias, Out* out,
+                       int64_t ldo) {
+  batches<F, MT, groups_for<F, MT>()>(act, p, g0, g1, K, bias, out, ldo);
+}
+
+template <int MT, class Out>
+inline void part_rows(const Act* act, const Part& p, int64_t g0, int64_t g1, int64_t K, const float* bias, Out* out,
+                      int64_t ldo) {
+  switch (p.format) {
+    case Q8_0: part_range<Q8_0, MT>(act, p, g0, g1, K, bias, out, ldo); break;
+    case Q4_0: part_range<Q4_0, MT>(act, p, g0, g1, K, bias, out, ldo); break;
+    case Q4_1: part_range<Q4_1, MT>(act, p, g0, g1, K, bias, out, ldo); break;
+    case Q5_0: part_range<Q5_0, MT>(act, p, g0, g1, K, bias, out, ldo); break;
+    case Q5_1: part_range<Q5_1, MT>(act, p, g0, g1, K, bias, out, ldo); break;
+    case Q4_K: part_range<Q4_K, MT>(act, p, g0, g1, K, bias, out, ldo); break;
+    case Q6_K: part_range<Q6_K, MT>(act, p, g0, g1, K, bias, out, ldo); break;
+  }
+}
+
+// out[m, 16 b0 .. 16 b1) for M <= 4 activation rows: the 16-row groups [b0, b1) of the whole matrix, split where
+// parts of different formats meet.
+template <class Out>
+inline void rows(int64_t M, const Act* act, const Matrix& w, int64_t b0, int64_t b1, const float* bias, Out* out,
+                 int64_t ldo) {
+  for (int i = 0; i < w.nparts; ++i) {
+    const Part& p = w.parts[i];
+    const int64_t p0 = p.row0 / 16, p1 = p0 + p.rows / 16;
+    const int64_t lo = std::max(b0, p0), hi = std::min(b1, p1);
+    if (lo >= hi) continue;
+    switch (M) {
+      case 1: part_rows<1>(act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
+      case 2: part_rows<2>(act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
+      case 3: part_rows<3>(act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
+      default: part_rows<4>(act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
+    }
+  }
+}
+
+}  // namespace quant
+}  // namespace deploykit
+
+#pragma GCC diagnostic pop
+#pragma GCC pop_options

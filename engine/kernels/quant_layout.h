@@ -1,0 +1,135 @@
+// The engine's in-memory layout of block-quantized weights (GGUF Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K) and
+// the blob that carries a (possibly mixed-format) matrix through the torch ops.
+//
+// Weights are repacked once at load for vpdpbusd (u8 x s8 -> s32, 4 products per lane): a 64-byte "line" holds 16
+// output rows x 4 consecutive k as unsigned bytes (byte r*4 + j = row r, k 4g + j), so one vpdpbusd with 4 int8
+// activations broadcast accumulates 16 rows at once and no horizontal sum is needed (as gemv.h's bf16 lines).
+// K is walked in units of 32 (one activation block, quant_act.h); a unit is 8 such lines (k-groups 0..7):
+//   byte formats (Q8_0):  8 stored lines, value + 128 (so it is unsigned);
+//   nibble formats:       4 stored lines, line g = k-group g in the low nibble and k-group g + 4 in the high one;
+//     Q5_0/Q5_1 add the 5th bits as 8 masks (mask e, bit r*4 + j = k-group e), Q6_K the top 2 bits as 2 h-lines
+//     (h-line h, bits 2s..2s+1 of byte r*4 + j = k-group 4h + s).
+// Units are grouped into chunks that carry their scales after the quants, so a 16-row group is one contiguous
+// stream of whole 64-byte lines (the file's bytes per weight, except Q4_K's u8 sub-scales, 4.625 vs 4.5 bits, and
+// Q6_K's padding to whole lines, 6.625 vs 6.5625 bits):
+//   Q8_0  2 units: 16 lines | d0[16] d1[16] fp16                              1088 B per 16 x 64 weights
+//   Q4_0  2 units:  8 lines | d0 d1                                            576 B
+//   Q4_1  2 units:  8 lines | d0 d1 | m0 m1 (fp16, value = d q + m)            640 B
+//   Q5_0  2 units:  8 lines | 16 masks | d0 d1                                 704 B
+//   Q5_1  2 units:  8 lines | 16 masks | d0 d1 | m0 m1                         768 B
+//   Q4_K  8 units: 32 lines | d[16] dmin[16] fp16 | sc[8][16] m[8][16] u8      2368 B per 16 x 256 weights
+//   Q6_K  8 units: (4 lines + 2 h-lines) x 8 | sc[16][16] s8 | d[16] fp16 | pad 3392 B
+// Each format's value: Q8_0 d (q - 128); Q4_0 d (q - 8); Q5_0 d (q - 16); Q4_1/Q5_1 d q + m;
+// Q4_K (d sc_j) q - (dmin m_j) per 32; Q6_K d sc_i (q - 32) per 16.
+//
+// A matrix [N, K] is one uint8 blob: a 256-byte header (magic, N, K, parts) and then each part's 16-row groups,
+// each group one stream of K / (32 * units per chunk) chunks. Parts let q, k and v (or gate and up) of different
+// formats form one fused matrix, as Q4_K_M files mix them.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace deploykit {
+namespace quant {
+
+// ggml type ids (deploykit/gguf.py GGML_TYPES).
+enum Format : int32_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+
+struct Info {
+  int32_t units;        // 32-weight units per chunk
+  int32_t chunk_bytes;  // bytes per chunk of one 16-row group
+  int32_t file_block;   // weights per block in the GGUF file
+  int32_t file_bytes;   // bytes per block in the GGUF file
+};
+
+inline bool known(int32_t f) {
+  return f == Q4_0 || f == Q4_1 || f == Q5_0 || f == Q5_1 || f == Q8_0 || f == Q4_K || f == Q6_K;
+}
+
+constexpr Info info_of(int32_t f) {
+  switch (f) {
+    case Q8_0: return {2, 1088, 32, 34};
+    case Q4_0: return {2, 576, 32, 18};
+    case Q4_1: return {2, 640, 32, 20};
+    case Q5_0: return {2, 704, 32, 22};
+    case Q5_1: return {2, 768, 32, 24};
+    case Q4_K: return {8, 2368, 256, 144};
+    case Q6_K: return {8, 3392, 256, 210};
+    default: return {0, 0, 0, 0};
+  }
+}
+
+inline Info info(int32_t f) {
+  TORCH_CHECK(known(f), "unsupported quantized format ", f);
+  return info_of(f);
+}
+
+constexpr int64_t HEADER_BYTES = 256;
+constexpr int32_t MAGIC = 0x3151'4b44;  // "DKQ1"
+constexpr int MAX_PARTS = 12;
+
+// Header: int32 magic, N, K, parts; then per part int32 format, rows, int64 offset (from the blob start).
+struct Part {
+  int32_t format;
+  int64_t row0, rows;   // rows [row0, row0 + rows) of the matrix, multiples of 16
+  const uint8_t* data;  // group g of this part at data + g * group_bytes
+  int64_t group_bytes;
+};
+
+struct Matrix {
+  int64_t N, K;
+  int nparts;
+  Part parts[MAX_PARTS];
+};
+
+inline int64_t group_bytes(int32_t format, int64_t K) {
+  const Info i = info(format);
+  return K / (32 * i.units) * i.chunk_bytes;
+}
+
+inline bool is_blob(const at::Tensor& t) { return t.defined() && t.scalar_type() == at::kByte && t.dim() == 1; }
+
+inline Matrix matrix(const at::Tensor& blob) {
+  TORCH_CHECK(is_blob(blob) && blob.is_contiguous() && blob.numel() >= HEADER_BYTES,
+              "a quantized weight must be a contiguous uint8 blob made by quant_pack");
+  const uint8_t* base = blob.data_ptr<uint8_t>();
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 64 == 0, "a quantized weight blob must be 64-byte aligned");
+  int32_t h[4];
+  std::memcpy(h, base, sizeof(h));
+  TORCH_CHECK(h[0] == MAGIC && h[3] >= 1 && h[3] <= MAX_PARTS, "not a quantized weight blob (bad header)");
+  Matrix m{h[1], h[2], h[3], {}};
+  int64_t row = 0;
+  for (int p = 0; p < m.nparts; ++p) {
+    int32_t fr[2];
+    int64_t off;
+    std::memcpy(fr, base + 16 + p * 16, sizeof(fr));
+    std::memcpy(&off, base + 16 + p * 16 + 8, sizeof(off));
+    TORCH_CHECK(known(fr[0]) && fr[1] > 0 && fr[1] % 16 == 0, "bad part ", p, " in a quantized weight blob");
+    const int64_t gb = group_bytes(fr[0], m.K);
+    TORCH_CHECK(off >= HEADER_BYTES && off % 64 == 0 && off + fr[1] / 16 * gb <= blob.numel(),
+                "part ", p, " lies outside its quantized weight blob");
+    m.parts[p] = Part{fr[0], row, fr[1], base + off, gb};
+    row += fr[1];
+  }
+  TORCH_CHECK(row == m.N, "the parts of a quantized weight blob do not add up to its ", m.N, " rows");
+  return m;
+}
+
+// The part holding 16-row group `g` (row 16 g).
+inline const Part& part_of(const Matrix& m, int64_t g) {
+  int p = 0;
+  while (p + 1 < m.nparts && 16 * g >= m.parts[p + 1].row0) ++p;
+  return m.parts[p];
+}
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+}  // namespace quant
+}  // namespace deploykit

@@ -1,0 +1,137 @@
+"""Block-quantized weights held as they are: repacking GGUF blocks is lossless (every format decodes to what
+llama.cpp's own dequantizer gives), quantize-on-load writes llama.cpp's bytes, the int8 kernels compute what their
+PyTorch reference computes at every row count and through the fused decode step, and the planner and the engine
+agree on which weights stay quantized and how many bytes they take."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deploykit import quant as rule
+from engine import kernels, quant
+from engine.quant import FILE_BLOCK, Raw
+
+pytestmark = pytest.mark.skipif(not kernels.quantized_ok(), reason="needs the native kernels and AVX512-VNNI")
+
+FORMATS = list(FILE_BLOCK)
+# Offsets of the fp16 scale fields in a block: random bytes there could be NaN or huge.
+SCALES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_raw(fmt: str, rows: int, cols: int, seed: int = 0) -> Raw:
+    """Random blocks of `fmt` with sane scales: every bit pattern of the quants is a valid block."""
+    rng = np.random.default_rng(seed)
+    block, size = FILE_BLOCK[fmt]
+    data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for off in SCALES[fmt]:
+        d = (rng.random((rows, cols // block)) * 0.02 + 0.001).astype(np.float16)
+        data[:, :, off:off + 2] = d.view(np.uint8).reshape(rows, cols // block, 2)
+    return Raw(fmt, torch.from_numpy(data.reshape(rows, -1)))
+
+
+def dequantized(raw: Raw) -> torch.Tensor:
+    """llama.cpp's own dequantizer (the gguf package) on the file bytes -> fp32 [rows, cols]."""
+    from gguf import GGMLQuantizationType, quants
+    return torch.from_numpy(quants.dequantize(raw.data.numpy(), GGMLQuantizationType[raw.type_name])).float()
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the kernels see it (llama.cpp's Q8_0 activations): per 32, d = max|x| / 127 and
+    q = round-half-even(x * (1 / d)) in fp32 (1 / d, not 127 / max|x|: they differ in the last bit, and a product
+    near a half rounds either way)."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(xb * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
+    return (q * d).reshape(x.shape)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    y = quantized_activations(x).double() @ w.double().T
+    return (y + bias.double() if bias is not None else y).float()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packing_is_lossless_for_every_format(fmt):
+    """GGUF blocks -> the kernels' layout -> rows back: exactly llama.cpp's values (rows from every group position,
+    and a matrix of two formats, as q/k/v of a Q4_K_M file are)."""
+    cols = 512
+    raw = random_raw(fmt, 48, cols)
+    blob = quant.pack([raw])
+    assert quant.describe(blob) == [(fmt, 48)]
+    ids = torch.tensor([0, 1, 15, 16, 31, 47])
+    assert torch.equal(kernels.quant_rows(blob, ids, torch.float32), dequantized(raw)[ids])
+    other = random_raw("Q8_0" if fmt != "Q8_0" else "Q6_K", 32, cols, seed=1)
+    mixed = quant.pack([raw, other])
+    assert quant.describe(mixed) == [(fmt, 48), (other.type_name, 32)]
+    want = torch.cat([dequantized(raw), dequantized(other)])
+    assert torch.equal(kernels.quant_rows(mixed, torch.arange(80), torch.float32), want)
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
+def test_quantize_on_load_writes_what_llama_cpps_quantizer_writes(fmt):
+    from gguf import GGMLQuantizationType, quants
+    w = torch.randn(64, 256) * torch.logspace(-3, 1, 64)[:, None]   # rows of very different scales
+    w[3, :32] = 0                                                     # an all-zero block
+    ours = quant.quantize(w, fmt).data.numpy()
+    theirs = quants.quantize(w.numpy(), GGMLQuantizationType[fmt])
+    assert np.array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16])
+def test_linear_computes_the_reference_at_every_row_count(fmt, m):
+    """bf16 and fp32 activations, with a bias, out in the activations' dtype or fp32 (logits); 1-4 rows take the
+    GEMV, more the tiled path."""
+    torch.manual_seed(m)
+    raw = random_raw(fmt, 96, 768 if fmt.endswith("_K") else 320)
+    blob, w = quant.pack([raw]), dequantized(raw)
+    x, bias = torch.randn(m, w.shape[1]), torch.randn(w.shape[0])
+    want = reference(x, w, bias)
+    got = kernels.linear(x, blob, bias)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    xb = x.bfloat16()
+    got_bf16 = kernels.linear(xb, blob, bias)
+    assert got_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(got_bf16.float(), reference(xb, w, bias), rtol=1e-2, atol=1e-2)
+    logits = kernels.logits(xb, blob)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, reference(xb, w), rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_rows_are_bitwise_the_same_in_any_batch():
+    """Each output row depends on its own activations only: a row computed alone equals it inside a batch of 4, 7
+    or 16 (the fused decode step and the per-op path share this property)."""
+    raw = random_raw("Q4_K", 64, 512)
+    blob = quant.pack([raw])
+    x = torch.randn(16, 512).bfloat16()
+    alone = torch.cat([kernels.linear(x[i:i + 1], blob) for i in range(16)])
+    for m in (4, 7, 16):
+        assert torch.equal(kernels.linear(x[:m], blob), alone[:m])
+
+
+def test_what_the_planner_counts_is_what_the_engine_holds(smollm2):
+    """SmolLM2's Q4_1 file: the plan's weight bytes are the bytes the loaded model holds, and both say which
+    tensors took which path."""
+    from deploykit import isa, memory
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    shape = memory.shape(type("S", (), {"source": smollm2, "revision": None, "architecture": None})())
+    planned = shape.weight_bytes("bfloat16", "none", isa.quantized_kernels(isa.cpu_flags()))
+    core = EngineCore(EngineConfig(smollm2, dtype="bfloat16", max_model_len=256))
+    assert core.model.weight_bytes == planned
+    assert core.model.weight_paths["Q4_1"] == {"quantized Q4_1": 210}
+    assert core.model.weight_paths["Q8_0"] == {"quantized Q8_0": 1}  # the tied embedding / lm_head
+    assert shape.held_formats("none", True) == ("Q4_1", "Q8_0")
+    assert shape.weight_bytes("bfloat16", "dequantize", True) == shape.num_parameters * 2
+    held = EngineCore(EngineConfig(smollm2, dtype="bfloat16", max_model_len=256, quantization="dequantize"))
+    assert held.model.weight_paths["Q4_1"] == {"bfloat16": 210}
+
+
+def test_the_rule_needs_whole_groups_and_chunks():
+    assert rule.fits("Q4_0", (64, 128)) and not rule.fits("Q4_0", (64, 96)) and not rule.fits("Q4_0", (40, 128))
+    assert rule.fits("Q4_K", (16, 512)) and not rule.fits("Q4_K", (16, 384))
+    assert rule.held_as("Q4_K", (16, 512), "none", native=False) is None          # no int8 kernels: dequantized
+    assert rule.held_as("F16", (16, 512), "q8_0", native=True) == "Q8_0"         # a float matrix, quantized on load
+    assert rule.held_as("F32", (512,), "q8_0", native=True) is None              # norms never
+    assert rule.held_as("Q6_K", (16, 512), "dequantize", native=True) is None
