@@ -109,7 +109,6 @@ class WeightPaths:
                          for t, paths in self.summary().items())
 
 
-
 class Loader:
     """Loads each matrix of a checkpoint as deploykit.quant says the engine holds it: one quantized blob for a group
     of row parts (q, k, v), or None when it is held in the model's dtype (the caller then dequantizes it)."""
