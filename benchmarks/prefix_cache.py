@@ -90,7 +90,7 @@ def engine_child(arg: str) -> None:
         params = SamplingParams(max_tokens=CHAT_TOKENS, temperature=0.0, ignore_eos=True)
         turn = [0] * len(w["chat_users"])
 
-        def send(c: int) -> None:
+        def send(c: int, core: EngineCore = core) -> None:  # bound now: `del core` below frees it per pass
             core.add_request(f"{c}-{turn[c]}", conversation(w, c, turn[c]), params)
 
         t0, tokens = time.perf_counter(), 0
