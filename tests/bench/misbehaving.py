@@ -72,7 +72,7 @@ class Misbehaving:
                     self.wfile.write(b"0\r\n\r\n")
                     return
                 for i in range(chunks):
-                    time.sleep(delay)
+                    time.sleep(delay)  # the behaviour: a server that streams slowly
                     self._chunk("data: " + json.dumps({"choices": [{"index": 0, "text": f"t{i} "}]}) + "\n\n")
                     if what == "drop" and i == 1:
                         self.connection.shutdown(socket.SHUT_RDWR)  # cut mid-body: no terminating chunk

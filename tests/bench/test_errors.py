@@ -10,10 +10,12 @@ import signal
 import struct
 import subprocess
 import sys
-import time
+
+import pytest
 
 from tests.bench.misbehaving import Misbehaving
 from tests.runtime.helpers import ROOT
+from tests.waiting import wait_until
 
 SMALL = ("--requests", "10", "--max-tokens", "4", "--prompt-tokens", "16", "--no-progress", "--warmup", "0")
 
@@ -29,6 +31,7 @@ def png_size(path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+@pytest.mark.slow
 def test_errors_are_counted_with_samples_and_the_run_completes(tmp_path):
     with Misbehaving() as server:
         r = bench(server.url, "--concurrency", "1,2", *SMALL, "--out", tmp_path / "r.json", "--plot", tmp_path / "r.png")
@@ -70,15 +73,14 @@ def test_a_server_that_fails_everything_exits_10_after_showing_why(tmp_path):
     assert "every request failed" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_prints_and_writes_what_was_measured(tmp_path):
     with Misbehaving(behaviours=("good",), chunks=4, delay=0.05) as server:
         p = subprocess.Popen([sys.executable, "-m", "deploykit.cli", "bench", server.url, "--concurrency", "1",
                               "--requests", "1000", "--max-tokens", "4", "--no-progress", "--warmup", "0",
                               "--out", tmp_path / "partial.json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, cwd=ROOT)
-        deadline = time.monotonic() + 60
-        while server.completions < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: server.completions >= 4, timeout=60, what="bench to finish 4 requests")
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
@@ -89,6 +91,7 @@ def test_ctrl_c_prints_and_writes_what_was_measured(tmp_path):
     assert "(interrupted)" in out and "measured before Ctrl-C" in out and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_compare_shows_two_runs_side_by_side_with_ratios(tmp_path):
     with Misbehaving(behaviours=("good",)) as server:
         for name in ("a", "b"):

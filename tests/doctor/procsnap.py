@@ -79,7 +79,7 @@ def record(pid: int, seconds: float, dest: Path, note: str = "") -> Path:
     for p in pids:
         files.update(_trimmed(Path("/proc") / str(p), f"before/{p}"))
     t0 = time.monotonic()
-    time.sleep(seconds)
+    time.sleep(seconds)  # the sampling window itself
     for p in pids:
         files.update(_trimmed(Path("/proc") / str(p), f"after/{p}"))
     took = time.monotonic() - t0

@@ -16,7 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +25,7 @@ import pytest
 
 from deploykit.runtime.local import MARKER
 from tests.runtime.helpers import ROOT, Load, corrupt_copy, deploykit, free_port, nothing_listens, spec_file
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 NAME = "dkloc"
@@ -146,15 +147,18 @@ def test_logs_of_one_replica_and_of_all(local):
     assert r.returncode == 7 and "no such replica" in r.stderr
     follow = subprocess.Popen([sys.executable, "-m", "deploykit.cli", "logs", NAME, "0", "-f", "--tail", "0"],
                               cwd=ROOT, env={**os.environ, **local.env}, stdout=subprocess.PIPE, text=True)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(iter(follow.stdout.readline, "")), daemon=True)
+    reader.start()
+
+    def followed_a_chat() -> bool:  # least connections over two idle replicas: some chats reach replica 0
+        _chat(local.client())
+        return any("POST /v1/chat/completions" in line for line in out)
     try:
-        time.sleep(1.5)
-        for _ in range(4):  # least connections over two idle replicas: some reach replica 0
-            _chat(local.client())
-        time.sleep(1.5)
+        wait_until(followed_a_chat, timeout=60, interval=0.5, what="`logs -f` to print a chat request")
     finally:
         follow.send_signal(signal.SIGINT)
-    out, _ = follow.communicate(timeout=30)
-    assert follow.returncode == 130 and "POST /v1/chat/completions" in out, out
+    assert follow.wait(timeout=30) == 130
 
 
 def test_bench_finds_the_deployment_and_reports_each_replicas_metrics(local, tmp_path):
@@ -195,8 +199,8 @@ def test_a_changed_spec_replaces_the_replicas_one_at_a_time_and_keeps_the_proxy(
 def test_a_crashed_replica_shows_in_status_and_the_next_up_restarts_only_it(local):
     procs = local.processes()
     os.kill(procs[f"{NAME}-1"], signal.SIGKILL)
-    time.sleep(1)
-    rows = local.status()
+    rows = wait_until(lambda: (r := local.status())[f"{NAME}-1"]["state"] == "exited" and r, timeout=30,
+                      interval=0.2, what="status to show the killed replica exited")
     assert rows[f"{NAME}-1"]["state"] == "exited" and rows[f"{NAME}-1"]["health"].startswith("no answer")
     assert rows[f"{NAME}-0"]["health"] == "healthy"
     assert isinstance(_chat(local.client()), str)  # the proxy routes around it
@@ -253,10 +257,8 @@ def test_ctrl_c_during_up_stops_cleanly(tmp_path, tiny_model):
     proc = subprocess.Popen([sys.executable, "-m", "deploykit.cli", "up", str(spec), "--runtime", "local"], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     state = tmp_path / "state" / "dkint" / "state.json"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (state.exists() and json.loads(state.read_text())["processes"]):
-        time.sleep(0.05)
-    assert state.exists(), "up never started a process"
+    wait_until(lambda: state.exists() and json.loads(state.read_text())["processes"], timeout=120,
+               what="up to start a process")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err

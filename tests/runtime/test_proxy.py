@@ -17,6 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from tests.waiting import wait_until
+
 EVENT_GAP = 0.4
 
 
@@ -24,7 +26,7 @@ class Backend:
     def __init__(self, name: str, healthy: bool = True, answer: int | None = None, drop: bool = False):
         """answer: the status of every request but /health (a replica loading or full); drop: close the connection
         after reading the request, without a byte of answer (a replica that died)."""
-        self.name, self.healthy, self.release = name, healthy, threading.Event()
+        self.name, self.healthy, self.release, self.holding = name, healthy, threading.Event(), threading.Event()
         self.seen: list[bytes] = []
         backend = self
 
@@ -38,6 +40,7 @@ class Backend:
                 if self.path == "/health":
                     return self._send(200 if backend.healthy else 503, b"{}")
                 if self.path == "/hold":
+                    backend.holding.set()
                     backend.release.wait(10)
                 if self.path == "/stream":
                     self.send_response(200)
@@ -47,7 +50,7 @@ class Backend:
                     for i in range(4):
                         self.wfile.write(f"data: {i}\n\n".encode())
                         self.wfile.flush()
-                        time.sleep(EVENT_GAP)
+                        time.sleep(EVENT_GAP)  # the behaviour under test: events spaced out in time
                     self.wfile.write(b"data: [DONE]\n\n")
                     return
                 self._send(200, backend.name.encode())
@@ -79,6 +82,14 @@ class Backend:
         self.server.server_close()
 
 
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -91,14 +102,16 @@ class Proxy:
         self.proc = subprocess.Popen([sys.executable, "-m", "deploykit.runtime.proxy", "--listen",
                                       f"127.0.0.1:{self.port}", *(a for b in backends for a in ("--backend", b))],
                                      stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        time.sleep(0.3)  # the first health check runs at start
+        self.said: list[str] = []  # its stderr, read line by line as it comes
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+        # Ready once it listens and its first health check (run at start) has judged every backend.
+        wait_until(lambda: any(" listening on " in line for line in self.said)
+                   and sum(" is " in line for line in self.said if line.startswith("deploykit-proxy: replica "))
+                   >= len(backends), timeout=20, what="the proxy to listen and health-check every backend")
+
+    def _read_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self.said.append(line)
 
     def get(self, path: str, body: bytes | None = None) -> tuple[int, bytes]:
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=20)
@@ -154,7 +167,7 @@ def test_least_connections(backends):
     try:
         held = threading.Thread(target=p.get, args=("/hold",))
         held.start()
-        time.sleep(0.3)  # a has one open connection now
+        assert a.holding.wait(10)  # a has one open connection now
         assert [p.get("/who")[1] for _ in range(3)] == [b"b"] * 3
         a.release.set()
         held.join(10)
@@ -213,9 +226,7 @@ def test_sigterm_lets_an_open_stream_finish_and_refuses_new_connections(backends
     r = c.getresponse()
     assert r.readline().startswith(b"data: 0")
     p.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    with pytest.raises(OSError):
-        socket.create_connection(("127.0.0.1", p.port), timeout=2).close()
+    wait_until(lambda: not _accepts(p.port), timeout=10, what="the draining proxy to close its listener")
     rest = r.read()
     assert rest.rstrip().endswith(b"data: [DONE]")
     assert p.proc.wait(30) == 0

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 from deploykit.runtime.state import Process, State, StateDir, known, root
+from tests.waiting import wait_until
 
 
 def test_root_precedence(monkeypatch, tmp_path):
@@ -60,11 +60,15 @@ def test_a_second_command_on_the_same_deployment_waits(tmp_path, capsys):
     with sd.lock():
         t = threading.Thread(target=second)
         t.start()
-        time.sleep(0.3)
+        said: list[str] = []
+
+        def waiting() -> bool:  # the second command says so just before it blocks on the lock
+            said.append(capsys.readouterr().err)
+            return "waiting for another deploykit command" in "".join(said)
+        wait_until(waiting, timeout=10)
         order.append("first done")
     t.join(5)
     assert order == ["first done", "second"]
-    assert "waiting for another deploykit command" in capsys.readouterr().err
     with StateDir(tmp_path, "other").lock():  # other deployments do not wait
         pass
     assert os.path.exists(tmp_path / "other" / "lock")

@@ -8,10 +8,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
+
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,17 +54,15 @@ class LiveServer:
         return len(self.log())
 
     def wait_ready(self, timeout: float = 240.0) -> LiveServer:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def healthy() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}")
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        try:
+            wait_until(healthy, timeout, interval=0.2, ignore=(httpx.TransportError,))
+        except TimeoutError:
+            raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}") from None
+        return self
 
     def get(self, path: str, **kw) -> httpx.Response:
         return httpx.get(self.url + path, headers=self.headers, timeout=60, **kw)

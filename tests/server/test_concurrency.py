@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
 
 from tests.server.conftest import API_KEY
 from tests.server.live import LiveServer
+from tests.waiting import wait_until
 
 CLIENTS = 32
 MAX_TOKENS = 48
@@ -67,10 +67,9 @@ def test_abandoned_streams_are_aborted_and_the_rest_complete(long_server):
     assert all(r["done"] and r["finish"] == "length" for r in kept), kept
     assert len({r["text"] for r in kept}) > 1  # different prompts, different greedy continuations
 
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and (server.metric("deploykit_num_requests_running")
-                                           or server.metric("deploykit_kv_cache_usage_ratio")):
-        time.sleep(0.1)
+    wait_until(lambda: not (server.metric("deploykit_num_requests_running")
+                            or server.metric("deploykit_kv_cache_usage_ratio")), timeout=15, interval=0.1,
+               what="every request to leave the batch and give back its KV blocks")
     assert server.metric("deploykit_num_requests_running") == 0
     assert server.metric("deploykit_num_requests_waiting") == 0
     assert server.metric("deploykit_kv_cache_usage_ratio") == 0
@@ -89,9 +88,8 @@ def test_client_gone_before_a_blocking_response_aborts_it(long_server):
     body = {"model": "tiny", "prompt": "Hello", "n": 8, "max_tokens": 2000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         server.post("/v1/completions", body, timeout=1.0)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and server.metric("deploykit_num_requests_running"):
-        time.sleep(0.05)
+    wait_until(lambda: not server.metric("deploykit_num_requests_running"), timeout=15,
+               what="the abandoned request to leave the batch")
     assert server.metric("deploykit_request_success_total", finished_reason="abort") - aborts == 8
     assert server.metric("deploykit_kv_cache_usage_ratio") == 0
     assert server.metric("deploykit_generation_tokens_total") - tokens < 8 * 2000

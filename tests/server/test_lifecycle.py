@@ -16,6 +16,7 @@ import pytest
 
 from tests import plans
 from tests.server.live import ROOT, LiveServer, clean_env, free_port
+from tests.waiting import wait_until_async
 
 needs_two_cpus = pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs CPUs 0 and 1")
 
@@ -80,7 +81,10 @@ async def _drain_scenario(s: LiveServer, terminate) -> tuple[list, int, int, int
         assert full.headers.get("retry-after")
         at_signal = [len(x) for x in received]
         terminate()
-        await asyncio.sleep(0.3)
+
+        async def draining() -> bool:  # the signal handled: /health turns 503 when draining starts
+            return (await c.get("/health")).status_code == 503
+        await wait_until_async(draining, timeout=30, what="the server to start draining")
         late = await c.post("/v1/completions", json={**body, "stream": False})
         health = await c.get("/health")
         return await asyncio.gather(*streams), full.status_code, late.status_code, health.status_code, at_signal

@@ -150,6 +150,8 @@ def test_a_frozen_engine_never_blocks_the_front_end_even_mid_message(tiny_model)
             result = {}
             t = threading.Thread(target=lambda: result.update(r=c.post(f"{s.url}/v1/completions", json=big)))
             t.start()
+            # Time for the request to reach the front end and fill the socket: nothing outside shows a send half
+            # done. A slower arrival makes the check below prove less; it cannot make it fail.
             time.sleep(1.0)
             started = time.monotonic()
             assert httpx.get(f"{s.url}/health", timeout=5).status_code == 200  # the loop is free
@@ -166,21 +168,25 @@ def test_a_frozen_engine_never_blocks_the_front_end_even_mid_message(tiny_model)
 
 
 def test_a_quiet_stream_sends_keep_alives_and_then_finishes(tiny_model):
+    """A request that waits (a queue, a long prefill) shorter than the stall timeout: its stream sends a keep-alive
+    comment every --sse-keepalive seconds of silence, then the tokens once the engine moves again. The engine is
+    frozen before the request is sent, so the silence is certain: freezing it after the first token raced the
+    engine, which can finish all 20 tokens of the tiny model before the signal lands on a loaded 2-CPU machine."""
     s = LiveServer(tiny_model, "--max-model-len", str(MAX_MODEL_LEN), "--sse-keepalive", "0.3").wait_ready()
+    pid = _engine_pid(s)
     try:
-        pid = _engine_pid(s)
         body = {"prompt": "Hello", "max_tokens": 20, "ignore_eos": True, "stream": True}
+        os.kill(pid, signal.SIGSTOP)  # the pause under test: lifted below once two keep-alives came through
         with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            first = next(lines)
-            os.kill(pid, signal.SIGSTOP)  # a pause (a long prefill, a queue) shorter than the stall timeout
-            time.sleep(1.5)
+            lines = (line for line in r.iter_lines() if line)
+            quiet = [next(lines), next(lines)]
             os.kill(pid, signal.SIGCONT)
-            rest = [line for line in lines if line]
-        assert first.startswith("data: ") and ": keep-alive" in rest
-        data = [json.loads(line[6:]) for line in [first, *rest] if line.startswith("data: {")]
+            rest = list(lines)
+        assert r.status_code == 200 and quiet == [": keep-alive", ": keep-alive"], quiet
+        data = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
         assert data[-1]["choices"][0]["finish_reason"] == "length" and rest[-1] == "data: [DONE]"
     finally:
+        os.kill(pid, signal.SIGCONT)
         s.close()
 
 
