@@ -1,9 +1,12 @@
-"""Shared fixtures: synthesized sysroots and spec builders."""
+"""Shared fixtures (synthesized sysroots, spec builders, the real model) and the test lanes: every test that needs
+Docker is marked `docker`, and every test that starts a live server or loads the real model is marked `slow`, here
+by what it uses rather than by hand, so `scripts/test --fast` (`-m "not slow and not docker"`) is the unit lane."""
 
 from __future__ import annotations
 
 import copy
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -59,3 +62,45 @@ def smollm2_dir(smollm2) -> str:
     """The same weights as transformers dequantizes them, saved as a plain fp32 Hugging Face directory."""
     from tests import models
     return _model(models.smollm2_dequantized)
+
+
+# ---- test lanes ----
+
+DOCKER_FIXTURES = {"docker"}  # base_image, compose_cli and every container fixture depend on it
+SLOW_FIXTURES = {"smollm2", "smollm2_dir",  # the real model
+                 "machines"}  # tests/doctor/test_host.py: ~40 synthesized sysroots, 10-30 s of file writes
+
+
+def _code_starts_live_process(func) -> bool:
+    """True when `func` (a test or a fixture) names LiveServer (tests/server/live.py: a real server process), read
+    from its bytecode, nested functions included."""
+    code = getattr(func, "__code__", None)
+    stack = [code] if code is not None else []
+    while stack:
+        c = stack.pop()
+        if "LiveServer" in c.co_names:
+            return True
+        stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    return False
+
+
+def lanes(item) -> set[str]:
+    """The lane markers `item` gets from what it uses: `docker` for the docker fixture; `slow` for the real model, a
+    costly fixture, or a LiveServer started in the test or in any fixture it uses. Tests slow for other reasons
+    (more than ~1 s on a 2-CPU host: CLI subprocesses, big synthesized hosts, fuzzing) carry @pytest.mark.slow."""
+    names = set(getattr(item, "fixturenames", ()))
+    marks = set()
+    if names & DOCKER_FIXTURES:
+        marks.add("docker")
+    info = getattr(item, "_fixtureinfo", None)
+    fixture_funcs = [d.func for defs in (info.name2fixturedefs.values() if info else ()) for d in defs]
+    funcs = [getattr(item, "function", None), *fixture_funcs]
+    if names & SLOW_FIXTURES or any(map(_code_starts_live_process, funcs)):
+        marks.add("slow")
+    return marks
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        for name in lanes(item) - {m.name for m in item.iter_markers()}:
+            item.add_marker(name)

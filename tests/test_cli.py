@@ -78,6 +78,7 @@ def test_topology_show_and_snapshot(tmp_path, sysroots):
     assert run("topology", "show", "--format", "json").returncode == 0
 
 
+@pytest.mark.slow
 def test_examples_plan_cleanly():
     plans = {}
     for name in ("epyc-9655-2s.yaml", "xeon-amx-2s.yaml"):
@@ -92,6 +93,7 @@ def test_examples_plan_cleanly():
     assert run("validate", ROOT / "examples" / "single-socket.yaml").returncode == 0
 
 
+@pytest.mark.slow
 def test_single_socket_example_plans_on_this_host_and_explains_itself(tmp_path):
     """`deploykit plan` on the live host (2 CPUs in CI) gives a runnable plan and says what it did."""
     (tmp_path / "examples").mkdir()
@@ -119,6 +121,7 @@ def _parse(text):
     return cpulist.parse(text)
 
 
+@pytest.mark.slow
 def test_example_snapshot_matches_its_generator(tmp_path):
     """examples/epyc-9655-2s.sysroot.tar.gz is synthesized by tests/sysroots.py; UPDATE_GOLDEN=1 rewrites it."""
     import os

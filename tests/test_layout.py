@@ -45,6 +45,7 @@ def plan_for(sysroots, machine: str, placement: dict, model: dict | None = None)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.slow
 def test_golden_plan(case, sysroots):
     plan, topo = plan_for(sysroots, *CASES[case])
     got = {f"{case}.json": plan.to_json(), f"{case}.txt": report.plan_text(plan, topo)}
@@ -57,6 +58,7 @@ def test_golden_plan(case, sysroots):
     assert plan_for(sysroots, *CASES[case])[0] == plan  # deterministic
 
 
+@pytest.mark.slow
 def test_epyc_per_l3_is_one_replica_per_ccd_with_its_own_front_end_core(sysroots):
     plan, _ = plan_for(sysroots, "epyc-snapshot", {"strategy": "per-l3"})
     assert len(plan.replicas) == 24 and plan.layout.l3_aligned
@@ -67,6 +69,7 @@ def test_epyc_per_l3_is_one_replica_per_ccd_with_its_own_front_end_core(sysroots
     assert plan.serving.load_balancer and [r.port for r in plan.replicas] == list(range(8001, 8025))
 
 
+@pytest.mark.slow
 def test_replicas_per_node_4_takes_three_whole_ccds_each(sysroots):
     plan, _ = plan_for(sysroots, "epyc-snapshot", {"replicas_per_node": 4, "use_smt": True})
     assert len(plan.replicas) == 8 and plan.layout.l3_aligned and not plan.warnings
@@ -75,6 +78,7 @@ def test_replicas_per_node_4_takes_three_whole_ccds_each(sysroots):
     assert r1.cpus == tuple(range(24, 47)) + tuple(range(216, 239))  # SMT: both siblings of 23 cores
 
 
+@pytest.mark.slow
 def test_groups_per_replica_and_an_unaligned_count_say_what_they_did(sysroots):
     plan, _ = plan_for(sysroots, "epyc-snapshot", {"strategy": "per-l3", "l3_groups_per_replica": 5})
     assert [len(r.l3_groups) for r in plan.replicas[:3]] == [5, 5, 2]
@@ -113,6 +117,7 @@ def test_a_host_without_cache_files_plans_as_before_and_says_so(sysroots):
     assert "topology snapshot" in str(e.value)
 
 
+@pytest.mark.slow
 def test_too_many_replicas_for_the_node_memory_name_the_numbers_and_the_largest_count(tmp_path):
     spec = tmp_path / "big.yaml"
     spec.write_text(__import__("yaml").safe_dump(make_spec(model=LLAMA_70B, hardware={"sysroot": str(EPYC)},
@@ -147,6 +152,7 @@ def test_more_replicas_than_cores_is_an_error_naming_the_field(sysroots):
     assert e.value.problems[0].path == "placement.replicas_per_node" and "1-2" in str(e.value)
 
 
+@pytest.mark.slow
 def test_placement_choices_for_the_bench_sweep(sysroots):
     spec = specfile.from_data(make_spec(model=QWEN3, placement={"reserved_cpus": 1}))
     topo = _topo(sysroots, "epyc-snapshot")
@@ -160,6 +166,7 @@ def test_placement_choices_for_the_bench_sweep(sysroots):
     assert "per-numa-node x96" not in fits  # 96 copies of 16 GiB of weights do not fit a 768 GiB node
 
 
+@pytest.mark.slow
 def test_topology_reads_l3_groups_and_show_prints_them(sysroots, tmp_path):
     topo = _topo(sysroots, "epyc-snapshot")
     assert len(topo.l3_groups) == 24 and topo.l3_groups[1].cpus == tuple(range(8, 16)) + tuple(range(200, 208))

@@ -19,6 +19,7 @@ def rng(a, b):
     return tuple(range(a, b + 1))
 
 
+@pytest.mark.slow
 def test_epyc_nps1_one_replica_per_socket_one_thread_per_core(sysroots):
     p = plan_for(sysroots, "epyc-2s-nps1")
     r0, r1 = p.replicas
@@ -36,6 +37,7 @@ def test_epyc_nps1_use_smt_takes_both_siblings(sysroots):
     assert r0.frontend_cpus == (95, 287)
 
 
+@pytest.mark.slow
 def test_epyc_nps4_eight_replicas(sysroots):
     p = plan_for(sysroots, "epyc-2s-nps4", model={"source": "Qwen/Qwen3-8B", "max_model_len": 8192,
                                                   "architecture": {"num_parameters": 8_190_735_360,

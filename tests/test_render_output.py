@@ -41,6 +41,7 @@ def test_writes_manifest_with_hashes_and_modes(spec, tmp_path):
     assert (out / "run.sh").stat().st_mode & 0o111 and not (out / "compose.yaml").stat().st_mode & 0o111
 
 
+@pytest.mark.slow
 def test_render_twice_is_byte_identical_and_writes_nothing_new(spec, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     assert render(spec, a).returncode == 0
@@ -79,6 +80,7 @@ def test_rerender_removes_only_files_it_wrote(spec, tmp_path, sysroots):
     assert "seccomp.json" not in manifest["files"] and "nginx.conf" in manifest["files"]  # one replica: nginx too
 
 
+@pytest.mark.slow
 def test_edited_file_is_not_overwritten_without_force(spec, tmp_path):
     out = tmp_path / "out"
     assert render(spec, out).returncode == 0
@@ -90,6 +92,7 @@ def test_edited_file_is_not_overwritten_without_force(spec, tmp_path):
     assert (out / "compose.yaml").read_text().startswith("# Deployment")
 
 
+@pytest.mark.slow
 def test_unwritable_or_bad_output_paths_fail_cleanly(spec, tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")

@@ -57,6 +57,7 @@ def values(argv: list[str], flag: str) -> list[str]:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.slow
 def test_run_sh_and_compose_agree(case, tmp_path, sysroots):
     out, plan = rendered(case, tmp_path, sysroots)
     runs = docker_runs(out, tmp_path)
@@ -85,6 +86,7 @@ def test_run_sh_and_compose_agree(case, tmp_path, sysroots):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.slow
 def test_replicas_get_plan_cpus_mems_and_their_index(case, tmp_path, sysroots):
     out, plan = rendered(case, tmp_path, sysroots)
     runs = docker_runs(out, tmp_path)
@@ -103,6 +105,7 @@ def test_replicas_get_plan_cpus_mems_and_their_index(case, tmp_path, sysroots):
     assert values(lb, "--network") == [f"{plan['name']}-edge", f"{plan['name']}-internal"]
 
 
+@pytest.mark.slow
 def test_seccomp_modes(tmp_path, sysroots):
     seen = {}
     for case in ("one-replica-two-cpu", "custom-base", "local-model-unconfined"):
@@ -116,6 +119,7 @@ def test_seccomp_modes(tmp_path, sysroots):
     assert seen["unconfined"] == ["seccomp=unconfined"]
 
 
+@pytest.mark.slow
 def test_api_key_is_passed_by_name_only(tmp_path, sysroots):
     out, plan = rendered("two-replicas-2socket", tmp_path, sysroots)
     runs = docker_runs(out, tmp_path, api_key="sk-secret-value")
@@ -137,6 +141,7 @@ def test_api_key_from_a_kubernetes_secret_still_protects_docker_targets(tmp_path
     assert plan.serving.api_key_env == "DEPLOYKIT_API_KEY" and plan.serving.api_key_secret == ("llm-key", "api-key")
 
 
+@pytest.mark.slow
 def test_stopping_gives_engines_time_to_drain_and_nginx_a_graceful_quit(tmp_path, sysroots):
     """SIGTERM drains in-flight requests for up to 30 s; Docker's default 10 s before SIGKILL would cut them."""
     out, plan = rendered("two-replicas-2socket", tmp_path, sysroots)

@@ -122,6 +122,7 @@ def check(data):
 
 @EXAMPLES
 @given(yaml_values)
+@pytest.mark.slow
 def test_random_documents_never_crash(data):
     check(data)
 
@@ -129,6 +130,7 @@ def test_random_documents_never_crash(data):
 @EXAMPLES
 @given(st.text(max_size=200) | yaml_values.map(lambda v: yaml.safe_dump(v, allow_unicode=True))
        | st.builds(lambda v: yaml.safe_dump(copy.deepcopy(BASE_SPEC) | {"placement": v}), yaml_values))
+@pytest.mark.slow
 def test_random_yaml_text_never_crashes(text):
     try:
         check(specfile.parse_yaml(text))
@@ -159,6 +161,7 @@ ALL_PATHS = [p for p in paths(FULL) if p]
 
 @EXAMPLES
 @given(st.sampled_from(ALL_PATHS), yaml_values, st.sampled_from(["set", "delete", "rename"]))
+@pytest.mark.slow
 def test_mutations_of_a_valid_spec_never_crash(path, value, how):
     data = copy.deepcopy(FULL)
     parent = data

@@ -71,6 +71,7 @@ def test_sibling_list_missing_falls_back_to_core_id(tmp_path, sysroots):
 
 
 @pytest.mark.parametrize("dest", ["snap", "snap.tar.gz"])
+@pytest.mark.slow
 def test_snapshot_round_trip_reads_the_same(tmp_path, sysroots, dest):
     src = sysroots["epyc-container-8c"]
     written = snapshot.take(tmp_path / dest, src)

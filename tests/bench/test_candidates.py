@@ -2,6 +2,7 @@
 real, written as a placement section that plans to the same replicas, duplicates merged and refusals explained."""
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from deploykit import hardware, memory, planner, specfile
@@ -33,6 +34,7 @@ def plans_the_same(path, c) -> bool:
     return tuple((r.cpus, r.frontend_cpus) for r in plan.replicas) == c.layout
 
 
+@pytest.mark.slow
 def test_a_two_cpu_host_offers_one_replica_of_two_threads_and_two_of_one(tmp_path, sysroots):
     path = spec(tmp_path, sysroots["two-cpu"])
     cands, notes = found(path)
@@ -54,6 +56,7 @@ def test_placements_the_planner_refuses_are_dropped_with_its_reason(tmp_path, sy
     assert "cannot hold 2 replicas" in notes[0]
 
 
+@pytest.mark.slow
 def test_a_two_socket_smt_host_varies_granularity_and_smt_and_keeps_the_users_knobs(tmp_path, sysroots):
     path = spec(tmp_path, sysroots["epyc-2s-nps1"], reserved_cpus=1, threads=8)
     cands, notes = found(path)

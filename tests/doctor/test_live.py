@@ -23,7 +23,8 @@ from tests.doctor.cgroups import Cgroup
 ROOT = Path(__file__).resolve().parents[2]
 WORKLOAD = Path(__file__).with_name("workload.py")
 LIBOMP = Path("/usr/lib/x86_64-linux-gnu/libomp.so.5")  # Debian's libomp5: LLVM's OpenMP runtime
-pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+# slow: each test samples a live OpenMP workload for seconds, and needs both CPUs to itself (not the fast lane)
+pytestmark = [pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs"), pytest.mark.slow]
 
 
 def clean_env(**extra: str) -> dict:

@@ -52,6 +52,7 @@ def vllm_like(pages) -> list[Proc]:
     return [api, core, worker]
 
 
+@pytest.mark.slow
 def test_the_user_report_described_as_asked(epyc):
     pages = {"interleave:0-1": {0: 9 * GIB, 1: 9 * GIB}, "default": {0: 1 * GIB}}
     s = sample(vllm_like(pages), {300: 1.0, 301: 0.02, 400: 1.0})

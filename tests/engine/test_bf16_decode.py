@@ -24,6 +24,7 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.slow
 def test_bf16_decode_steps_stay_as_close_to_fp32_as_transformers_bf16(tiny_model, name, request):
     """On an AVX-512 CPU the native path is the one tested (a missing build fails); elsewhere the PyTorch path."""
     from transformers import AutoModelForCausalLM

@@ -50,6 +50,7 @@ needs_two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="ne
 
 
 @needs_two_cpus
+@pytest.mark.slow
 def test_each_openmp_worker_runs_on_its_own_cpu():
     rep, _ = child("0-1")
     omp = sorted((t for t in rep["threads"] if t["omp_thread"] is not None), key=lambda t: t["omp_thread"])
@@ -63,6 +64,7 @@ def test_each_openmp_worker_runs_on_its_own_cpu():
 
 
 @needs_two_cpus
+@pytest.mark.slow
 def test_refused_set_mempolicy_keeps_running_and_names_the_fix():
     rep, err = child("0-1", pre=REFUSE)
     assert rep["memory_policy"]["mode"] == "default"
@@ -98,6 +100,7 @@ print(json.dumps(rep))
 
 @needs_two_cpus
 @pytest.mark.skipif(not NATIVE, reason="no native path here (a CPU without AVX-512, or DEPLOYKIT_KERNELS off)")
+@pytest.mark.slow
 def test_fused_decode_step_runs_on_the_pinned_workers(tiny_model, native_kernels):
     # ~30 MB of bf16 weights: each step streams them, so both workers get measurable CPU time.
     model = tiny_model("qwen2", hidden=512, layers=4, heads=8, kv_heads=2, intermediate=2048)

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from engine.__main__ import main
 
 
@@ -14,6 +16,7 @@ def _digest(d):
         return hashlib.sha256(f.read()).hexdigest()
 
 
+@pytest.mark.slow
 def test_tiny_model_is_deterministic_per_seed(tmp_path):
     a, b, c = (str(tmp_path / n) for n in "abc")
     assert main(["tiny-model", a, "--arch", "qwen3", "--seed", "7"]) == 0
@@ -25,6 +28,7 @@ def test_tiny_model_is_deterministic_per_seed(tmp_path):
     assert os.path.exists(os.path.join(a, "chat_template.jinja"))
 
 
+@pytest.mark.slow
 def test_generate_command_prints_completions(tiny_model):
     out = subprocess.run([sys.executable, "-m", "engine", "generate", tiny_model("llama"), "Hello", "Café",
                           "--max-tokens", "5", "--dtype", "float32"], capture_output=True, text=True, check=True,

@@ -104,6 +104,7 @@ def test_skipped_special_tokens_between_the_bytes_of_a_character():
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(st.characters(codec="utf-8"), max_size=60), cuts=cut_lists, prompt=st.sampled_from(CORPUS))
+@pytest.mark.slow
 def test_encoded_text_streams_back_exactly_after_a_prompt(tokenizer, text, cuts, prompt):
     prompt_ids = tokenizer.encode(prompt)
     ids = tokenizer.encode(text)

@@ -76,6 +76,7 @@ def test_unprepared_weights_match_fp32_reference(kernels, k, n):
 @needs_bf16
 @pytest.mark.parametrize("k,n", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.slow
 def test_linear_matches_fp32_reference_for_all_small_batches(kernels, k, n, with_bias):
     for m in range(1, 18):
         x, w, b = make(m, k, n, with_bias)
@@ -176,6 +177,7 @@ def run_status(env_overrides: dict[str, str]) -> dict:
     return json.loads(out)
 
 
+@pytest.mark.slow
 def test_missing_library_falls_back_and_says_how_to_fix(tmp_path):
     status = run_status({"DEPLOYKIT_KERNEL_DIR": str(tmp_path), "DEPLOYKIT_KERNELS": ""})
     if VARIANT is not None:
@@ -185,6 +187,7 @@ def test_missing_library_falls_back_and_says_how_to_fix(tmp_path):
         assert status["path"] == "fallback" and "AVX-512" in status["reason"]
 
 
+@pytest.mark.slow
 def test_fallback_module_computes_f_linear(tmp_path):
     code = ("import torch, torch.nn.functional as F, engine.kernels as k\n"
             "x = torch.randn(3, 4, 96).bfloat16(); w = torch.randn(64, 96).bfloat16(); b = torch.randn(64).bfloat16()\n"
@@ -199,6 +202,7 @@ def test_fallback_module_computes_f_linear(tmp_path):
 
 
 @needs_bf16
+@pytest.mark.slow
 def test_stale_library_is_not_loaded(kernels, tmp_path):
     for variant in build.VARIANTS:
         shutil.copy(build.default_dir() / build.library_name(variant), tmp_path / build.library_name(variant))
@@ -223,6 +227,7 @@ def test_variant_follows_the_cpu_flags():
 
 
 @needs_bf16
+@pytest.mark.slow
 def test_widening_build_matches_the_bf16_build(kernels):
     """The plain AVX-512F library (forced with DEPLOYKIT_KERNELS=avx512, on any AVX-512 CPU) computes what the
     fallback computes, for the matmuls, the fused ops and decode attention."""

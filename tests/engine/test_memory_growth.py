@@ -15,6 +15,7 @@ def rss_bytes() -> int:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: the native kernels' allocations too
+@pytest.mark.slow
 def test_rss_is_stable_over_1000_short_requests(tiny_model, dtype):
     core = EngineCore(EngineConfig(tiny_model("qwen2", hidden=128, heads=4, intermediate=256), dtype=dtype,
                                    max_model_len=128, max_num_seqs=16, kv_cache_bytes=8 << 20))

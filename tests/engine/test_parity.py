@@ -33,6 +33,7 @@ def _greedy_requests(prompts, n=N_TOKENS):
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.slow
 def test_greedy_matches_transformers_fp32_with_requests_joining_mid_flight(tiny_model, hf_greedy, run_core, name):
     kwargs = dict(ARCHS[name])
     model_dir = tiny_model(kwargs.pop("arch", "llama"), **kwargs)
@@ -53,6 +54,7 @@ def test_chunked_prefill_gives_the_same_tokens_as_whole_prompt_prefill(tiny_mode
 
 
 @pytest.mark.parametrize("prompts", [PROMPTS[1:2], PROMPTS[:4]], ids=["one-sequence", "batch"])
+@pytest.mark.slow
 def test_sliding_window_with_chunked_prefill_matches_transformers(tiny_model, hf_greedy, run_core, prompts):
     """Window 12 < prompts: prefill chunks of 5 attend to cached keys partly behind the window, and decode
     runs alone (the one-sequence slice) or batched (the padded mask)."""

@@ -107,6 +107,7 @@ def _fields(p: SamplingParams) -> dict:
     return {f: getattr(p, f) for f in SamplingParams.__dataclass_fields__}
 
 
+@pytest.mark.slow
 def test_temperature_matches_reference_distribution():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5])
     for temperature in (0.5, 1.0, 2.0):
@@ -183,6 +184,7 @@ def test_top_p_after_a_large_top_k_renormalises_within_the_top_k():
 
 
 @pytest.mark.parametrize("nucleus", ["few", "hundreds", "most"])
+@pytest.mark.slow
 def test_top_p_over_a_large_vocabulary(nucleus):
     # The sampler first looks for the nucleus among 256 candidates, then 8192, then sorts the whole
     # vocabulary; each case below ends in a different stage.

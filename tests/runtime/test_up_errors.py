@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from tests.runtime.helpers import deploykit, free_port, spec_file
 
 
@@ -12,6 +14,7 @@ def _env(tmp_path, **extra):
     return {"DEPLOYKIT_STATE_DIR": str(tmp_path / "state"), **extra}
 
 
+@pytest.mark.slow
 def test_docker_not_running_says_how_to_start_it(tmp_path, tiny_model):
     spec = spec_file(tmp_path / "s.yaml", "dkerr", tiny_model, free_port(3))
     r = deploykit("up", spec, "--runtime", "docker", env=_env(tmp_path, DOCKER_HOST=f"unix://{tmp_path}/no.sock"))
