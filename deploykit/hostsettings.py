@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import cpulist, isa, numa
 from .errors import TopologyError
-from .topology import Reader
+from .procfs import Reader, hex_field, int_field, status_fields
 
 NUMA_BALANCING = "proc/sys/kernel/numa_balancing"
 THP_ENABLED = "sys/kernel/mm/transparent_hugepage/enabled"
@@ -47,10 +47,6 @@ def parse_environ(raw: bytes | str) -> dict[str, str]:
         if eq and relevant(name):
             out[name] = value
     return out
-
-
-def status_fields(text: str) -> dict[str, str]:
-    return {k: v.strip() for k, _, v in (line.partition(":") for line in text.splitlines()) if v}
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,22 +145,6 @@ def _bracketed(text: str | None) -> str | None:
     """The selected word of a sysfs choice file: 'always [madvise] never' -> 'madvise'."""
     m = re.search(r"\[(\w[\w+]*)\]", text or "")
     return m.group(1) if m else None
-
-
-def int_field(text: str | None) -> int | None:
-    """A decimal /proc or /sys value, None when absent or not a number."""
-    try:
-        return int((text or "").strip())
-    except ValueError:
-        return None
-
-
-def hex_field(text: str | None) -> int | None:
-    """A hexadecimal /proc value (CapEff: '000001ffffffffff'), None when absent or malformed."""
-    try:
-        return int((text or "").strip(), 16)
-    except ValueError:
-        return None
 
 
 def _bool(text: str | None) -> bool | None:

@@ -2,8 +2,8 @@
 quota, ISA.
 
 Facts only, no policy: the planner decides what to use. Reads the same files as `lscpu --sysroot` plus the
-process's own limits (/proc/self/status, cgroup v1/v2). `SOURCES` lists every path read, so `snapshot` can copy
-exactly those.
+process's own limits (/proc/self/status, and cgroup v1/v2 through deploykit.cgroups). `read_with_sources` names every
+path read, so `snapshot` can copy exactly those.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import cpulist
+from . import cgroups, procfs
 from . import isa as _isa
 from .errors import TopologyError
+from .procfs import Reader
 
 CPU_DIR = "sys/devices/system/cpu"
 NODE_DIR = "sys/devices/system/node"
-CGROUP = "sys/fs/cgroup"
 TOPOLOGY_FILES = ("core_id", "physical_package_id", "thread_siblings_list")
 
 
@@ -127,7 +127,7 @@ def read_with_sources(sysroot: str | Path = "/", pid: int | None = None) -> tupl
             topo, seen = read_with_sources(tmp, pid)
             return replace(topo, source=str(sysroot)), seen
     root = Path(sysroot)
-    proc = f"proc/{pid}" if pid else "proc/self"
+    proc = procfs.proc_dir(pid)
     if not (root / CPU_DIR).is_dir() and not (root / "proc/cpuinfo").is_file():
         raise TopologyError("not a sysroot: neither sys/devices/system/cpu nor proc/cpuinfo exists", path=str(root),
                             hint="make one with `deploykit topology snapshot DIR` on the machine to describe")
@@ -166,19 +166,19 @@ def read_with_sources(sysroot: str | Path = "/", pid: int | None = None) -> tupl
         cpus = [replace(c, l3=group_of[c.id]) for c in cpus]
 
     allowed = set(online)
-    status = r.text(f"{proc}/status") or ""
-    m = re.search(r"^Cpus_allowed_list:\s*(\S+)", status, re.M)
-    if m:
-        allowed &= set(cpulist.parse(m.group(1)))
-    cg_cpus, cg_mems, quota, mem_limit = _cgroup(r, proc)
-    if cg_cpus is not None:
-        allowed &= set(cg_cpus)
+    status = procfs.status_fields(r.text(f"{proc}/status") or "")
+    affinity = procfs.status_list(status, "Cpus_allowed_list")
+    if affinity is not None:
+        allowed &= set(affinity)
+    cg = cgroups.limits(r, proc)
+    if cg.cpus is not None:
+        allowed &= set(cg.cpus)
     mems = {n.id for n in nodes if n.memory_bytes > 0}
-    m = re.search(r"^Mems_allowed_list:\s*(\S+)", status, re.M)
-    if m:
-        mems &= set(cpulist.parse(m.group(1)))
-    if cg_mems is not None:
-        mems &= set(cg_mems)
+    mems_allowed = procfs.status_list(status, "Mems_allowed_list")
+    if mems_allowed is not None:
+        mems &= set(mems_allowed)
+    if cg.mems is not None:
+        mems &= set(cg.mems)
     if not allowed:
         raise TopologyError("this process may run on no online CPU (cpuset and affinity do not intersect the "
                             "online CPUs)", path=str(root))
@@ -187,9 +187,9 @@ def read_with_sources(sysroot: str | Path = "/", pid: int | None = None) -> tupl
     flags = _isa.flags_in(cpuinfo)
     model = (re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.M) or _EMPTY).group(1)
     topo = Topology(cpus=tuple(cpus), offline=offline, nodes=nodes, allowed_cpus=tuple(sorted(allowed)),
-                    allowed_mems=tuple(sorted(mems)), quota_cpus=quota, memory_limit_bytes=mem_limit,
+                    allowed_mems=tuple(sorted(mems)), quota_cpus=cg.quota_cpus, memory_limit_bytes=cg.memory_bytes,
                     isa=tuple(f for f in _isa.OF_INTEREST if f in flags), cpu_model=model.strip(),
-                    source=str(root), cpuset=tuple(c for c in cg_cpus if c in on) if cg_cpus is not None else None,
+                    source=str(root), cpuset=tuple(c for c in cg.cpus if c in on) if cg.cpus is not None else None,
                     l3_groups=l3)
     return topo, tuple(sorted(r.seen))
 
@@ -288,154 +288,3 @@ def _distances(text: str | None) -> tuple[int, ...]:
 def _kib(text: str | None, key: str) -> int | None:
     m = re.search(rf"^{re.escape(key)}:\s*(\d+)\s*kB", text or "", re.M)
     return int(m.group(1)) * 1024 if m else None
-
-
-def _cgroup_paths(r: Reader, proc: str) -> tuple[dict[str, str], str | None]:
-    """({v1 controller: path}, v2 path or None) from /proc/<pid>/cgroup."""
-    v1: dict[str, str] = {}
-    v2 = None
-    for line in (r.text(f"{proc}/cgroup") or "").splitlines():
-        hid, _, rest = line.partition(":")
-        ctrls, _, path = rest.partition(":")
-        if hid == "0" and ctrls == "":
-            v2 = path
-        for c in ctrls.split(","):
-            if c:
-                v1[c] = path
-    return v1, v2
-
-
-V1_CPU_MOUNTS = ("cpu,cpuacct", "cpu", "cpuacct,cpu")
-
-
-def throttling(sysroot: str | Path = "/", pid: int | None = None) -> tuple[int, int, float] | None:
-    """(periods, periods throttled, seconds throttled) so far, from cpu.stat of the cgroups whose CFS quota applies to the
-    process (the same directories the quota is read from); None when no quota applies. Sample twice: a count
-    that grows while the process works is the quota biting."""
-    r = Reader(Path(sysroot))
-    proc = f"proc/{pid}" if pid else "proc/self"
-    v1, v2 = _cgroup_paths(r, proc)
-    if r.exists(f"{CGROUP}/cgroup.controllers") and v2 is not None:
-        dirs = [d for d in _ancestors(r, CGROUP, v2) if _v2_quota(r.text(f"{d}/cpu.max")) is not None]
-        key, scale = "throttled_usec", 1e-6
-    else:
-        dirs = [d for mount in V1_CPU_MOUNTS for d in _ancestors(r, f"{CGROUP}/{mount}", v1.get("cpu", "/"))
-                if r.int(f"{d}/cpu.cfs_quota_us", -1) > 0]
-        key, scale = "throttled_time", 1e-9
-    if not dirs:
-        return None
-    periods, throttled, seconds = 0, 0, 0.0
-    for d in dirs:
-        stat = dict(line.split()[:2] for line in (r.text(f"{d}/cpu.stat") or "").splitlines() if " " in line)
-        periods += int(stat.get("nr_periods", 0))
-        throttled += int(stat.get("nr_throttled", 0))
-        seconds += int(stat.get(key, 0)) * scale
-    return periods, throttled, seconds
-
-
-def _cgroup(r: Reader, proc: str = "proc/self") -> tuple[tuple[int, ...] | None, tuple[int, ...] | None,
-                                                        float | None, int | None]:
-    """(cpuset cpus, cpuset mems, quota in CPUs, memory limit) from cgroup v2 or v1; None where unlimited."""
-    v1, v2 = _cgroup_paths(r, proc)
-    if (r.exists(f"{CGROUP}/cgroup.controllers")) and v2 is not None:
-        dirs = _ancestors(r, CGROUP, v2)
-        cpus = _first(r.cpus(f"{d}/cpuset.cpus.effective") for d in dirs)
-        mems = _first(r.cpus(f"{d}/cpuset.mems.effective") for d in dirs)
-        quota = _min(_v2_quota(r.text(f"{d}/cpu.max")) for d in dirs)
-        mem = _min(_limit(r.text(f"{d}/memory.max")) for d in dirs)
-        return cpus, mems, quota, mem
-    cs = _ancestors(r, f"{CGROUP}/cpuset", v1.get("cpuset", "/"))
-    cpus = _first(r.cpus(f"{d}/cpuset.effective_cpus") or r.cpus(f"{d}/cpuset.cpus") for d in cs)
-    mems = _first(r.cpus(f"{d}/cpuset.effective_mems") or r.cpus(f"{d}/cpuset.mems") for d in cs)
-    quota = None
-    for mount in V1_CPU_MOUNTS:
-        for d in _ancestors(r, f"{CGROUP}/{mount}", v1.get("cpu", "/")):
-            q, p = r.int(f"{d}/cpu.cfs_quota_us", -1), r.int(f"{d}/cpu.cfs_period_us", 0)
-            if q > 0 and p > 0:
-                quota = q / p if quota is None else min(quota, q / p)
-    mem = _min(_limit(r.text(f"{d}/memory.limit_in_bytes"))
-               for d in _ancestors(r, f"{CGROUP}/memory", v1.get("memory", "/")))
-    return cpus, mems, quota, mem
-
-
-def _ancestors(r: Reader, mount: str, path: str) -> list[str]:
-    """The cgroup dir and its parents up to the mount. Inside a container the host path is often absent (the
-    container sees its own cgroup as the root), so only the parts that exist are returned."""
-    parts = [p for p in path.split("/") if p]
-    out = []
-    for i in range(len(parts), -1, -1):
-        d = "/".join([mount, *parts[:i]])
-        if r.exists(d):
-            out.append(d)
-    return out
-
-
-def _v2_quota(text: str | None) -> float | None:
-    if not text:
-        return None
-    q, _, p = text.strip().partition(" ")
-    return int(q) / int(p or 100000) if q.isdigit() and (p or "1").isdigit() and int(p or 1) > 0 else None
-
-
-def _limit(text: str | None) -> int | None:
-    t = (text or "").strip()
-    # v1 reports "unlimited" as a page-rounded LONG_MAX.
-    return int(t) if t.isdigit() and int(t) < 2**60 else None
-
-
-def _first(values) -> tuple[int, ...] | None:
-    for v in values:
-        if v:
-            return v
-    return None
-
-
-def _min(values) -> float | int | None:
-    vals = [v for v in values if v is not None]
-    return min(vals) if vals else None
-
-
-class Reader:
-    """File access relative to a sysroot, tolerant of missing files (a snapshot holds only what exists)."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.seen: set[str] = set()
-
-    def exists(self, rel: str) -> bool:
-        if (self.root / rel).is_file():
-            self.seen.add(rel)
-        return (self.root / rel).exists()
-
-    def text(self, rel: str) -> str | None:
-        try:
-            t = (self.root / rel).read_text(errors="replace")
-            self.seen.add(rel)
-            return t
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError):
-            return None
-        except OSError as e:
-            raise TopologyError(f"cannot read {rel}: {e}", path=str(self.root / rel)) from None
-
-    def listdir(self, rel: str, prefix: str = "") -> list[str]:
-        """Names in a directory starting with `prefix`, sorted; [] when it is absent."""
-        try:
-            return sorted(p.name for p in (self.root / rel).iterdir() if p.name.startswith(prefix))
-        except OSError:
-            return []
-
-    def cpus(self, rel: str) -> tuple[int, ...] | None:
-        t = self.text(rel)
-        if t is None:
-            return None
-        try:
-            return cpulist.parse(t)
-        except ValueError as e:
-            raise TopologyError(f"malformed CPU list: {e}", path=str(self.root / rel)) from None
-
-    def int(self, rel: str, default: int) -> int:
-        t = (self.text(rel) or "").strip()
-        try:
-            return int(t)
-        except ValueError:
-            return default

@@ -14,15 +14,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 
-from deploykit import cpulist, numa, placement, topology
-from deploykit.doctor import openmp, process
+from deploykit import cpulist, numa, placement, process, procfs, topology
 
 log = logging.getLogger("engine.binding")
-OMP_RUNTIMES = openmp.OMP_RUNTIME  # one pattern for the engine's check and `deploykit doctor`
 _FIX = ("run the container with deploykit's seccomp profile (what `deploykit render` writes: seccomp.json for Docker, "
         "a Localhost profile in Kubernetes), which allows these calls with no capability; Docker's and containerd's "
         "default profiles refuse them unless the container has CAP_SYS_NICE")
@@ -170,16 +167,10 @@ def pin_helper_thread(b: Binding) -> None:
 
 
 def omp_runtimes() -> list[str]:
-    found = set()
     try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                m = OMP_RUNTIMES.search(line.strip())
-                if m:
-                    found.add(line.split()[-1])
+        return list(procfs.omp_runtimes(procfs.read_mapped_files()))
     except OSError:
-        pass
-    return sorted(found)
+        return []
 
 
 def _omp_loaded() -> bool:
@@ -187,13 +178,11 @@ def _omp_loaded() -> bool:
 
 
 def _mems_allowed() -> tuple[int, ...]:
-    with open("/proc/self/status") as f:
-        m = re.search(r"^Mems_allowed_list:\s*(\S+)", f.read(), re.M)
-    return cpulist.parse(m.group(1)) if m else ()
+    return procfs.status_list(procfs.read_status(), "Mems_allowed_list") or ()
 
 
 def _tids() -> list[int]:
-    return sorted(int(t) for t in os.listdir("/proc/self/task"))
+    return procfs.tids()
 
 
 def report(b: Binding | None = None) -> dict:
@@ -231,12 +220,12 @@ def report(b: Binding | None = None) -> dict:
         "threads_allowed_union": cpulist.format({c for t in threads for c in cpulist.parse(t["allowed_cpus"])}),
         "quota_cpus": topo.quota_cpus,
         # from the one /proc read above (maps, status), not read again
-        "openmp_runtimes": sorted(lib for lib in me.libraries or () if OMP_RUNTIMES.search(lib)),
+        "openmp_runtimes": list(procfs.omp_runtimes(me.libraries or ())),
         "threads": threads,
         "warnings": list(b.warnings) if b else [],
         "notes": list(b.notes) if b else [],
-        "libraries": [lib for lib in me.libraries or () if openmp.OMP_RUNTIME.search(lib)
-                      or openmp.FAST_MALLOC.search(lib)],
+        "libraries": [lib for lib in me.libraries or () if procfs.OMP_RUNTIME.search(lib)
+                      or procfs.FAST_MALLOC.search(lib)],
         "environment": me.env, "seccomp": me.seccomp,
         "numa_pages": {policy: {str(n): v for n, v in nodes.items()} for policy, nodes in (me.numa_pages or {}).items()},
         "topology": _topology(topo),

@@ -262,3 +262,31 @@ DOCTOR: dict[str, Machine] = {
                                probe={**ALL_OK, "amx_granted": False}),
     "vllm-bind-across-nodes": replace(HEALTHY, environ=TCMALLOC + (("VLLM_CPU_OMP_THREADS_BIND", "0-383"),)),
 }
+
+
+def write_process(proc: str | Path, pid: int, *, comm: str, ppid: int = 1, state: str = "S", cpus: str = "0",
+                  utime: int = 0, stime: int = 0, start_time: int = 0, processor: int = 0,
+                  maps: tuple[str, ...] = (), threads: tuple[tuple[int, str, str], ...] = ()) -> Path:
+    """A process as /proc shows it, under `proc` (a directory laid out like /proc): stat, status, maps and one
+    task/TID per thread (`threads`: (tid, comm, allowed CPUs); the main thread is always there)."""
+    base = Path(proc) / str(pid)
+
+    def stat(tid: int, name: str, cpu: int) -> str:
+        f = [state, str(ppid)] + ["0"] * 48  # fields 3-52 of proc(5); field n at f[n - 3]
+        f[11], f[12], f[19], f[36] = str(utime), str(stime), str(start_time), str(cpu)
+        return f"{tid} ({name}) {' '.join(f)}\n"
+
+    def status(name: str, allowed: str) -> str:
+        return f"Name:\t{name}\nState:\t{state}\nPid:\t{pid}\nPPid:\t{ppid}\nUid:\t1000\t1000\t1000\t1000\n" \
+               f"Cpus_allowed_list:\t{allowed}\nMems_allowed_list:\t0\nSeccomp:\t0\nCapEff:\t0000000000000000\n"
+
+    for tid, name, allowed in ((pid, comm, cpus), *threads):
+        t = base / "task" / str(tid)
+        t.mkdir(parents=True, exist_ok=True)
+        (t / "stat").write_text(stat(tid, name, processor))
+        (t / "status").write_text(status(name, allowed))
+    (base / "stat").write_text(stat(pid, comm, processor))
+    (base / "status").write_text(status(comm, cpus))
+    (base / "maps").write_text("".join(f"7f00{i:08x}-7f01{i:08x} r-xp 00000000 08:01 {i} {path}\n"
+                                       for i, path in enumerate(maps)))
+    return base

@@ -11,9 +11,9 @@ import json
 import os
 from dataclasses import replace
 
-from .. import numa, topology
+from .. import numa, procfs, topology
 from ..errors import TargetError, did_you_mean
-from ..hostsettings import CAP_SYS_NICE, HostSettings, Probe, int_field, relevant, status_fields
+from ..hostsettings import CAP_SYS_NICE, HostSettings, Probe, relevant
 from . import checks, fixes, openmp
 from .findings import FAIL, INFO, OK, WARN, Finding, Report, Section
 from .process_target import examine_pid
@@ -71,12 +71,11 @@ def _container(name: str):
 
 
 def _mapped_runtimes(pid: int) -> tuple[str, ...] | None:
-    from .process import tree
-    found = set()
+    from ..process import tree
+    found: set[str] = set()
     for p in tree(pid):
         try:
-            with open(f"/proc/{p}/maps") as f:
-                found |= {line.split()[-1] for line in f if openmp.OMP_RUNTIME.search(line.strip())}
+            found |= set(procfs.omp_runtimes(procfs.read_mapped_files(p)))
         except OSError:
             continue
     return tuple(sorted(found)) or None
@@ -119,7 +118,7 @@ def _numa_calls(c, hc: dict, pid: int, topo) -> Finding:
     caps = _caps(hc)
     nice = "ALL" in caps or "SYS_NICE" in caps
     try:
-        status = status_fields(open(f"/proc/{pid}/status").read())
+        status = procfs.read_status(pid)
     except OSError:
         status = {}
     probe = _probe_inside(c, topo.allowed_mems[0] if topo.allowed_mems else 0)
@@ -127,7 +126,7 @@ def _numa_calls(c, hc: dict, pid: int, topo) -> Finding:
                  if profile == "unconfined" else "a custom seccomp profile") + \
         f"; capabilities: {'all' if 'ALL' in caps else ', '.join(sorted(caps)) or 'none'}"
     settings = HostSettings(numa_balancing=None, thp_enabled=None, thp_defrag=None,
-                            seccomp_mode=int_field(status.get("Seccomp")), no_new_privs=None,
+                            seccomp_mode=procfs.int_field(status.get("Seccomp")), no_new_privs=None,
                             cap_eff=(1 << CAP_SYS_NICE) if nice else 0, env=(), ld_so_preload=(), probe=probe,
                             live=True)
     if probe is not None:

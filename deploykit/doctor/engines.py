@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from .. import cpulist, placement
 from ..errors import PlanError
+from ..process import Proc
 from ..topology import Topology
-from .process import Proc
 
 VLLM, LLAMA_CPP = "vLLM", "llama.cpp"
 _LLAMA = re.compile(r"(?:^|/)llama-(?:server|cli|bench|run)\b|(?:^|/)(?:server|main)\s.*\.gguf\b")

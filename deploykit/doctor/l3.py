@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections import Counter
 
 from .. import cpulist, layout, placement
+from ..process import Proc, Thread
 from ..topology import Topology
 from ..units import human
 from .findings import OK, WARN, Finding
-from .process import Proc, Thread
 
 
 def team_spread(p: Proc, team: list[Thread], topo: Topology) -> Finding | None:

@@ -14,14 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import cpulist, placement
+from ..procfs import FAST_MALLOC, OMP_RUNTIME
 from ..topology import Topology
 from . import fixes
 from .findings import FAIL, INFO, OK, WARN, Finding
 
-# Basenames of OpenMP runtimes as they appear in /proc/PID/maps or LD_PRELOAD: GNU (libgomp, also PyTorch's bundled
-# copy), Intel (libiomp5) and LLVM (libomp). One home: the engine's binding report uses it too.
-OMP_RUNTIME = re.compile(r"(?:^|/)(libgomp[^/]*\.so[^/]*|libiomp5[^/]*\.so[^/]*|libomp[^/]*\.so[^/]*)$")
-FAST_MALLOC = re.compile(r"(?:^|/)(libtcmalloc[^/]*\.so[^/]*|libjemalloc[^/]*\.so[^/]*)$")
 AFFINITY_VARS = ("GOMP_CPU_AFFINITY", "OMP_PLACES", "OMP_PROC_BIND", "KMP_AFFINITY")
 LIB_DIRS = ("/lib", "/usr/lib", "/lib64", "/usr/lib64", "/usr/local/lib", "/lib/x86_64-linux-gnu",
             "/usr/lib/x86_64-linux-gnu", "/lib/aarch64-linux-gnu", "/usr/lib/aarch64-linux-gnu")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import topology
+from .. import cgroups, topology
+from ..process import Sample, read, sample
 from . import openmp
 from .findings import INFO, Finding, Report, Section
-from .process import Sample, read, sample
 from .threads import Context, analyse
 
 
@@ -18,9 +18,9 @@ def examine_pid(pid: int, seconds: float, *, during=None, driven: str = "",
     # What the process may use is its cgroup's cpuset: its main thread's affinity may itself be the symptom (narrowed
     # to one CPU by GOMP_CPU_AFFINITY), so it is judged with the threads, not used as the yardstick.
     topo = replace(topo, allowed_cpus=topo.cpuset or tuple(c.id for c in topo.cpus))
-    before = topology.throttling("/", pid)
+    before = cgroups.throttling("/", pid)
     s = sample(pid, seconds, during)
-    after = topology.throttling("/", pid)
+    after = cgroups.throttling("/", pid)
     ctx = Context(topo, (before, after) if before and after else None, omp_tids, driven)
     sections = list(extra) + analyse(s, ctx)
     hidden = sorted({f for p in s.after.values() for f in p.unreadable})

@@ -8,12 +8,12 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from .. import cpulist
+from .. import cpulist, procfs
+from ..process import Proc, Sample
 from ..topology import Topology
 from ..units import human
 from . import engines, fixes, l3, openmp
 from .findings import FAIL, INFO, OK, WARN, Finding, Section
-from .process import Proc, Sample
 
 BUSY = 0.3  # a thread using this much of a CPU over the window is "busy" (two sharing one CPU get 0.5 each at best)
 ACTIVE = 0.1  # working at all: threads taking turns on one CPU each get a share of it
@@ -291,7 +291,7 @@ def _runtimes(procs: list[Proc]) -> Finding:
 def _malloc(p: Proc) -> Finding:
     if p.libraries is None:
         return Finding("malloc.tcmalloc", INFO, f"cannot tell whether {p.label} uses tcmalloc (maps unreadable)")
-    fast = [lib for lib in p.libraries if openmp.FAST_MALLOC.search(lib)]
+    fast = [lib for lib in p.libraries if procfs.FAST_MALLOC.search(lib)]
     if fast:
         return Finding("malloc.tcmalloc", OK, f"{p.label} uses {', '.join(sorted(set(fast)))}")
     return Finding("malloc.tcmalloc", WARN, f"{p.label} uses glibc malloc (no tcmalloc mapped)",

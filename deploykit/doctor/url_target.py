@@ -16,9 +16,9 @@ import urllib.request
 
 from .. import cpulist
 from ..errors import TargetError
+from ..process import Proc, Sample, Thread
 from ..topology import CacheGroup, Cpu, Node, Topology
 from .findings import FAIL, OK, WARN, Finding, Report, Section
-from .process import Proc, Sample, Thread
 from .threads import Context, analyse
 
 MAX_TOKENS = 32

@@ -28,7 +28,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from .. import cpulist, topology
+from .. import cpulist, procfs, topology
 from ..errors import RuntimeFailure
 from ..render import nginx
 from . import Change, Observed, Ready, Say, atomic, health, preflight
@@ -237,7 +237,7 @@ class LocalRuntime:
         if child is not None:
             return child.poll() is None
         stat = _stat(p.pid)
-        return stat is not None and stat[0] != "Z" and int(stat[19]) == p.start_time
+        return stat is not None and stat.state != "Z" and stat.start_time == p.start_time
 
     def _stop(self, procs: list[Process]) -> None:
         """Each process gets its stop signal (the engine drains, nginx finishes open streams) and its grace period,
@@ -277,27 +277,21 @@ def _placement(m: Member, cpus: list[int]) -> str:
     return f"CPUs {cpulist.format(cpus)}" if cpus else "any CPU"
 
 
-def _stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat fields after the command name: [0] state, [19] start time."""
+def _stat(pid: int) -> procfs.Stat | None:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except OSError:
+        return procfs.read_stat(pid)
+    except (OSError, ValueError):  # gone, or not a process
         return None
-    return text[text.rindex(")") + 2:].split()
 
 
 def _start_time(pid: int) -> int:
     stat = _stat(pid)
-    return int(stat[19]) if stat else 0
+    return stat.start_time if stat else 0
 
 
 def _confinement(pid: int) -> tuple[str | None, str | None]:
     try:
-        cpus = cpulist.format(os.sched_getaffinity(pid))
-        with open(f"/proc/{pid}/status") as f:
-            mems = next((line.split(":", 1)[1].strip() for line in f if line.startswith("Mems_allowed_list:")), None)
-        return cpus, mems
+        return cpulist.format(os.sched_getaffinity(pid)), procfs.read_status(pid).get("Mems_allowed_list")
     except OSError:
         return None, None
 
@@ -313,7 +307,7 @@ def _marked(state_path: Path) -> list[int]:
             continue
         if marker in env.split(b"\0") and int(d.name) != os.getpid():
             stat = _stat(int(d.name))
-            if stat is not None and stat[0] != "Z":
+            if stat is not None and stat.state != "Z":
                 found.append(int(d.name))
     return found
 

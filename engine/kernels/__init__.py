@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from deploykit import isa
 from engine.kernels import loader
 
-__all__ = ["add_rms_norm", "decode_attention", "decode_attention_supported", "decode_step_", "fused", "head_rms_norm_",
-           "is_quantized", "linear", "logits", "prepare_bias", "prepare_weight", "quant_pack", "quant_parts",
-           "quant_rows", "quantized_ok", "rotary_", "silu_mul", "status"]
+__all__ = ["LIMITS", "add_rms_norm", "decode_attention", "decode_attention_supported", "decode_step_",
+           "decode_step_supported", "fused", "head_rms_norm_", "is_quantized", "linear", "logits", "prepare_bias",
+           "prepare_weight", "quant_pack", "quant_parts", "quant_rows", "quantized_ok", "rotary_", "silu_mul", "status"]
 
 _NATIVE = loader.load()
 _ops = torch.ops.deploykit if _NATIVE.loaded else None
@@ -29,9 +29,6 @@ _amx_min_m = AMX_MIN_M if _NATIVE.amx else 1 << 62
 # bf16 matmul is ~3x slower than the row-dot kernel at every M (benchmarks/kernels.py: 2.8 vs 8.1 GB/s
 # at M=16), so the widening build keeps the rows kernel throughout.
 ROWS_MAX_M = 1
-# decode_step_ takes up to this many sequences (MAX_ROWS in decode_step.cpp): the GEMV loads each weight line once
-# for up to 4 rows, so the step stays one weight-streaming pass.
-STEP_MAX_ROWS = 4
 PLAIN_AMX_MAX_M = 64
 _rows_max_m = 1 << 62 if _NATIVE.variant == "avx512" else 4
 
@@ -48,6 +45,16 @@ if _ops is not None:  # resolved once: the OpOverloadPacket lookup costs microse
     _decode_step = _ops.decode_step_.default
     _decode_attention = _ops.decode_attention.default
     _quant_linear = _ops.quant_linear.default
+
+# The kernels' shape limits, stated once in C++ and read from the extension (decode_step.cpp `limits`):
+# step_max_rows: decode_step_ takes up to this many sequences (the GEMV loads each weight line once for all of them,
+#   so the step stays one weight-streaming pass); head_dim_multiple, max_head_dim: the head sizes the attention
+#   kernels take; block_n, block_k: packed weights hold block_n output columns per line and AMX takes K in steps
+#   of block_k. Without the extension nothing runs natively, every use below is behind an `_ops`/`_NATIVE` check,
+#   and the limits are empty.
+LIMITS: dict[str, int] = dict(_ops.limits()) if _ops is not None else {}
+STEP_MAX_ROWS = LIMITS.get("step_max_rows", 0)
+_block_n, _block_k = LIMITS.get("block_n"), LIMITS.get("block_k")
 
 
 def quantized_ok() -> bool:
@@ -76,19 +83,19 @@ def quant_rows(blob: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> tor
 
 
 def is_packed(w: torch.Tensor) -> bool:
-    """Packed weights are [N/16, K/2, 16, 2]; a linear weight is otherwise always 2-D."""
-    return w.dim() == 4 and w.shape[2] == 16 and w.shape[3] == 2
+    """Packed weights are [N/16, K/2, 16, 2] (16 = block_n); a linear weight is otherwise always 2-D."""
+    return w.dim() == 4 and w.shape[2] == _block_n and w.shape[3] == 2
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
-    # [N, K] -> [N/16, K/2, 16, 2]: each 64-byte line is k-pair j of 16 output columns (AMX B tile row).
+    # [N, K] -> [N/16, K/2, 16, 2]: each 64-byte line is k-pair j of 16 (block_n) output columns (AMX B tile row).
     n, k = w.shape
-    return w.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return w.reshape(n // _block_n, _block_n, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def unpack(wp: torch.Tensor) -> torch.Tensor:
     nb, kh = wp.shape[0], wp.shape[1]
-    return wp.permute(0, 2, 1, 3).reshape(nb * 16, kh * 2)
+    return wp.permute(0, 2, 1, 3).reshape(nb * _block_n, kh * 2)
 
 
 def prepare_weight(w: torch.Tensor) -> torch.Tensor:
@@ -97,7 +104,7 @@ def prepare_weight(w: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         w = w.detach()
         n, k = w.shape
-        if _NATIVE.loaded and w.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0:
+        if _NATIVE.loaded and w.dtype == torch.bfloat16 and n % _block_n == 0 and k % _block_k == 0:
             return pack(w)
         return w.contiguous()
 
@@ -139,7 +146,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         return fallback_linear(x, w, bias)
     elif m <= ROWS_MAX_M:
         y = _rows(x2, w, bias)
-    elif m <= PLAIN_AMX_MAX_M and _NATIVE.amx and w.shape[0] % 16 == 0 and x2.shape[1] % 32 == 0:
+    elif m <= PLAIN_AMX_MAX_M and _NATIVE.amx and w.shape[0] % _block_n == 0 and x2.shape[1] % _block_k == 0:
         y = _amx_plain(x2, w, bias)
     elif m <= _rows_max_m:
         y = _rows(x2, w, bias)
@@ -183,8 +190,14 @@ def head_rms_norm_(x: torch.Tensor, w: torch.Tensor, eps: float) -> None:
 
 
 def decode_attention_supported(q: torch.Tensor) -> bool:
-    """q [B, Hq, D]: the native paged decode attention handles bf16 with D a multiple of 32 up to 256."""
-    return fused(q) and q.shape[-1] % 32 == 0 and q.shape[-1] <= 256
+    """q [B, Hq, D]: the native paged decode attention handles bf16 with D a multiple of 32 up to 256 (LIMITS)."""
+    return fused(q) and q.shape[-1] % LIMITS["head_dim_multiple"] == 0 and q.shape[-1] <= LIMITS["max_head_dim"]
+
+
+def decode_step_supported(q: torch.Tensor, intermediate_size: int) -> bool:
+    """Whether decode_step_ takes a model with heads like q [B, Hq, D] and this MLP width (gate and up blocks of the
+    packed gate_up weight must not straddle the two halves)."""
+    return decode_attention_supported(q) and intermediate_size % _block_n == 0
 
 
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,

@@ -175,7 +175,7 @@ at::Tensor linear_packed_amx(const at::Tensor& x, const at::Tensor& wp, const st
   TORCH_CHECK(amx_init(), "AMX tile state was not granted by the OS");
   op_args::check_packed(wp);
   const int64_t NB = wp.size(0), Kh = wp.size(1), N = NB * 16, K = Kh * 2, M = x.size(0);
-  TORCH_CHECK(K % 32 == 0, "AMX path needs K % 32 == 0, got K=", K);
+  TORCH_CHECK(K % op_args::BLOCK_K == 0, "AMX path needs K % ", op_args::BLOCK_K, " == 0, got K=", K);
   const op_args::Operands args = op_args::operands(x, K, N, bias);
   const bf16* w = wp.data_ptr<bf16>();
   const int64_t pairs = (NB + 1) / 2;

@@ -92,7 +92,8 @@ at::Tensor linear_plain_amx(const at::Tensor& x, const at::Tensor& w, const std:
   TORCH_CHECK(amx_init(), "AMX tile state was not granted by the OS");
   op_args::check_plain(w);
   const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
-  TORCH_CHECK(K % 32 == 0 && N % 16 == 0, "plain AMX path needs K % 32 == 0 and N % 16 == 0");
+  TORCH_CHECK(K % op_args::BLOCK_K == 0 && N % op_args::BLOCK_N == 0, "plain AMX path needs K % ", op_args::BLOCK_K,
+              " == 0 and N % ", op_args::BLOCK_N, " == 0");
   const op_args::Operands args = op_args::operands(x, K, N, bias);
   const at::Tensor& b = args.bias;
   const at::Tensor& out = args.out;

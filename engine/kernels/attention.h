@@ -22,6 +22,8 @@ namespace attention {
 using bf16 = at::BFloat16;
 using namespace vec;
 
+// Head sizes the attention kernels take: multiples of one 32-lane bf16 vector, up to MAX_HEAD_DIM.
+constexpr int64_t HEAD_DIM_MULTIPLE = 32;
 constexpr int64_t MAX_HEAD_DIM = 256;
 
 // Cache geometry: kv [NB, bs, 2, Hkv, D] contiguous; token t of a sequence lives in block table[t / bs].

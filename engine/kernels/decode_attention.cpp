@@ -11,6 +11,7 @@
 
 namespace deploykit {
 using bf16 = at::BFloat16;
+using attention::HEAD_DIM_MULTIPLE;
 using attention::MAX_HEAD_DIM;
 
 // q [B, Hq, D] (rows may be strided, heads D apart), kv [NB, bs, 2, Hkv, D] contiguous, tables int32
@@ -26,7 +27,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t NB = kv.size(0), bs = kv.size(1), Hkv = kv.size(3);
   TORCH_CHECK(kv.size(4) == D, "q and kv head_dim differ");
-  TORCH_CHECK(D % 32 == 0 && D <= MAX_HEAD_DIM, "head_dim must be a multiple of 32 up to ", MAX_HEAD_DIM);
+  TORCH_CHECK(D % HEAD_DIM_MULTIPLE == 0 && D <= MAX_HEAD_DIM, "head_dim must be a multiple of ", HEAD_DIM_MULTIPLE,
+              " up to ", MAX_HEAD_DIM);
   TORCH_CHECK(Hq % Hkv == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && tables.scalar_type() == at::kInt && tables.is_contiguous(),
               "tables must be a contiguous int32 [B, W] tensor");

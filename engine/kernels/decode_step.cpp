@@ -25,10 +25,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "attention.h"
 #include "gemv.h"
+#include "op_args.h"
 #include "quant_gemv.h"
 #include "row_ops.h"
 
@@ -158,13 +160,13 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
                   sin.scalar_type() == at::kBFloat16 && cos.is_contiguous() && sin.is_contiguous(),
               "cos/sin must be contiguous bf16 [max_len, D] tables");
   const int64_t D = cos.size(1), G = Hq / Hkv, NQKV = (Hq + 2 * Hkv) * D;
-  TORCH_CHECK(D % 32 == 0 && D <= attention::MAX_HEAD_DIM, "head_dim must be a multiple of 32 up to ",
-              attention::MAX_HEAD_DIM);
+  TORCH_CHECK(D % attention::HEAD_DIM_MULTIPLE == 0 && D <= attention::MAX_HEAD_DIM, "head_dim must be a multiple of ",
+              attention::HEAD_DIM_MULTIPLE, " up to ", attention::MAX_HEAD_DIM);
   const auto& gu0 = weights[GATE_UP];
   TORCH_CHECK(gu0.has_value() && gu0->defined() && (gu0->dim() == 4 || quant::is_blob(*gu0)),
               "layer 0 gate_up: expected a packed or quantized weight");
   const int64_t I = quant::is_blob(*gu0) ? quant::matrix(*gu0).N / 2 : gu0->size(0) * 8;
-  TORCH_CHECK(I % 16 == 0, "intermediate size must be a multiple of 16");
+  TORCH_CHECK(I % op_args::BLOCK_N == 0, "intermediate size must be a multiple of ", op_args::BLOCK_N);
   for (const at::Tensor* t : {&position, &slot})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == B && t->scalar_type() == at::kLong && t->is_contiguous(),
                 "position and slot must be contiguous int64 [B]");
@@ -316,7 +318,20 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
   }
 }
 
+// The shape limits above, by name: Python reads them once at load (engine/kernels/__init__.py) instead of repeating
+// the numbers.
+c10::Dict<std::string, int64_t> limits() {
+  c10::Dict<std::string, int64_t> out;
+  out.insert("step_max_rows", MAX_ROWS);
+  out.insert("head_dim_multiple", attention::HEAD_DIM_MULTIPLE);
+  out.insert("max_head_dim", attention::MAX_HEAD_DIM);
+  out.insert("block_n", op_args::BLOCK_N);
+  out.insert("block_k", op_args::BLOCK_K);
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(deploykit, m) {
+  m.def("limits() -> Dict(str, int)", &limits);
   m.def(
       "decode_step_(Tensor(a!) h, Tensor?[] weights, Tensor(b!)[] kv, int[] windows, Tensor cos, Tensor sin, "
       "Tensor position, Tensor table, Tensor length, Tensor slot, int num_heads, int num_kv_heads, float eps, "

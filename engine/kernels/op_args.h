@@ -23,9 +23,14 @@ inline at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t N) {
   return bias->to(at::kFloat).contiguous();
 }
 
+// Weights are packed in blocks of BLOCK_N output columns; AMX tiles (packed and plain) take K in steps of BLOCK_K
+// (one 64-byte tile row of bf16), and the plain AMX path N in steps of BLOCK_N.
+constexpr int64_t BLOCK_N = 16;
+constexpr int64_t BLOCK_K = 32;
+
 // Packed weights [N/16, K/2, 16, 2] (one 64-byte line = k-pair j of 16 output columns).
 inline void check_packed(const at::Tensor& wp) {
-  TORCH_CHECK(wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 2 && wp.is_contiguous() &&
+  TORCH_CHECK(wp.dim() == 4 && wp.size(2) == BLOCK_N && wp.size(3) == 2 && wp.is_contiguous() &&
                   wp.scalar_type() == at::kBFloat16,
               "packed weight must be a contiguous bf16 [N/16, K/2, 16, 2] tensor");
 }

@@ -20,7 +20,8 @@ def embed_rows(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> t
         return kernels.quant_rows(weight, ids, dtype)
     if weight.dim() == 2:
         return F.embedding(ids, weight)
-    return weight[ids // 16, :, ids % 16, :].flatten(1)
+    b = kernels.LIMITS["block_n"]  # packed weights exist only where the extension is loaded
+    return weight[ids // b, :, ids % b, :].flatten(1)
 
 
 def rms_norm(x: torch.Tensor, weight2: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -143,7 +143,7 @@ class LlamaModel:
         an activation other than SiLU, a head size the attention kernel lacks, weights the kernels did not pack."""
         s = self.spec
         probe = torch.empty(1, s.num_heads, s.head_dim, dtype=self.dtype)
-        if not (self.act_fused and kernels.decode_attention_supported(probe) and s.intermediate_size % 16 == 0):
+        if not (self.act_fused and kernels.decode_step_supported(probe, s.intermediate_size)):
             return None
         weights: list[torch.Tensor | None] = []
         for L in self.layers:

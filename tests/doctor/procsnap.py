@@ -1,7 +1,7 @@
 """Recorded /proc snapshots of a process tree, for doctor's fixture tests of servers CI cannot run (vLLM's CPU backend).
 
 `record(pid, seconds, dest)` reads the tree's /proc files twice, `seconds` apart, keeping only what
-deploykit.doctor.process reads (status lines, stat, schedstat, cmdline, the mapped files' paths, pages per node, the
+deploykit.process reads (status lines, stat, schedstat, cmdline, the mapped files' paths, pages per node, the
 OpenMP/allocator environment: never the rest of an environment), plus a topology snapshot of the host, into one
 deterministic .tar.gz. `load(archive)` gives back the Sample and the Topology doctor judges.
 
@@ -18,9 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploykit import hostsettings, snapshot, topology
-from deploykit.doctor import process
-from deploykit.doctor.process import Sample
+from deploykit import hostsettings, process, procfs, snapshot, topology
+from deploykit.process import Sample
 
 _STATUS = re.compile(r"^(Name|Uid|Seccomp|CapEff|Cpus_allowed_list|Mems_allowed_list):")
 _PAGES = re.compile(r"\bN\d+=")
@@ -54,9 +53,7 @@ def _trimmed(base: Path, prefix: str) -> dict[str, str]:
         pass
     maps = read("maps")
     if maps is not None:
-        paths = dict.fromkeys(line.split(maxsplit=5)[5].strip() for line in maps.splitlines()
-                              if len(line.split(maxsplit=5)) == 6 and line.split(maxsplit=5)[5].startswith("/"))
-        put("maps", "".join(f"00000000-00001000 r-xp 00000000 00:00 0 {p}\n" for p in paths))
+        put("maps", "".join(f"00000000-00001000 r-xp 00000000 00:00 0 {p}\n" for p in procfs.mapped_files(maps)))
     numa = read("numa_maps")
     if numa is not None:
         put("numa_maps", "".join(line + "\n" for line in numa.splitlines() if _PAGES.search(line)))

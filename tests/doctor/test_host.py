@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploykit import errors, hostsettings, snapshot
+from deploykit import errors, hostsettings, procfs, snapshot
 from deploykit.doctor import fixes
 from deploykit.doctor.command import examine_host
 from deploykit.render import seccomp
@@ -159,7 +159,7 @@ def test_live_snapshot_records_the_probes_and_no_secrets(tmp_path):
 
 def test_live_host_probes_its_own_numa_calls():
     """This process is unfiltered here (CI runs as root without seccomp): the live probe must say allowed."""
-    status = hostsettings.status_fields(Path("/proc/self/status").read_text())
+    status = procfs.read_status()
     if status.get("Seccomp") != "0":
         pytest.skip("this test process runs under a seccomp filter")
     rep = examine_host(None, None)

@@ -10,8 +10,8 @@ import pytest
 from deploykit import topology
 from deploykit.doctor import report
 from deploykit.doctor.findings import Report
-from deploykit.doctor.process import Proc, Sample, Thread
 from deploykit.doctor.threads import Context, analyse
+from deploykit.process import Proc, Sample, Thread
 from tests.sysroots import MACHINES, write
 
 GIB = 1024**3

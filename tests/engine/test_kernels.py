@@ -194,6 +194,8 @@ def test_fallback_module_computes_f_linear(tmp_path):
             "wp = k.prepare_weight(w)\n"
             "assert wp.shape == w.shape\n"
             "assert torch.equal(k.linear(x, wp, b), F.linear(x, w, b))\n"
+            "assert k.LIMITS == {} and k.STEP_MAX_ROWS == 0  # no extension: no native limits, and no fused step\n"
+            "assert not k.decode_attention_supported(torch.zeros(1, 2, 64, dtype=torch.bfloat16))\n"
             "print(k.status()['path'])\n")
     env = {**os.environ, "DEPLOYKIT_KERNEL_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=False)
@@ -378,6 +380,29 @@ def test_decode_attention_reads_scattered_blocks_in_place(kernels, heads, kv_hea
         out = kernels.decode_attention(q, kv, tables, lens_t, d ** -0.5, window)
         exact = _attention_reference(q, kv, tables, lens_t, d ** -0.5, window)
         assert torch.allclose(out.double(), exact, rtol=2 ** -7, atol=2 ** -7), window
+
+
+@needs_bf16
+def test_python_limits_are_the_extensions_own_checks(kernels):
+    """kernels.LIMITS comes from the extension: a head size is 'supported' exactly when the kernel accepts it, and a
+    weight is packed exactly when its shape fits the packed blocks."""
+    lim, bf16 = kernels.LIMITS, torch.bfloat16
+    assert set(lim) == {"step_max_rows", "head_dim_multiple", "max_head_dim", "block_n", "block_k"}
+    assert kernels.STEP_MAX_ROWS == lim["step_max_rows"] >= 1
+    mult, top = lim["head_dim_multiple"], lim["max_head_dim"]
+    for d in (mult, top, top + mult, mult + mult // 2):
+        q, kv = torch.zeros(1, 2, d, dtype=bf16), torch.zeros(1, 16, 2, 1, d, dtype=bf16)
+        try:
+            kernels.decode_attention(q, kv, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)
+            accepted = True
+        except RuntimeError as e:
+            assert f"head_dim must be a multiple of {mult} up to {top}" in str(e)
+            accepted = False
+        assert kernels.decode_attention_supported(q) is accepted, d
+    n, k = lim["block_n"], lim["block_k"]
+    assert kernels.is_packed(kernels.prepare_weight(torch.zeros(2 * n, 2 * k, dtype=bf16)))
+    for shape in ((2 * n + 1, 2 * k), (2 * n, 2 * k + 2)):
+        assert not kernels.is_packed(kernels.prepare_weight(torch.zeros(*shape, dtype=bf16))), shape
 
 
 @needs_bf16

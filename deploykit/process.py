@@ -1,7 +1,7 @@
 """Read any running process from /proc, deploykit's or not (vLLM, llama.cpp, Ollama): every thread's allowed
 CPUs, last CPU and CPU time, the libraries it mapped, its OpenMP/allocator environment, its seccomp mode and
 capabilities, and its pages per NUMA node and memory policy. `sample()` reads a process tree twice, so CPU time
-becomes CPU use.
+becomes CPU use. Doctor judges what this reads; the engine's binding report shows its own process through it.
 
 Files another user's process keeps private (environ, maps, numa_maps need ptrace-read access) are listed in
 `Proc.unreadable` instead of failing: the thread table alone is world-readable and answers most questions.
@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import cpulist, hostsettings
-from ..errors import TargetError
+from . import cpulist, hostsettings, procfs
+from .errors import TargetError
 
 PROC = Path("/proc")
 _TICK_NS = 1e9 / os.sysconf("SC_CLK_TCK")
@@ -85,8 +85,8 @@ def read(pid: int, proc: Path = PROC) -> Proc:
     """`proc`: /proc, or a directory laid out like it (a recorded snapshot of a process tree)."""
     base = proc / str(pid)
     try:
-        status = hostsettings.status_fields((base / "status").read_text())
-        stat = (base / "stat").read_text()
+        status = procfs.read_status(pid, proc)
+        stat = procfs.read_stat(pid, proc)
     except FileNotFoundError:
         raise TargetError("no such process", path="--pid", value=pid, hint="check the PID with `ps -e` or `pgrep`")
     except PermissionError:
@@ -105,12 +105,12 @@ def read(pid: int, proc: Path = PROC) -> Proc:
 
     cmdline = private("cmdline", lambda p: p.read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()) or ""
     return Proc(
-        pid=pid, ppid=int(stat[stat.rindex(")") + 2:].split()[1]), name=status.get("Name", ""), cmdline=cmdline,
-        uid=int(status.get("Uid", "0").split()[0]), threads=tuple(_threads(base)),
-        libraries=private("maps", _libraries), env=private("environ", lambda p: hostsettings.parse_environ(
-            p.read_bytes())), numa_pages=private("numa_maps", _numa_pages),
-        seccomp=hostsettings.int_field(status.get("Seccomp")),
-        cap_eff=hostsettings.hex_field(status.get("CapEff")),
+        pid=pid, ppid=stat.ppid, name=status.get("Name", ""), cmdline=cmdline,
+        uid=int(status.get("Uid", "0").split()[0]), threads=tuple(_threads(pid, proc)),
+        libraries=private("maps", lambda p: procfs.mapped_files(p.read_text())),
+        env=private("environ", lambda p: hostsettings.parse_environ(p.read_bytes())),
+        numa_pages=private("numa_maps", _numa_pages), seccomp=procfs.int_field(status.get("Seccomp")),
+        cap_eff=procfs.hex_field(status.get("CapEff")),
         mems_allowed=cpulist.parse(status.get("Mems_allowed_list", "") or "0"), unreadable=tuple(unreadable))
 
 
@@ -121,10 +121,9 @@ def tree(pid: int, proc: Path = PROC) -> list[int]:
         if not d.name.isdigit():
             continue
         try:
-            stat = (d / "stat").read_text()
+            ppid = procfs.read_stat(d.name, proc).ppid
         except OSError:
             continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
         children.setdefault(ppid, []).append(int(d.name))
     out, todo = [], [pid]
     while todo:
@@ -153,37 +152,26 @@ def sample(pid: int, seconds: float, during=None) -> Sample:
     return Sample(before, after, max(time.monotonic() - t0, 1e-3))
 
 
-def _threads(base: Path) -> list[Thread]:
+def _threads(pid: int, proc: Path) -> list[Thread]:
     out = []
     try:
-        tids = sorted(int(t) for t in os.listdir(base / "task"))
+        tids = procfs.tids(pid, proc)
     except OSError:
         return out
     for tid in tids:
-        t = base / "task" / str(tid)
         try:
-            stat = (t / "stat").read_text()
-            status = hostsettings.status_fields((t / "status").read_text())
+            stat = procfs.read_stat(pid, proc, tid)
+            status = procfs.read_status(pid, proc, tid)
         except OSError:
             continue  # the thread exited meanwhile
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm)": state=0 ... utime=11 stime=12 processor=36
         try:
-            cpu_ns, wait_ns = (int(x) for x in (t / "schedstat").read_text().split()[:2])
+            schedstat = (proc / str(pid) / "task" / str(tid) / "schedstat").read_text()
+            cpu_ns, wait_ns = (int(x) for x in schedstat.split()[:2])
         except (OSError, ValueError):
-            cpu_ns, wait_ns = int((int(fields[11]) + int(fields[12])) * _TICK_NS), 0
-        out.append(Thread(tid, stat[stat.index("(") + 1:stat.rindex(")")],
-                          cpulist.parse(status.get("Cpus_allowed_list", "")), int(fields[36]), cpu_ns, wait_ns))
+            cpu_ns, wait_ns = int((stat.utime + stat.stime) * _TICK_NS), 0
+        out.append(Thread(tid, stat.comm, procfs.status_list(status, "Cpus_allowed_list") or (), stat.processor,
+                          cpu_ns, wait_ns))
     return out
-
-
-def _libraries(path: Path) -> tuple[str, ...]:
-    seen: dict[str, None] = {}
-    with open(path) as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[5].startswith("/"):
-                seen[parts[5].strip()] = None
-    return tuple(seen)
 
 
 _NODE = re.compile(r"\bN(\d+)=(\d+)")
