@@ -168,8 +168,9 @@ def best_time(fn, reps: int) -> float:
 def serve_worker(a) -> None:
     reply = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # print() and C libraries that print go to stderr, never into the reply stream
+    from deploykit import placement
     from engine import binding
-    b = binding.prepare(binding.resolve(a.cpus))
+    b = binding.prepare(binding.resolve(placement.parse_binding(a.cpus)))
     if a.worker != "llamacpp":  # llama.cpp has no torch; its own libgomp reads the affinity env set above
         binding.finish(b)
     bench = WORKERS[a.worker](a)
@@ -385,7 +386,7 @@ def main() -> None:
         a.rounds, a.tokens = 1, 8
     from deploykit import cpulist
     from engine import binding
-    b = binding.resolve("auto" if a.threads is None else cpulist.format(sorted(os.sched_getaffinity(0))[:a.threads]))
+    b = binding.resolve("auto" if a.threads is None else tuple(sorted(os.sched_getaffinity(0))[:a.threads]))
     notes, load_before = [], os.getloadavg()
     generated = ensure_model(a.model_dir)
     if a.weights != "bf16":  # transformers has no kernels for GGUF blocks: it would dequantize, which is not a peer

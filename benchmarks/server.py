@@ -29,9 +29,11 @@ sys.path.insert(0, str(ROOT))
 
 DIRECT = """
 import json, sys, time
+from deploykit import cpulist, placement
 from engine import binding
 a = json.loads(sys.argv[1])
-b = binding.prepare(binding.resolve(a["binding"], frontend_cpus=a["frontend_cpus"]))
+front = cpulist.parse(a["frontend_cpus"]) if a["frontend_cpus"] else None
+b = binding.prepare(binding.resolve(placement.parse_binding(a["binding"]), frontend_cpus=front))
 import torch
 binding.finish(b)
 from engine.config import EngineConfig

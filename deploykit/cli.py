@@ -62,8 +62,7 @@ def _topology_show(args: argparse.Namespace) -> int:
     from . import report, topology
     topo = topology.read(args.sysroot or "/")
     if args.format == "json":
-        from dataclasses import asdict
-        print(json.dumps({**asdict(topo), "isa_tier": topo.isa_tier}, indent=2, sort_keys=True))
+        print(json.dumps(topo.to_dict(), indent=2, sort_keys=True))
     else:
         sys.stdout.write(report.topology_text(topo))
     return 0

@@ -9,9 +9,28 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
+from . import cpulist
 from .errors import PlanError
 from .topology import Topology
+
+# What an engine is told to bind to: "auto" (deploykit's policy over the cpuset it got), "none" (unpinned), or the
+# CPUs themselves, OpenMP thread i on the ith. CPU-list text becomes one only at the edges (flags, environment).
+BindingMode = Literal["auto", "none"] | tuple[int, ...]
+
+
+def parse_binding(text: str) -> BindingMode:
+    """'auto' | 'none' | a CPU list ('0-3,8') -> BindingMode; ValueError says what is allowed."""
+    if text in ("auto", "none"):
+        return text  # type: ignore[return-value]
+    try:
+        cpus = cpulist.parse(text)
+    except ValueError as e:
+        raise ValueError(f"must be auto, none or a CPU list like 0-3,8: {e}") from None
+    if not cpus:
+        raise ValueError("must be auto, none or a CPU list like 0-3,8, not empty")
+    return cpus
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,10 @@
 """The Plan: everything renderers and the engine need, frozen. Renderers see only this, never the spec.
 
 `Plan.to_dict()` is the documented JSON form (`deploykit plan --format json`, plan.json); keys are stable. It is
-derived from the dataclass fields (tuples become lists; fields marked `cpulist` are written in the Linux list
-syntax, `mapping` fields as objects) plus a few derived keys, and `Plan.from_dict` reads it back: the engine gets
-its replica's placement as a typed object, whether from `deploykit serve` or from plan.json in a container.
+derived from the dataclass fields alone (tuples become lists; fields marked `cpulist` are written in the Linux list
+syntax), so every fact is in it once, and `Plan.from_dict` reads it back: the engine gets its replica's placement
+as a typed object, whether from `deploykit serve` or from plan.json in a container. What is derived from the plan
+(a container's environment, its cpuset) is computed where it is used (deploykit.render.container).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from .errors import PlanError
 
 API_VERSION = "deploykit/v1"
 _CPULIST = {"json": "cpulist"}  # written as "0-3,8", read back to a tuple of ints
-_MAPPING = {"json": "mapping"}  # sorted (name, value) pairs, written as an object
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,28 +27,28 @@ class Replica:
     index: int
     name: str
     numa_nodes: tuple[int, ...]
-    cpus: tuple[int, ...]  # inference CPUs, one OpenMP thread each, in thread order
-    frontend_cpus: tuple[int, ...]  # HTTP/tokenizer process; () = shares `cpus`
-    mems: tuple[int, ...]  # NUMA nodes memory is bound to
-    omp_threads: int
+    cpus: tuple[int, ...] = field(metadata=_CPULIST)  # inference CPUs, one OpenMP thread each (thread i: the ith)
+    frontend_cpus: tuple[int, ...] = field(metadata=_CPULIST)  # HTTP/tokenizer process; () = shares `cpus`
+    mems: tuple[int, ...] = field(metadata=_CPULIST)  # NUMA nodes memory is bound to
+    omp_threads: int  # len(cpus): checked, never different
     port: int  # host port this replica is published on
     memory_bytes: int  # this replica's share of its nodes' memory
     weight_bytes: int
     kv_cache_bytes: int
     memory_limit_bytes: int  # weights + KV + headroom: the container memory limit
-    env: tuple[tuple[str, str], ...] = field(metadata=_MAPPING)  # sorted (name, value)
     cores: int = 0  # physical cores the replica uses (inference + front end): a Kubernetes pod requests them whole
     l3_groups: tuple[int, ...] = ()  # L3 (last-level cache) groups its CPUs lie in; () when the host does not say
+
+    def __post_init__(self) -> None:
+        if self.omp_threads != len(self.cpus) or list(self.cpus) != sorted(set(self.cpus)):
+            raise PlanError(f"replica {self.index}: omp_threads must be the number of CPUs in cpus, each once",
+                            path=f"replicas[{self.index}].omp_threads", value=self.omp_threads,
+                            allowed=str(len(set(self.cpus))), hint="re-render the plan rather than edit it")
 
     @property
     def cpuset(self) -> tuple[int, ...]:
         """Every CPU the replica's container may use."""
         return tuple(sorted(set(self.cpus) | set(self.frontend_cpus)))
-
-    def derived(self) -> dict:
-        """Keys of the JSON form that repeat fields in the Linux list syntax (read by shell scripts and people)."""
-        return {"cpus_list": cpulist.format(self.cpus), "frontend_cpus_list": cpulist.format(self.frontend_cpus),
-                "cpuset": cpulist.format(self.cpuset), "mems_list": cpulist.format(self.mems)}
 
     def to_dict(self) -> dict:
         return _encode(self)
@@ -164,7 +164,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
-        """The inverse of to_dict (derived keys are ignored); PlanError names the first key that does not fit."""
+        """The inverse of to_dict (unknown keys are ignored); PlanError names the first key that does not fit."""
         if not isinstance(data, dict) or data.get("apiVersion") != API_VERSION or data.get("kind") != "Plan":
             got = {k: data.get(k) for k in ("apiVersion", "kind")} if isinstance(data, dict) else type(data).__name__
             raise PlanError("not a deploykit plan", value=got, allowed=f"apiVersion {API_VERSION}, kind Plan",
@@ -187,9 +187,8 @@ def _encode(obj) -> dict:
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         kind = f.metadata.get("json")
-        out[f.name] = (cpulist.format(value) if kind == "cpulist" else dict(value) if kind == "mapping"
-                       else _plain(value))
-    return {**out, **obj.derived()} if hasattr(obj, "derived") else out
+        out[f.name] = cpulist.format(value) if kind == "cpulist" else _plain(value)
+    return out
 
 
 def _plain(value):
@@ -216,8 +215,6 @@ def _decode(cls, data: dict, where: str):
         try:
             if kind == "cpulist":
                 kwargs[f.name] = cpulist.parse(data[f.name])
-            elif kind == "mapping":
-                kwargs[f.name] = tuple(sorted((str(k), str(v)) for k, v in data[f.name].items()))
             else:
                 kwargs[f.name] = _typed(hints[f.name], data[f.name], path)
         except (TypeError, ValueError, AttributeError) as e:

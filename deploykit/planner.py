@@ -87,13 +87,10 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
                       memory.one_sequence_bytes(per_token, max_len), max_len)
         kv = _kv_bytes(spec, i, nodes, mem, weights, per_token, max_len, multi, dtype)
         limit = container_limit(weights + kv)
-        env = {"OMP_NUM_THREADS": str(len(ch.cpus)), "DEPLOYKIT_CPUS": cpulist.format(ch.cpus),
-               "DEPLOYKIT_FRONTEND_CPUS": cpulist.format(ch.frontend_cpus), "DEPLOYKIT_MEMS": cpulist.format(mems)}
         replicas.append(Replica(
             index=i, name=f"{spec.name}-{i}", numa_nodes=nodes, cpus=ch.cpus, frontend_cpus=ch.frontend_cpus,
             mems=mems, omp_threads=len(ch.cpus), port=spec.serving.port + (i + 1 if multi else 0),
             memory_bytes=mem, weight_bytes=weights, kv_cache_bytes=kv, memory_limit_bytes=min(limit, mem),
-            env=tuple(sorted(env.items())),
             cores=len(placement.physical_cores(topo, (*ch.cpus, *ch.frontend_cpus))),
             l3_groups=tuple(sorted({topo.cpu(c).l3 for c in (*ch.cpus, *ch.frontend_cpus)})) if topo.l3_groups
             else ()))

@@ -101,6 +101,41 @@ class Topology:
     def threads_per_core(self) -> int:
         return max((len(c.core) for c in self.cpus), default=1)
 
+    def to_dict(self) -> dict:
+        """The one JSON form (`topology show --format json`, the engine's binding report): CPU sets in the Linux
+        list syntax, plus `isa_tier` for people (from_dict derives it again)."""
+        fmt = cpulist.format
+        return {"cpus": [{"id": c.id, "socket": c.socket, "node": c.node, "core": fmt(c.core), "l3": c.l3}
+                         for c in self.cpus],
+                "offline": fmt(self.offline),
+                "nodes": [{"id": n.id, "cpus": fmt(n.cpus), "memory_bytes": n.memory_bytes,
+                           "distances": list(n.distances)} for n in self.nodes],
+                "l3_groups": [{"id": g.id, "cpus": fmt(g.cpus), "size_bytes": g.size_bytes} for g in self.l3_groups],
+                "allowed_cpus": fmt(self.allowed_cpus), "allowed_mems": fmt(self.allowed_mems),
+                "cpuset": None if self.cpuset is None else fmt(self.cpuset), "quota_cpus": self.quota_cpus,
+                "memory_limit_bytes": self.memory_limit_bytes, "isa": list(self.isa), "isa_tier": self.isa_tier,
+                "cpu_model": self.cpu_model, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Topology:
+        """The inverse of to_dict; TopologyError names the first key that does not fit."""
+        parse = cpulist.parse
+        try:
+            return cls(
+                cpus=tuple(Cpu(c["id"], c["socket"], c["node"], parse(c["core"]), c["l3"]) for c in d["cpus"]),
+                offline=parse(d["offline"]),
+                nodes=tuple(Node(n["id"], parse(n["cpus"]), n["memory_bytes"], tuple(n["distances"]))
+                            for n in d["nodes"]),
+                l3_groups=tuple(CacheGroup(g["id"], parse(g["cpus"]), g["size_bytes"]) for g in d["l3_groups"]),
+                allowed_cpus=parse(d["allowed_cpus"]), allowed_mems=parse(d["allowed_mems"]),
+                cpuset=None if d["cpuset"] is None else parse(d["cpuset"]), quota_cpus=d["quota_cpus"],
+                memory_limit_bytes=d["memory_limit_bytes"], isa=tuple(d["isa"]), cpu_model=d["cpu_model"],
+                source=d["source"])
+        except KeyError as e:
+            raise TopologyError("missing from the topology", path=f"topology.{e.args[0]}") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            raise TopologyError(f"not a topology: {e}", path="topology") from None
+
 
 def read(sysroot: str | Path = "/", pid: int | None = None) -> Topology:
     """Read the live host (sysroot '/') or a snapshot directory with the same relative paths. The process limits

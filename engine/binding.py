@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass, field
 
 from deploykit import cpulist, numa, placement, process, procfs, topology
+from deploykit.binding_report import EngineReport, MemoryPolicy, ThreadReport
 
 log = logging.getLogger("engine.binding")
 _FIX = ("run the container with deploykit's seccomp profile (what `deploykit render` writes: seccomp.json for Docker, "
@@ -40,15 +41,19 @@ class Binding:
     omp_tids: list[int] = field(default_factory=list, compare=False)
 
 
-def resolve(mode: str = "auto", *, frontend_cpus: str | None = None, mems: str | None = None,
-            reserved: int | None = None, use_smt: bool = False, threads: int | None = None,
-            sysroot: str = "/") -> Binding:
-    """`mode`: "none", "auto" (this process's cpuset, one thread per physical core minus the front end's), or
-    an explicit CPU list ("0-3,8"). Explicit `frontend_cpus`/`mems` (CPU-list strings) override the choice.
+def resolve(mode: placement.BindingMode = "auto", *, frontend_cpus: tuple[int, ...] | None = None,
+            mems: tuple[int, ...] | None = None, reserved: int | None = None, use_smt: bool = False,
+            threads: int | None = None, sysroot: str = "/") -> Binding:
+    """`mode`: "none", "auto" (this process's cpuset, one thread per physical core minus the front end's), or the
+    CPUs themselves (OpenMP thread i on mode[i]). Explicit `frontend_cpus`/`mems` override the choice (() = share
+    the inference CPUs / leave the memory policy alone; None = decide).
 
     "auto" applies deploykit.placement's policy to whatever cpuset and CFS quota this process got (a Kubernetes
     pod's CPUs are chosen by the kubelet, never by us): `reserved` physical cores for the front end (None: the
     default rule), `use_smt` threads on every sibling, at most `threads` OpenMP threads."""
+    if isinstance(mode, str) and mode not in ("auto", "none"):
+        raise ValueError(f"binding must be auto, none or a tuple of CPU ids, not {mode!r} (parse CPU-list text with "
+                         "deploykit.placement.parse_binding)")
     topo = topology.read(sysroot)
     if mode == "none":
         n = len(topo.allowed_cpus)
@@ -56,24 +61,21 @@ def resolve(mode: str = "auto", *, frontend_cpus: str | None = None, mems: str |
             n = max(1, min(n, int(topo.quota_cpus)))
         return Binding((), (), (), n, "none", cpuset=topo.allowed_cpus)
     if mode == "auto":
-        front = cpulist.parse(frontend_cpus) if frontend_cpus else None
+        front = frontend_cpus or None
         cands = [c for c in topo.allowed_cpus if front is None or c not in front]
         ch = placement.choose(topo, cands, reserved=0 if front is not None else reserved, use_smt=use_smt,
                               threads=threads, quota=topo.quota_cpus, label="engine")
         cpus, front_cpus, notes, source = ch.cpus, front if front is not None else ch.frontend_cpus, ch.notes, "auto"
     else:
-        try:
-            cpus = cpulist.parse(mode)
-        except ValueError as e:
-            raise ValueError(f"--binding must be auto, none or a CPU list like 0-3,8: {e}") from None
+        cpus = tuple(mode)
         outside = sorted(set(cpus) - set(topo.allowed_cpus))
         if outside:
             raise ValueError(f"binding CPUs {cpulist.format(outside)} are outside this process's cpuset "
                              f"{cpulist.format(topo.allowed_cpus)}")
-        front_cpus = cpulist.parse(frontend_cpus) if frontend_cpus else ()
+        front_cpus = frontend_cpus or ()
         notes, source = (), "explicit"
     if mems is not None:
-        mem_nodes = cpulist.parse(mems)
+        mem_nodes = tuple(mems)
     else:
         mem_nodes = tuple(sorted({topo.cpu(c).node for c in cpus} & set(topo.allowed_mems)))
     return Binding(tuple(cpus), tuple(front_cpus), mem_nodes, len(cpus), source, tuple(notes),
@@ -185,7 +187,7 @@ def _tids() -> list[int]:
     return procfs.tids()
 
 
-def report(b: Binding | None = None) -> dict:
+def report(b: Binding | None = None) -> EngineReport:
     """Every thread of this process with its allowed CPUs, last CPU and CPU time; memory policy; quota; and what
     `deploykit doctor --url` judges (environment, libraries, pages per node, this process's view of the topology),
     read with the same /proc reader doctor uses on any process."""
@@ -193,51 +195,24 @@ def report(b: Binding | None = None) -> dict:
     me = process.read(os.getpid())
     topo = topology.read("/")
     l3 = {c.id: c.l3 for c in topo.cpus}
-    # l3: the L3 (last-level cache) group of the CPU the thread is pinned to (else the one it last ran on); None
-    # when the host does not say
-    threads = [{"tid": t.tid, "name": t.name, "omp_thread": omp.get(t.tid), "allowed_cpus": cpulist.format(t.allowed),
-                "last_cpu": t.last_cpu, "l3": l3.get(t.allowed[0] if len(t.allowed) == 1 else t.last_cpu),
-                "cpu_seconds": round(t.cpu_ns / 1e9, 6), "wait_seconds": round(t.wait_ns / 1e9, 6)}
-               for t in me.threads]
+    threads = tuple(ThreadReport(t.tid, t.name, omp.get(t.tid), t.allowed, t.last_cpu,
+                                 l3.get(t.allowed[0] if len(t.allowed) == 1 else t.last_cpu),
+                                 round(t.cpu_ns / 1e9, 6), round(t.wait_ns / 1e9, 6)) for t in me.threads)
     try:
         mode, nodes = numa.get_mempolicy()
-        policy = {"mode": numa.MODE_NAMES.get(mode, str(mode)), "nodes": cpulist.format(nodes)}
+        policy = MemoryPolicy(numa.MODE_NAMES.get(mode, str(mode)), tuple(nodes))
     except OSError as e:
-        policy = {"error": e.strerror}
+        policy = MemoryPolicy(error=e.strerror)
     given = (b.cpuset if b and b.cpuset else None) or topo.allowed_cpus  # after pinning, affinity is narrower
-    return {
-        "pid": os.getpid(), "source": b.source if b else "unknown",
-        # what the container or pod was given (cgroup cpuset ∩ affinity at start), grouped by physical core: a
-        # checker compares the OpenMP threads with these without knowing the host
-        "cpuset": cpulist.format(given),
-        "physical_cores": [cpulist.format(core) for core in placement.physical_cores(topo, given)],
-        "omp_threads": b.threads if b else None,
-        "planned_cpus": cpulist.format(b.cpus) if b else None,
-        "frontend_cpus": cpulist.format(b.frontend_cpus) if b else None,
-        "planned_mems": cpulist.format(b.mems) if b else None,
-        "memory_policy": policy, "mems_allowed": cpulist.format(me.mems_allowed),
-        # the main thread's own affinity is narrowed to one CPU; the union is what the process spans
-        "threads_allowed_union": cpulist.format({c for t in threads for c in cpulist.parse(t["allowed_cpus"])}),
-        "quota_cpus": topo.quota_cpus,
+    libs = me.libraries or ()
+    return EngineReport(
+        pid=os.getpid(), source=b.source if b else "unknown", cpuset=tuple(given),
+        physical_cores=tuple(placement.physical_cores(topo, given)), omp_threads=b.threads if b else None,
+        planned_cpus=b.cpus if b else None, frontend_cpus=b.frontend_cpus if b else None,
+        planned_mems=b.mems if b else None, memory_policy=policy, mems_allowed=me.mems_allowed,
+        quota_cpus=topo.quota_cpus,
         # from the one /proc read above (maps, status), not read again
-        "openmp_runtimes": list(procfs.omp_runtimes(me.libraries or ())),
-        "threads": threads,
-        "warnings": list(b.warnings) if b else [],
-        "notes": list(b.notes) if b else [],
-        "libraries": [lib for lib in me.libraries or () if procfs.OMP_RUNTIME.search(lib)
-                      or procfs.FAST_MALLOC.search(lib)],
-        "environment": me.env, "seccomp": me.seccomp,
-        "numa_pages": {policy: {str(n): v for n, v in nodes.items()} for policy, nodes in (me.numa_pages or {}).items()},
-        "topology": _topology(topo),
-    }
-
-
-def _topology(topo: topology.Topology) -> dict:
-    """This process's view of the machine, compact: doctor --url rebuilds a Topology from it (the server may be in a
-    container or on another host, where the doctor's own view would be wrong)."""
-    return {"cpus": [[c.id, c.socket, c.node, list(c.core), c.l3] for c in topo.cpus],
-            "l3_groups": [[g.id, cpulist.format(g.cpus), g.size_bytes] for g in topo.l3_groups],
-            "nodes": [[n.id, cpulist.format(n.cpus), n.memory_bytes] for n in topo.nodes],
-            "allowed_cpus": cpulist.format(topo.allowed_cpus), "allowed_mems": cpulist.format(topo.allowed_mems),
-            "cpuset": None if topo.cpuset is None else cpulist.format(topo.cpuset), "quota_cpus": topo.quota_cpus,
-            "isa": list(topo.isa), "cpu_model": topo.cpu_model}
+        openmp_runtimes=procfs.omp_runtimes(libs), threads=threads,
+        warnings=tuple(b.warnings) if b else (), notes=tuple(b.notes) if b else (),
+        libraries=tuple(lib for lib in libs if procfs.OMP_RUNTIME.search(lib) or procfs.FAST_MALLOC.search(lib)),
+        environment=me.env, seccomp=me.seccomp, numa_pages=me.numa_pages, topology=topo)

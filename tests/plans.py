@@ -4,17 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deploykit import cpulist
 from deploykit.plan import (HardwareSummary, ImagePlan, ModelPlan, Plan, Replica, SecurityPlan, ServingPlan)
 
 
 def replica(index: int, cpus: list[int], frontend_cpus: list[int], mems: list[int], kv_cache_bytes: int) -> Replica:
-    env = {"OMP_NUM_THREADS": str(len(cpus)), "DEPLOYKIT_CPUS": cpulist.format(cpus),
-           "DEPLOYKIT_FRONTEND_CPUS": cpulist.format(frontend_cpus), "DEPLOYKIT_MEMS": cpulist.format(mems)}
     return Replica(index=index, name=f"test-{index}", numa_nodes=tuple(mems), cpus=tuple(cpus),
                    frontend_cpus=tuple(frontend_cpus), mems=tuple(mems), omp_threads=len(cpus), port=8001 + index,
                    memory_bytes=64 << 30, weight_bytes=1 << 20, kv_cache_bytes=kv_cache_bytes,
-                   memory_limit_bytes=4 << 30, env=tuple(sorted(env.items())))
+                   memory_limit_bytes=4 << 30)
 
 
 def make_plan(replicas: list[Replica], *, model_path: str = "/model", dtype: str = "float32",

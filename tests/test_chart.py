@@ -19,9 +19,11 @@ else:
     helm = pytest.importorskip("helm_python", reason="pip install 'deploykit[kubernetes]'")
     kv = pytest.importorskip("kubernetes_validate")
 
+from deploykit.binding_report import BindingReport, FrontendReport, MemoryPolicy  # noqa: E402
 from deploykit.render import seccomp  # noqa: E402
 from deploykit.render.helm import chart_dir  # noqa: E402
 from tests import policies  # noqa: E402
+from tests.binding_reports import engine_report  # noqa: E402
 
 CHART = chart_dir()
 KUBE = "1.33.0"
@@ -283,39 +285,34 @@ def _check_module():
     return mod
 
 
-def _report(omp: list[str], front: str, cores: list[str], cpuset: str, **kw) -> dict:
-    threads = [{"tid": 100 + i, "omp_thread": i, "allowed_cpus": c} for i, c in enumerate(omp)]
-    threads.append({"tid": 99, "omp_thread": None, "allowed_cpus": front or cpuset})
-    return {"cpuset": cpuset, "physical_cores": cores, "threads": threads, "omp_threads": len(omp),
-            "frontend_cpus": front, "planned_cpus": ",".join(omp), "memory_policy": {"mode": "bind", "nodes": "0"},
-            "warnings": [], **kw}
-
-
-# A pod of 4 whole cores (host CPUs 8-11 with siblings 200-203), as the kubelet's static policy gives it.
-CORES = ["8,200", "9,201", "10,202", "11,203"]
-
-
 def test_helm_test_check_passes_a_pod_pinned_one_thread_per_core():
     check = _check_module().check
-    assert check(_report(["8", "9", "10"], "11,203", CORES, "8-11,200-203"), use_smt=False, reserved=None,
+    assert check(engine_report(["8", "9", "10"], "11,203"), use_smt=False, reserved=None, threads=None) == []
+    assert check(engine_report(["8", "200", "9", "201", "10", "202"], "11,203"), use_smt=True, reserved=1,
                  threads=None) == []
-    assert check(_report(["8", "200", "9", "201", "10", "202"], "11,203", CORES, "8-11,200-203"), use_smt=True,
-                 reserved=1, threads=None) == []
+    # Below 4 cores the front end shares the inference cores (deploykit.placement's default), and reads so
+    assert check(engine_report(["8", "9"], cores=("8,200", "9,201")), use_smt=False, reserved=None,
+                 threads=None) == []
 
 
 @pytest.mark.parametrize("report, needle", [
-    (_report(["8", "200", "9"], "11,203", CORES, "8-11,200-203"), "share a physical core"),
-    (_report(["8-11"], "11,203", CORES, "8-11,200-203"), "not pinned to a single CPU"),
-    (_report(["8", "9"], "11,203", CORES, "8-11,200-203"), "2 OpenMP threads for 4 physical cores"),
-    (_report(["8", "9", "11"], "11,203", CORES, "8-11,200-203"), "front end's cores also run"),
-    (_report(["8", "9", "10"], "11,203", CORES, "8-11,200-203", memory_policy={"mode": "default"}),
-     "memory is not bound"),
-    (_report(["8", "9", "10"], "11,203", CORES, "8-11,200-203", warnings=["migrate_pages refused"]),
-     "binding warning"),
+    (engine_report(["8", "200", "9"], "11,203"), "share a physical core"),
+    (engine_report(["8-11"], "11,203"), "not pinned to a single CPU"),
+    (engine_report(["8", "9"], "11,203"), "2 OpenMP threads for 4 physical cores"),
+    (engine_report(["8", "9", "11"], "11,203"), "front end's cores also run"),
+    (engine_report(["8", "9", "10"], ""), "the front end holds 0 core(s), expected 1"),
+    (engine_report(["8", "9", "10"], "11,203", memory_policy=MemoryPolicy("default")), "memory is not bound"),
+    (engine_report(["8", "9", "10"], "11,203", warnings=("migrate_pages refused",)), "binding warning"),
 ])
 def test_helm_test_check_fails_a_badly_pinned_pod(report, needle):
     problems = _check_module().check(report, use_smt=False, reserved=None, threads=None)
     assert any(needle in p for p in problems), problems
+
+
+def test_helm_test_check_reads_the_report_as_the_engine_writes_it():
+    """The check parses /debug/binding with deploykit's own type: the JSON form reads back to the same report."""
+    report = engine_report(["8", "9", "10"], "11,203")
+    assert BindingReport.from_dict(BindingReport(report, FrontendReport(1, (11, 203))).to_dict()).engine == report
 
 
 def test_chart_defaults_file_documents_every_key():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploykit import render
+from deploykit import cpulist, render
 from deploykit.cli import load_plan
 from deploykit.render import output
 from tests.render.cases import CASES, write_spec
@@ -92,11 +92,15 @@ def test_replicas_get_plan_cpus_mems_and_their_index(case, tmp_path, sysroots):
     runs = docker_runs(out, tmp_path)
     for r in plan["replicas"]:
         argv = runs[r["name"]]
-        assert values(argv, "--cpuset-cpus") == [r["cpuset"]]
-        assert values(argv, "--cpuset-mems") == [r["mems_list"]]
+        cpus, front = cpulist.parse(r["cpus"]), cpulist.parse(r["frontend_cpus"])
+        assert values(argv, "--cpuset-cpus") == [cpulist.format(cpus + front)]
+        assert values(argv, "--cpuset-mems") == [r["mems"]]
         env = dict(e.split("=", 1) for e in values(argv, "--env") if "=" in e)
         assert env["DEPLOYKIT_REPLICA"] == str(r["index"])
-        assert {k: env[k] for k in r["env"]} == r["env"]
+        # the placement, derived from the plan's fields where the container is rendered
+        assert (env["DEPLOYKIT_CPUS"], env["DEPLOYKIT_FRONTEND_CPUS"], env["DEPLOYKIT_MEMS"]) == \
+            (r["cpus"], r["frontend_cpus"], r["mems"])
+        assert env["OMP_NUM_THREADS"] == str(r["omp_threads"]) == str(len(cpus))
         # Only on the internal network, no port of its own: clients reach it through nginx.
         assert values(argv, "--publish") == [] and values(argv, "--network") == [f"{plan['name']}-internal"]
     lb = runs[f"{plan['name']}-lb"]

@@ -13,11 +13,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 
 from .. import cpulist
+from ..binding_report import BindingReport, EngineReport, FrontendReport
 from ..errors import TargetError
 from ..process import Proc, Sample, Thread
-from ..topology import CacheGroup, Cpu, Node, Topology
 from .findings import FAIL, OK, WARN, Finding, Report, Section
 from .threads import Context, analyse
 
@@ -51,62 +52,47 @@ def examine(url: str, seconds: float, api_key: str | None) -> Report:
     after = _get(base, "/debug/binding", api_key)
     if done["error"]:
         raise TargetError(f"the generation doctor drives failed: {done['error']}", path="--url", value=url)
-    a, b = before["engine"], after["engine"]
-    sample = Sample({a["pid"]: _proc(a)}, {b["pid"]: _proc(b)}, elapsed)
-    topo = _topology(b["topology"])
-    omp = frozenset(t["tid"] for t in b["threads"] if t["omp_thread"] is not None)
+    a, b = BindingReport.from_dict(before).engine, BindingReport.from_dict(after)
+    sample = Sample({a.pid: _proc(a)}, {b.engine.pid: _proc(b.engine)}, elapsed)
+    # The engine's main thread is OpenMP worker 0, pinned to one CPU: what the process may use is its cpuset.
+    seen = b.engine.topology
+    topo = replace(seen, allowed_cpus=seen.cpuset or tuple(c.id for c in seen.cpus), memory_limit_bytes=None,
+                   source="server")
+    omp = frozenset(t.tid for t in b.engine.omp)
     ctx = Context(topo, None, omp, f"{done['requests']} generation(s), {done['tokens']} tokens")
-    sections = [Section("Binding", _binding(b, after.get("frontend") or {}))] + analyse(sample, ctx)
-    return Report(f"deploykit server {url} (engine pid {b['pid']} as it sees itself)", tuple(sections),
+    sections = [Section("Binding", _binding(b.engine, b.frontend))] + analyse(sample, ctx)
+    return Report(f"deploykit server {url} (engine pid {b.engine.pid} as it sees itself)", tuple(sections),
                   data={"binding_before": before, "binding_after": after, "seconds": round(elapsed, 3)})
 
 
-def _binding(rep: dict, frontend: dict) -> tuple[Finding, ...]:
+def _binding(rep: EngineReport, frontend: FrontendReport) -> tuple[Finding, ...]:
     """What the engine says about its own binding: the plan it was given and what applying it found."""
-    out = []
-    if rep.get("warnings"):
-        out += [Finding("binding.warning", FAIL if "refused" in w else WARN, w) for w in rep["warnings"]]
-    planned = rep.get("planned_cpus")
-    if planned:
-        out.append(Finding("binding.cpus", OK, f"{rep.get('omp_threads')} OpenMP threads planned on CPUs {planned}; "
-                           f"front end on {frontend.get('allowed_cpus') or rep.get('frontend_cpus') or 'the same CPUs'}"))
+    out = [Finding("binding.warning", FAIL if "refused" in w else WARN, w) for w in rep.warnings]
+    if rep.planned_cpus:
+        front = cpulist.format(frontend.allowed_cpus or rep.frontend_cpus or ()) or "the same CPUs"
+        out.append(Finding("binding.cpus", OK, f"{rep.omp_threads} OpenMP threads planned on CPUs "
+                           f"{cpulist.format(rep.planned_cpus)}; front end on {front}"))
     else:
         out.append(Finding("binding.cpus", WARN, "the engine runs unpinned (--binding none)",
                            fix=("start it with --binding auto or from a plan",)))
-    pol = rep.get("memory_policy") or {}
-    if "error" in pol:
-        out.append(Finding("binding.memory", FAIL, f"get_mempolicy failed in the engine: {pol['error']}"))
-    elif rep.get("planned_mems") and pol.get("mode") in ("bind", "interleave"):
-        out.append(Finding("binding.memory", OK, f"memory {pol['mode']} on node(s) {pol.get('nodes')}, as planned "
-                           f"({rep['planned_mems']})"))
-    elif rep.get("planned_mems"):
-        out.append(Finding("binding.memory", WARN, f"memory policy {pol.get('mode')} although node(s) "
-                           f"{rep['planned_mems']} were planned"))
+    pol, planned = rep.memory_policy, cpulist.format(rep.planned_mems or ())
+    if pol.error is not None:
+        out.append(Finding("binding.memory", FAIL, f"get_mempolicy failed in the engine: {pol.error}"))
+    elif planned and pol.bound:
+        out.append(Finding("binding.memory", OK, f"memory {pol.mode} on node(s) {cpulist.format(pol.nodes)}, as "
+                           f"planned ({planned})"))
+    elif planned:
+        out.append(Finding("binding.memory", WARN, f"memory policy {pol.mode} although node(s) {planned} were "
+                           "planned"))
     return tuple(out)
 
 
-def _proc(rep: dict) -> Proc:
-    threads = tuple(Thread(t["tid"], t["name"], cpulist.parse(t["allowed_cpus"]), t["last_cpu"],
-                           int(t["cpu_seconds"] * 1e9), int(t.get("wait_seconds", 0) * 1e9)) for t in rep["threads"])
-    pages = {policy: {int(n): v for n, v in nodes.items()} for policy, nodes in (rep.get("numa_pages") or {}).items()}
-    return Proc(pid=rep["pid"], ppid=0, name="engine", cmdline="deploykit engine", uid=-1, threads=threads,
-                libraries=tuple(rep.get("libraries") or rep.get("openmp_runtimes") or ()),
-                env=rep.get("environment"), numa_pages=pages if rep.get("numa_pages") is not None else None,
-                seccomp=rep.get("seccomp"), cap_eff=None, mems_allowed=cpulist.parse(rep.get("mems_allowed") or "0"),
-                unreadable=())
-
-
-def _topology(t: dict) -> Topology:
-    # [id, socket, node, core, l3]; servers before L3 groups send four fields
-    cpus = tuple(Cpu(c[0], c[1], c[2], tuple(c[3]), c[4] if len(c) > 4 else None) for c in t["cpus"])
-    groups = tuple(CacheGroup(i, cpulist.parse(c), size) for i, c, size in t.get("l3_groups") or ())
-    nodes = tuple(Node(i, cpulist.parse(c), mem) for i, c, mem in t["nodes"])
-    # The engine's main thread is OpenMP worker 0, pinned to one CPU: what the process may use is its cpuset.
-    may = cpulist.parse(t["cpuset"]) if t["cpuset"] else tuple(c.id for c in cpus)
-    return Topology(cpus=cpus, offline=(), nodes=nodes, allowed_cpus=may,
-                    allowed_mems=cpulist.parse(t["allowed_mems"]), quota_cpus=t["quota_cpus"], memory_limit_bytes=None,
-                    isa=tuple(t["isa"]), cpu_model=t["cpu_model"], source="server",
-                    cpuset=None if t["cpuset"] is None else cpulist.parse(t["cpuset"]), l3_groups=groups)
+def _proc(rep: EngineReport) -> Proc:
+    threads = tuple(Thread(t.tid, t.name, t.allowed_cpus, t.last_cpu, int(t.cpu_seconds * 1e9),
+                           int(t.wait_seconds * 1e9)) for t in rep.threads)
+    return Proc(pid=rep.pid, ppid=0, name="engine", cmdline="deploykit engine", uid=-1, threads=threads,
+                libraries=rep.libraries, env=rep.environment, numa_pages=rep.numa_pages, seccomp=rep.seccomp,
+                cap_eff=None, mems_allowed=rep.mems_allowed, unreadable=())
 
 
 def _request(req: urllib.request.Request, url: str, timeout: float = 120) -> dict:

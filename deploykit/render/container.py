@@ -128,13 +128,21 @@ def healthcheck(port: int) -> tuple[str, ...]:
     return ("python", "-c", code)
 
 
+def replica_env(r: Replica) -> tuple[tuple[str, str], ...]:
+    """The replica's placement as its container's environment: what doctor and people read in `docker inspect`, and
+    what the engine binds to when it runs without the plan (DEPLOYKIT_CPUS and friends, see engine.server.options).
+    OMP_NUM_THREADS sizes any OpenMP library loaded before the engine binds its own threads."""
+    return (("DEPLOYKIT_CPUS", cpulist.format(r.cpus)), ("DEPLOYKIT_FRONTEND_CPUS", cpulist.format(r.frontend_cpus)),
+            ("DEPLOYKIT_MEMS", cpulist.format(r.mems)), ("OMP_NUM_THREADS", str(r.omp_threads)))
+
+
 def containers(plan: Plan) -> tuple[Container, ...]:
     user = f"{plan.security.run_as_user}:{plan.security.run_as_user}"
     sec = seccomp_file(plan)
     port = plan.serving.port
     out = []
     for r in plan.replicas:
-        env = [*r.env, ("DEPLOYKIT_REPLICA", str(r.index))]
+        env = [*replica_env(r), ("DEPLOYKIT_REPLICA", str(r.index))]
         if plan.serving.api_key_env:
             env.append((plan.serving.api_key_env, None))
         out.append(Container(

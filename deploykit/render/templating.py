@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jinja2
 
-from .. import __version__
+from .. import __version__, cpulist
 
 
 @cache
@@ -24,6 +24,7 @@ def _env() -> jinja2.Environment:
     env.filters["sh"] = lambda v: shlex.quote(str(v))
     env.filters["dq"] = dq
     env.filters["json"] = lambda v: json.dumps(v)  # not jinja's tojson: that HTML-escapes quotes
+    env.filters["cpulist"] = cpulist.format  # (0, 1, 2, 8) -> 0-2,8
     return env
 
 

@@ -12,6 +12,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from .. import cpulist
+from ..binding_report import BindingReport
+from ..errors import DeploykitError
+
 
 @dataclass(frozen=True, slots=True)
 class Answer:
@@ -50,13 +54,14 @@ def describe(a: Answer) -> str:
     return f"no answer ({a.error})" if a.error else "no answer"
 
 
-def binding(a: Answer) -> dict | None:
-    """The engine's binding report from GET /debug/binding (which needs the API key when the deployment has one)."""
+def binding(a: Answer) -> BindingReport | None:
+    """The engine's binding report from GET /debug/binding (which needs the API key when the deployment has one);
+    None when there is none to read (an error answer, an engine that failed to build it, another server)."""
     if a.status != 200:
         return None
     try:
-        return json.loads(a.body)
-    except ValueError:
+        return BindingReport.from_dict(json.loads(a.body))
+    except (ValueError, DeploykitError):
         return None
 
 
@@ -84,19 +89,16 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def engine_cpus(report: dict) -> str | None:
+def engine_cpus(report: BindingReport) -> str | None:
     """The CPUs the engine's OpenMP workers are really allowed on (union), from its binding report."""
-    from .. import cpulist
-    threads = report.get("engine", {}).get("threads", [])
-    cpus = {c for t in threads if t.get("omp_thread") is not None for c in cpulist.parse(t["allowed_cpus"])}
+    cpus = {c for t in report.engine.omp for c in t.allowed_cpus}
     return cpulist.format(cpus) if cpus else None
 
 
-def engine_mems(report: dict) -> str | None:
-    policy = report.get("engine", {}).get("memory_policy", {})
-    if "error" in policy:
-        return f"? ({policy['error']})"
-    nodes, mode = policy.get("nodes"), policy.get("mode")
-    if mode in (None, "default") or not nodes:
-        return f"unbound ({report.get('engine', {}).get('mems_allowed', '?')} allowed)"
-    return f"{nodes} ({mode})"
+def engine_mems(report: BindingReport) -> str:
+    policy = report.engine.memory_policy
+    if policy.error is not None:
+        return f"? ({policy.error})"
+    if policy.mode in (None, "default") or not policy.nodes:
+        return f"unbound ({cpulist.format(report.engine.mems_allowed)} allowed)"
+    return f"{cpulist.format(policy.nodes)} ({policy.mode})"

@@ -59,7 +59,7 @@ def collect(rt: Runtime, name: str, plan: Plan | None, interval: float) -> list[
             "health": health.describe(answer) if answer else "-",
             "plan_cpus": cpulist.format(r.cpus) if r else (o.cpus if o else None),
             "engine_cpus": health.engine_cpus(report) if report else None,
-            "frontend_cpus": (report or {}).get("frontend", {}).get("allowed_cpus"),
+            "frontend_cpus": cpulist.format(report.frontend.allowed_cpus) if report else None,
             "plan_mems": cpulist.format(r.mems) if r else None,
             "engine_mems": health.engine_mems(report) if report else None,
             "runtime_cpus": o.cpus if o else None, "runtime_mems": o.mems if o else None,

@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from deploykit import __version__
+from deploykit.binding_report import BindingReport, EngineReport, FrontendReport
 from engine.server import errors, responses, serving
 from engine.server import protocol as p
 from engine.server.frontend import Frontend, State
@@ -96,7 +97,10 @@ def build_app(fe: Frontend, *, api_key: str | None, max_body_bytes: int, allowed
         """The engine process's CPU/memory binding report, every thread with its allowed and last CPU."""
         if fe.state in (State.LOADING, State.DEAD):
             fe.check_available()
-        return {"engine": await fe.call("binding"), "frontend": _frontend_binding()}
+        engine = await fe.call("binding")
+        if not isinstance(engine, EngineReport):  # the engine failed to build it: {"error": ...}
+            return {"engine": engine, "frontend": _frontend_binding().to_dict()}
+        return BindingReport(engine, _frontend_binding()).to_dict()
 
     gated = Gate(app, api_key=api_key, max_body_bytes=max_body_bytes)
     if not allowed_origins:
@@ -115,8 +119,6 @@ async def _counted(fe: Frontend, handler) -> Response:
         raise
 
 
-def _frontend_binding() -> dict:
+def _frontend_binding() -> FrontendReport:
     import os
-
-    from deploykit import cpulist
-    return {"pid": os.getpid(), "allowed_cpus": cpulist.format(os.sched_getaffinity(0))}
+    return FrontendReport(os.getpid(), tuple(sorted(os.sched_getaffinity(0))))

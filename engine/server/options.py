@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from deploykit import cpulist, memory, quant
+from deploykit import cpulist, memory, placement, quant
 from deploykit.errors import DeploykitError
 from deploykit.plan import Plan
 from deploykit.units import parse_size
@@ -30,9 +30,9 @@ class ServeOptions:
     max_num_batched_tokens: int = 2048
     kv_cache_bytes: int | None = None
     prefix_caching: bool = True  # reuse the KV of identical prompt prefixes across requests
-    binding: str = "auto"  # auto | none | CPU list
-    frontend_cpus: str | None = None  # CPU list; "" = share the inference CPUs
-    mems: str | None = None  # NUMA node list
+    binding: placement.BindingMode = "auto"  # auto | none | the CPUs (OpenMP thread i on the ith)
+    frontend_cpus: tuple[int, ...] | None = None  # () = share the inference CPUs; None = binding auto decides
+    mems: tuple[int, ...] | None = None  # NUMA nodes; None = the inference CPUs' nodes
     binding_source: str | None = None  # "plan" / "env" when `binding` came from there (shown in the report)
     reserved_cpus: int | None = None  # binding auto: physical cores for the front end (None: placement's default)
     use_smt: bool = False  # binding auto: an OpenMP thread on every SMT sibling
@@ -152,8 +152,7 @@ def options(model: str, *, plan: Plan | None = None, replica: int = 0, environ: 
                   "max_model_len": plan.model.max_model_len,
                   "max_num_seqs": sv.max_num_seqs, "max_num_batched_tokens": sv.max_num_batched_tokens,
                   "kv_cache_bytes": r.kv_cache_bytes, "prefix_caching": sv.prefix_caching,
-                  "binding": cpulist.format(r.cpus), "binding_source": "plan",
-                  "frontend_cpus": cpulist.format(r.frontend_cpus), "mems": cpulist.format(r.mems),
+                  "binding": r.cpus, "binding_source": "plan", "frontend_cpus": r.frontend_cpus, "mems": r.mems,
                   "served_model_name": plan.model.served_name}
         if sv.api_key_env:
             key = env.get(sv.api_key_env)
@@ -161,12 +160,9 @@ def options(model: str, *, plan: Plan | None = None, replica: int = 0, environ: 
                 raise OptionsError(f"the plan requires an API key in ${sv.api_key_env}, which is not set")
             given["api_key"] = key
     else:
-        from_env = {"binding": env.get("DEPLOYKIT_CPUS"), "frontend_cpus": env.get("DEPLOYKIT_FRONTEND_CPUS"),
-                    "mems": env.get("DEPLOYKIT_MEMS")}
-        given |= {k: v for k, v in from_env.items() if v}
+        given |= _env_settings(env)
         if given.get("binding") not in (None, "auto", "none"):
             given["binding_source"] = "env"
-        given |= _env_settings(env)
     given |= _env_settings(env, _ENV_ALWAYS)
     given = {k: v for k, v in given.items() if v is not None}
     explicit = {k: v for k, v in flags.items() if v is not None}
@@ -183,8 +179,10 @@ def options(model: str, *, plan: Plan | None = None, replica: int = 0, environ: 
 
 
 # Settings a container can pass as environment variables (a Kubernetes ConfigMap, `docker run --env`), below
-# flags and a plan. Binding variables (DEPLOYKIT_CPUS, _FRONTEND_CPUS, _MEMS) are read above.
-_ENV_SETTINGS = {"DEPLOYKIT_DTYPE": ("dtype", str),
+# flags and a plan; CPU and node lists are parsed here, at the edge.
+_ENV_SETTINGS = {"DEPLOYKIT_CPUS": ("binding", placement.parse_binding),
+                 "DEPLOYKIT_FRONTEND_CPUS": ("frontend_cpus", cpulist.parse), "DEPLOYKIT_MEMS": ("mems", cpulist.parse),
+                 "DEPLOYKIT_DTYPE": ("dtype", str),
                  "DEPLOYKIT_QUANTIZATION": ("quantization", lambda v: _choice(v, quant.ON_LOAD)),
                  "DEPLOYKIT_MAX_MODEL_LEN": ("max_model_len", int),
                  "DEPLOYKIT_MAX_NUM_SEQS": ("max_num_seqs", int),
@@ -244,18 +242,30 @@ def options_from_args(a: argparse.Namespace, environ: dict | None = None) -> Ser
         body = parse_size(a.max_body) if a.max_body is not None else None
     except ValueError as e:
         raise OptionsError(str(e)) from None
+    binding = _cpus("--binding", a.binding, placement.parse_binding)
+    frontend_cpus, mems = _cpus("--frontend-cpus", a.frontend_cpus), _cpus("--mems", a.mems)
     return options(a.model, plan=plan, replica=a.replica, environ=environ, host=a.host, port=a.port,
                    metrics_port=a.metrics_port, dtype=a.dtype, quantization=a.quantization,
                    max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                    max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_bytes=kv,
-                   prefix_caching=a.prefix_caching, binding=a.binding,
-                   frontend_cpus=a.frontend_cpus, mems=a.mems, reserved_cpus=a.reserved_cpus, use_smt=a.use_smt,
+                   prefix_caching=a.prefix_caching, binding=binding,
+                   frontend_cpus=frontend_cpus, mems=mems, reserved_cpus=a.reserved_cpus, use_smt=a.use_smt,
                    threads=a.threads, api_key=a.api_key,
                    served_model_name=a.served_model_name, max_waiting=a.max_waiting, max_body_bytes=body,
                    shutdown_timeout=a.shutdown_timeout, stall_timeout=a.stall_timeout, sse_keepalive=a.sse_keepalive,
                    allowed_origins=_origins(a.allowed_origins), seed=a.seed,
                    access_log=False if a.no_access_log else None, tool_call_parser=a.tool_call_parser,
                    reasoning_parser=a.reasoning_parser)
+
+
+def _cpus(flag: str, text: str | None, parse=cpulist.parse):
+    """A CPU or node list flag (or --binding), parsed at the edge; None when not given."""
+    if text is None:
+        return None
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise OptionsError(f"{flag} {text!r}: {e}") from None
 
 
 def _origins(text: str | None) -> tuple[str, ...] | None:

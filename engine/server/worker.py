@@ -7,6 +7,7 @@ torch is imported; this module must therefore import nothing heavy at top level.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -18,6 +19,7 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+from deploykit.binding_report import EngineReport
 from engine.errors import EXIT_STARTUP, EngineError, RequestError
 from engine.server.channel import Channel
 from engine.messages import (AbortRequest, AddRequest, Call, Fatal, Init, Op, Ops, Ready, Rejected, Reply, Shutdown,
@@ -29,7 +31,7 @@ _EOF = object()
 
 # ---- child side ----
 
-def _bind(binding) -> tuple[Callable[[], object], Callable[[], dict], Callable[[], None]]:
+def _bind(binding) -> tuple[Callable[[], object], Callable[[], EngineReport], Callable[[], None]]:
     """Apply the binding before torch loads. Returns (finish after torch is imported, report, pin the calling
     helper thread): the only place that touches engine.binding's API."""
     from engine import binding as eb
@@ -38,7 +40,7 @@ def _bind(binding) -> tuple[Callable[[], object], Callable[[], dict], Callable[[
 
 
 class _Loop:
-    def __init__(self, core, conn: Connection, report: Callable[[], dict]):
+    def __init__(self, core, conn: Connection, report: Callable[[], EngineReport]):
         self.core, self.conn, self.report = core, conn, report
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.live: set[str] = set()  # request ids the core holds
@@ -101,12 +103,12 @@ class _Loop:
                 self.live.discard(o.request_id)
         return outputs
 
-    def _binding(self) -> dict:
+    def _binding(self) -> EngineReport:
         """The binding report, and how the weights are held (by type in the file: quantized or in the dtype), so a
         scraper sees which kernels this replica runs."""
         model = self.core.model
-        return {**self.report(), "weights": {"bytes": getattr(model, "weight_bytes", None),
-                                             "by_type": getattr(model, "weight_paths", {})}}
+        return dataclasses.replace(self.report(), weights={"bytes": getattr(model, "weight_bytes", None),
+                                                           "by_type": getattr(model, "weight_paths", {})})
 
     def _apply(self, op: Op, rejected: list[Rejected], replies: list[Reply]) -> None:
         """One operation; whatever it raises stays with it (the loop and the other requests keep going)."""

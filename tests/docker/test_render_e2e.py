@@ -180,8 +180,8 @@ def _check_replicas_bound_their_memory(plan: dict, container=lambda r: r["name"]
     compose this is the only memory binding (compose has no cpuset-mems)."""
     for r in plan["replicas"]:
         rep = json.loads(_inside(container(r), plan["serving"]["port"], "/debug/binding")[1])["engine"]
-        assert rep["planned_cpus"] == r["cpus_list"] and rep["planned_mems"] == r["mems_list"], rep
-        assert rep["memory_policy"]["nodes"] == r["mems_list"], rep["memory_policy"]
+        assert rep["planned_cpus"] == r["cpus"] and rep["planned_mems"] == r["mems"], rep
+        assert rep["memory_policy"]["nodes"] == r["mems"], rep["memory_policy"]
         assert rep["memory_policy"]["mode"] in ("bind", "interleave"), rep["memory_policy"]
         assert rep["warnings"] == [], rep["warnings"]
 
@@ -300,8 +300,8 @@ def test_run_sh_serves_through_nginx(deployment):
         _check_engines_reach_nothing_outside(plan, f"{NAME}-lb", f"{NAME}-edge")
         for r in plan["replicas"]:
             seen = json.loads(_docker("exec", "-i", r["name"], "python", "-", input_=INSIDE))
-            assert seen["cpuset"] == r["cpuset"]
-            assert seen["mems"] == r["mems_list"]
+            assert seen["cpuset"] == cpulist.format(cpulist.parse(r["cpus"]) + cpulist.parse(r["frontend_cpus"]))
+            assert seen["mems"] == r["mems"]
             assert seen["uids"] == [10001]
             torch_procs = [libs for libs in seen["omp"].values() if libs]
             assert torch_procs, f"no process in {r['name']} has an OpenMP runtime mapped: {seen}"
@@ -382,3 +382,75 @@ def test_binding_auto_follows_the_cpuset_and_quota_the_container_got(deployment)
     quota = _binding_in_container(ref, model, port, out, ["--cpuset-cpus", both, "--cpus", "1"])
     assert (quota["cpuset"], quota["quota_cpus"], quota["omp_threads"]) == (both, 1.0, 1)
     assert any("CFS quota" in n for n in quota["notes"]), quota["notes"]
+
+
+def _chart_objects(plan_json: Path) -> list[dict]:
+    """Every object `helm install` + `helm test` create for this plan, the test hooks included (Helm's own engine)."""
+    import helm_python
+
+    from deploykit.plan import Plan
+    from deploykit.render import helm
+    plan = Plan.from_json(plan_json.read_text())
+    with helm_python.Chart.load(str(helm.chart_dir())) as chart:
+        rendered = chart.render(values=helm.values(plan), name=plan.name, namespace="llm")
+    return [o for path, text in sorted(rendered.items()) if not path.endswith("NOTES.txt")
+            for o in yaml.safe_load_all(text) if o]
+
+
+def _container_argv(c: dict, env_from: dict[str, str], override: dict[str, str] | None = None) -> list[str]:
+    """A Kubernetes container's command and environment (envFrom's, then its own env, then `override`) as
+    `docker run` arguments: command replaces the image's entrypoint, as in a pod."""
+    plain = [e for e in c.get("env", ()) if "value" in e]
+    assert len(plain) == len(c.get("env", ())), "a secret reference: this test has no API key"
+    env = {**env_from, **{e["name"]: e["value"] for e in plain}, **(override or {})}
+    return [a for k, v in env.items() for a in ("--env", f"{k}={v}")] + ["--entrypoint", c["command"][0]]
+
+
+def test_the_charts_helm_test_pod_passes_a_pod_style_engine_and_fails_a_broken_promise(deployment, tmp_path):
+    """What `helm test` runs, in Docker: the rendered engine pod's command and environment (its ConfigMap, no host
+    CPU ids) on two CPUs, reachable under the Services' names; then the rendered test pod's command, with the
+    check script from its ConfigMap, in the same image (deploykit's own report types and placement rule)."""
+    out, plan, model, ref = deployment
+    objs = _chart_objects(out / "plan.json")
+    by = {(o["kind"], o["metadata"]["name"]): o for o in objs}
+    fullname = plan["name"]
+    test_pod = by[("Pod", f"{fullname}-test-placement")]["spec"]["containers"][0]
+    script = by[("ConfigMap", f"{fullname}-test-placement")]["data"]["placement_check.py"]
+    engine = by[("Deployment", f"{fullname}-0")]["spec"]["template"]["spec"]["containers"][0]
+    config = {}
+    for source in engine.get("envFrom", ()):
+        config |= by[("ConfigMap", source["configMapRef"]["name"])]["data"]
+    check_env = {e["name"]: e["value"] for e in test_pod["env"]}
+    service_host, pods_host = check_env["SERVICE"].split(":")[0], check_env["PODS"]
+    (tmp_path / "check").mkdir(mode=0o755)
+    (tmp_path / "check" / "placement_check.py").write_text(script)
+    tmp_path.chmod(0o755)
+    (tmp_path / "check" / "placement_check.py").chmod(0o644)
+    allowed = cpulist.parse(Path("/proc/self/status").read_text().split("Cpus_allowed_list:")[1].split()[0])
+    net, name = f"dkcheck-{os.getpid()}", f"dkcheck-engine-{os.getpid()}"
+    _docker("network", "create", "--internal", "--label", "deploykit-test=1", net)
+    try:
+        _docker("run", "--detach", "--rm", "--name", name, "--label", "deploykit-test=1", "--network", net,
+                "--network-alias", service_host, "--network-alias", pods_host,
+                "--cpuset-cpus", cpulist.format(allowed[:2]), "--cap-drop", "ALL",
+                "--security-opt", "no-new-privileges", "--security-opt", f"seccomp={out / 'seccomp-oci.json'}",
+                "--read-only", "--tmpfs", "/tmp:rw,nosuid,nodev,size=1g", "--user", "10001:10001",
+                "--volume", f"{model}:/model:ro", *_container_argv(engine, config), ref, *engine["command"][1:])
+        _wait_replica(name, int(check_env["PORT"]), _logs(name))
+
+        def helm_test(override: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+            argv = ["docker", "run", "--rm", "--label", "deploykit-test=1", "--network", net, "--user", "10001:10001",
+                    "--read-only", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+                    "--volume", f"{tmp_path / 'check'}:/check:ro",
+                    *_container_argv(test_pod, {}, override), ref, *test_pod["command"][1:]]
+            return subprocess.run(argv, capture_output=True, text=True, timeout=300)
+
+        done = helm_test()
+        assert done.returncode == 0 and done.stdout.startswith("ok   pod "), done.stdout + done.stderr
+        # The same check against values this engine does not meet: a cap of one thread where it runs two.
+        done = helm_test({"THREADS": "1"})
+        assert done.returncode == 1 and "FAIL pod" in done.stdout and "expected 1" in done.stdout, \
+            done.stdout + done.stderr
+    finally:
+        subprocess.run(["docker", "rm", "-f", name], capture_output=True, timeout=60)
+        subprocess.run(["docker", "network", "rm", net], capture_output=True, timeout=60)

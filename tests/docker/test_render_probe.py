@@ -37,6 +37,11 @@ sys.exit(1 if "inspect" in sys.argv[1:3] else 0)  # nothing exists yet
 SERVICE_ONLY = {"--name", "--restart", "--network", "--publish"}
 
 
+def cpuset(replica: dict) -> str:
+    """Every CPU a replica's container may use, from its plan.json entry."""
+    return cpulist.format(cpulist.parse(replica["cpus"]) + cpulist.parse(replica["frontend_cpus"]))
+
+
 def host_spec() -> dict:
     """Two one-CPU replicas on this host (strategy explicit, nothing reserved), as the e2e test runs them."""
     allowed = cpulist.parse(next(line.split(":", 1)[1] for line in open("/proc/self/status")
@@ -101,8 +106,8 @@ def test_run_sh_flags_give_each_replica_its_plan(docker, base_image, rendered, t
     assert len(runs) == len(replicas) + 1  # nginx in front, even of one replica: the only published port
     for argv, replica in zip(runs, replicas, strict=False):  # the load balancer comes last
         seen = docker.run_python(base_image, PROBE, flags=probe_flags(argv)).json()
-        assert seen["cpus_allowed_list"] == replica["cpuset"]
-        assert seen["mems_allowed_list"] == replica["mems_list"]
+        assert seen["cpus_allowed_list"] == cpuset(replica)
+        assert seen["mems_allowed_list"] == replica["mems"]
         assert {n: seen["syscalls"][n] for n in NUMA_CALLS} == {n: 0 for n in NUMA_CALLS}
         assert (seen["uid"], seen["gid"]) == (10001, 10001)
         assert seen["root_write_errno"] == errno.EROFS
@@ -133,7 +138,7 @@ def test_compose_file_gives_each_replica_its_plan(compose_cli, base_image, rende
                                   capture_output=True, text=True, env=env, timeout=180, cwd=out)
             assert done.returncode == 0, done.stderr
             seen = json.loads(done.stdout.strip().splitlines()[-1])
-            assert seen["cpus_allowed_list"] == r["cpuset"]
+            assert seen["cpus_allowed_list"] == cpuset(r)
             # No cpuset-mems in compose: Docker leaves every node allowed and the engine binds memory itself,
             # which the NUMA syscalls below make possible.
             assert {n: seen["syscalls"][n] for n in NUMA_CALLS} == {n: 0 for n in NUMA_CALLS}

@@ -23,7 +23,7 @@ binding.finish(b)
 x = torch.randn(512, 512)
 for _ in range(200):
     x = torch.tanh(x @ x)  # enough parallel work for every worker to run on its CPU
-print(json.dumps(binding.report(b)))
+print(json.dumps(binding.report(b).to_dict()))
 """
 # A real seccomp filter (libseccomp via ctypes) that refuses set_mempolicy with EPERM, as Docker's default
 # profile does without CAP_SYS_NICE.
@@ -38,7 +38,7 @@ assert lib.seccomp_load(ctx) == 0
 """
 
 
-def child(mode="0-1", mems="0", pre=""):
+def child(mode=(0, 1), mems=(0,), pre=""):
     code = CHILD.format(pre=pre, mode=mode, mems=mems)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
@@ -52,7 +52,7 @@ needs_two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="ne
 @needs_two_cpus
 @pytest.mark.slow
 def test_each_openmp_worker_runs_on_its_own_cpu():
-    rep, _ = child("0-1")
+    rep, _ = child()
     omp = sorted((t for t in rep["threads"] if t["omp_thread"] is not None), key=lambda t: t["omp_thread"])
     assert [t["allowed_cpus"] for t in omp] == ["0", "1"]
     assert [t["last_cpu"] for t in omp] == [0, 1]
@@ -66,7 +66,7 @@ def test_each_openmp_worker_runs_on_its_own_cpu():
 @needs_two_cpus
 @pytest.mark.slow
 def test_refused_set_mempolicy_keeps_running_and_names_the_fix():
-    rep, err = child("0-1", pre=REFUSE)
+    rep, err = child(pre=REFUSE)
     assert rep["memory_policy"]["mode"] == "default"
     (w,) = [w for w in rep["warnings"] if "NUMA memory binding" in w]
     assert "refused (EPERM)" in w and "seccomp profile" in w and "no capability" in w
@@ -79,7 +79,7 @@ def test_refused_set_mempolicy_keeps_running_and_names_the_fix():
 FUSED = """
 import json
 from engine import binding
-b = binding.prepare(binding.resolve("0-1", mems="0"))
+b = binding.prepare(binding.resolve((0, 1), mems=(0,)))
 import torch
 binding.finish(b)
 from engine.config import EngineConfig
@@ -87,11 +87,11 @@ from engine.core import EngineCore
 from engine.sampling import SamplingParams
 core = EngineCore(EngineConfig({model!r}, dtype="bfloat16"))
 assert core.model.step_weights is not None
-before = {{t["tid"]: t["cpu_seconds"] for t in binding.report(b)["threads"]}}
+before = {{t["tid"]: t["cpu_seconds"] for t in binding.report(b).to_dict()["threads"]}}
 core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=400, min_tokens=400))
 while core.has_unfinished_requests():
     core.step()
-rep = binding.report(b)
+rep = binding.report(b).to_dict()
 for t in rep["threads"]:
     t["cpu_seconds"] -= before.get(t["tid"], 0.0)
 print(json.dumps(rep))
@@ -125,9 +125,9 @@ def test_auto_uses_this_process_cpuset():
 
 def test_explicit_cpus_outside_the_cpuset_are_rejected():
     with pytest.raises(ValueError, match="outside this process's cpuset"):
-        binding.resolve("4000")
-    with pytest.raises(ValueError, match="CPU list"):
-        binding.resolve("zero")
+        binding.resolve((4000,))
+    with pytest.raises(ValueError, match="parse CPU-list text"):  # text is parsed at the edges, never here
+        binding.resolve("0-1")
 
 
 @pytest.mark.parametrize("machine, kwargs, cpus, front", [

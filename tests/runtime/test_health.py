@@ -3,9 +3,14 @@ engine's library), and the engine's binding report turned into CPUs and memory n
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from deploykit.binding_report import BindingReport, FrontendReport, MemoryPolicy
 from deploykit.runtime import health
+from tests.binding_reports import engine_report
 
 
 def test_metrics_sum_label_sets_and_skip_comments():
@@ -22,13 +27,20 @@ def test_metrics_sum_label_sets_and_skip_comments():
 
 
 def test_engine_cpus_are_the_openmp_workers_and_mems_the_policy():
-    report = {"engine": {"threads": [{"omp_thread": None, "allowed_cpus": "0-7"},
-                                     {"omp_thread": 0, "allowed_cpus": "2"}, {"omp_thread": 1, "allowed_cpus": "3"}],
-                         "memory_policy": {"mode": "bind", "nodes": "1"}, "mems_allowed": "0-1"}}
+    engine = engine_report(["2", "3"], cores=("0", "1", "2", "3", "4", "5", "6", "7"), other_cpus="0-7",
+                           mems_allowed=(0, 1), memory_policy=MemoryPolicy("bind", (1,)))
+    report = BindingReport(engine, FrontendReport(1, (0, 1)))
     assert health.engine_cpus(report) == "2-3"
     assert health.engine_mems(report) == "1 (bind)"
-    report["engine"]["memory_policy"] = {"mode": "default", "nodes": ""}
+    report = BindingReport(replace(engine, memory_policy=MemoryPolicy("default")), report.frontend)
     assert health.engine_mems(report) == "unbound (0-1 allowed)"
+
+
+def test_a_binding_answer_reads_back_typed_and_anything_else_is_none():
+    report = BindingReport(engine_report(["2", "3"], cores=("2", "3")), FrontendReport(1, (2, 3)))
+    assert health.binding(health.Answer(200, json.dumps(report.to_dict()).encode())) == report
+    assert health.binding(health.Answer(200, b'{"engine": {"error": "RuntimeError: x"}, "frontend": {}}')) is None
+    assert health.binding(health.Answer(401, b"{}")) is None
 
 
 def test_no_answer_is_described_not_raised():

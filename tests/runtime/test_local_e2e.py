@@ -105,7 +105,7 @@ def test_up_prints_the_endpoint_and_serves_chat_through_the_proxy(local):
 def test_each_replica_runs_on_its_own_cpu(local):
     plan = json.loads((local.state / NAME / "rendered" / "plan.json").read_text())
     if len(os.sched_getaffinity(0)) == 2:  # planned by replicas_per_node: 2, one thread each
-        assert plan["layout"]["replicas_per_node"] == 2 and [r["cpus"] for r in plan["replicas"]] == [[0], [1]]
+        assert plan["layout"]["replicas_per_node"] == 2 and [r["cpus"] for r in plan["replicas"]] == ["0", "1"]
     procs = local.processes()
     for i in (0, 1):
         status = Path(f"/proc/{procs[f'{NAME}-{i}']}/status").read_text()

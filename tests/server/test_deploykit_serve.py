@@ -44,7 +44,7 @@ def test_serves_the_plans_replica_with_its_binding(tmp_path, tiny_model):
         eng = s.get("/debug/binding").json()["engine"]
         plan = yaml.safe_load(subprocess.run([sys.executable, "-m", "deploykit.cli", "plan", str(spec), "--format",
                                               "json"], capture_output=True, text=True, cwd=ROOT).stdout)
-        assert eng["source"] == "plan" and eng["planned_cpus"] == plan["replicas"][0]["cpus_list"]
+        assert eng["source"] == "plan" and eng["planned_cpus"] == plan["replicas"][0]["cpus"]
         assert eng["memory_policy"]["mode"] == "bind" and eng["warnings"] == []
         assert s.stop() == 0
     finally:

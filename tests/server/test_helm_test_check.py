@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+from deploykit.binding_report import BindingReport
 from deploykit.render.helm import chart_dir
 from tests.server.live import LiveServer, clean_env
 
@@ -18,8 +19,8 @@ def test_placement_check_passes_a_pod_style_engine_and_its_main_runs(tiny_model)
     s = LiveServer(tiny_model, env=env)
     try:
         s.wait_ready()
-        engine = s.get("/debug/binding").json()["engine"]
-        assert engine["source"] == "auto" and engine["physical_cores"]
+        engine = BindingReport.from_dict(s.get("/debug/binding").json()).engine
+        assert engine.source == "auto" and engine.physical_cores
         path = chart_dir() / "files" / "placement_check.py"
         spec = importlib.util.spec_from_file_location("placement_check", path)
         mod = importlib.util.module_from_spec(spec)
@@ -34,7 +35,7 @@ def test_placement_check_passes_a_pod_style_engine_and_its_main_runs(tiny_model)
         # The same check fails when the pod's threads do not match what the values promise (here: a cap of 1).
         done = subprocess.run([sys.executable, str(path)], env={**run_env, "THREADS": "1"},
                               capture_output=True, text=True, timeout=60)
-        n = engine["omp_threads"]
+        n = engine.omp_threads
         assert done.returncode == 1 and f"{n} OpenMP threads for" in done.stdout and "expected 1" in done.stdout
     finally:
         s.close()

@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from deploykit import cpulist
+from deploykit.binding_report import BindingReport
 from tests.server.conftest import MAX_MODEL_LEN
 
 PROMPT = "The quick brown fox"
@@ -208,5 +209,7 @@ def test_debug_binding_reports_the_engine_process(server):
     assert len(omp) == engine["omp_threads"] >= 1
     assert set(cpulist.parse(engine["planned_cpus"])) <= os.sched_getaffinity(0)
     # each OpenMP thread's L3 group, from the host's cache files (this host: one L3 shared by its CPUs)
-    groups = {g[0]: set(cpulist.parse(g[1])) for g in engine["topology"]["l3_groups"]}
+    groups = {g["id"]: set(cpulist.parse(g["cpus"])) for g in engine["topology"]["l3_groups"]}
     assert groups and all(int(cpulist.parse(t["allowed_cpus"])[0]) in groups[t["l3"]] for t in omp)
+    # the JSON form reads back as deploykit's own type, the one doctor, status and `helm test` read
+    assert BindingReport.from_dict(rep).to_dict() == rep

@@ -36,7 +36,7 @@ def test_defaults_without_plan_or_environment():
 
 def test_plan_replica_fills_everything(plan):
     o = options("--plan", plan, "--replica", "1", env={"MY_KEY": "s3cret"})
-    assert (o.binding, o.binding_source, o.frontend_cpus, o.mems) == ("4-5", "plan", "", "1")
+    assert (o.binding, o.binding_source, o.frontend_cpus, o.mems) == ((4, 5), "plan", (), (1,))
     assert (o.dtype, o.max_model_len, o.served_model_name, o.kv_cache_bytes) == ("bfloat16", 4096,
                                                                                  "Qwen/Qwen3-8B", 2 << 30)
     assert (o.max_num_seqs, o.max_num_batched_tokens, o.api_key) == (32, 4096, "s3cret")
@@ -46,14 +46,14 @@ def test_plan_replica_fills_everything(plan):
 def test_flags_override_the_plan(plan):
     o = options("--plan", plan, "--binding", "7", "--mems", "0", "--max-num-seqs", "2", "--kv-cache", "1GiB",
                 "--served-model-name", "x", "--api-key", "k", env={"MY_KEY": "s3cret"})
-    assert (o.binding, o.binding_source, o.frontend_cpus, o.mems) == ("7", "explicit", "3", "0")
+    assert (o.binding, o.binding_source, o.frontend_cpus, o.mems) == ((7,), "explicit", (3,), (0,))
     assert (o.max_num_seqs, o.kv_cache_bytes, o.served_model_name, o.api_key) == (2, 1 << 30, "x", "k")
 
 
 def test_environment_is_the_fallback():
     o = options(env={"DEPLOYKIT_CPUS": "2-3", "DEPLOYKIT_FRONTEND_CPUS": "1", "DEPLOYKIT_MEMS": "0",
                      "DEPLOYKIT_API_KEY": "envkey"})
-    assert (o.binding, o.binding_source, o.frontend_cpus, o.mems, o.api_key) == ("2-3", "env", "1", "0", "envkey")
+    assert (o.binding, o.binding_source, o.frontend_cpus, o.mems, o.api_key) == ((2, 3), "env", (1,), (0,), "envkey")
 
 
 def test_plan_errors_are_clear(plan, tmp_path):
@@ -92,6 +92,18 @@ def test_environment_carries_every_setting_a_pod_needs():
 def test_bad_environment_settings_are_named(var, value, needle):
     with pytest.raises(OptionsError, match=needle):
         options(env={var: value})
+
+
+@pytest.mark.parametrize("argv, env, needle", [
+    (["--binding", "zero"], {}, "--binding 'zero': must be auto, none or a CPU list"),
+    (["--binding", ""], {}, "not empty"),
+    (["--mems", "0-"], {}, "--mems '0-'"),
+    ([], {"DEPLOYKIT_CPUS": "first"}, r"\$DEPLOYKIT_CPUS='first' is not valid: must be auto, none or a CPU list"),
+    ([], {"DEPLOYKIT_FRONTEND_CPUS": "3-1"}, "DEPLOYKIT_FRONTEND_CPUS"),
+])
+def test_cpu_lists_are_parsed_at_the_edge_and_bad_ones_named(argv, env, needle):
+    with pytest.raises(OptionsError, match=needle):
+        options(*argv, env=env)
 
 
 def test_binding_auto_over_a_plan_drops_the_plans_host_cpu_ids(plan):

@@ -2,9 +2,11 @@
 actually gave it: one OpenMP thread per physical core of the pod's cpuset (every sibling with useSmt), each alone
 on its core, the front end on cores of its own, memory bound, no binding warning.
 
-Standard library only (it runs in the engine image with no extra packages). Environment: SERVICE (host:port of
-the Service), PODS (the headless Service's DNS name), PORT, MODEL (served name), USE_SMT, RESERVED_CPUS, THREADS
-(empty = default), DEPLOYKIT_API_KEY (optional). Exit 0 when every pod passes, 1 otherwise, with every problem.
+It runs in the engine image, so it reads the report with deploykit's own types (deploykit.binding_report) and
+expects what deploykit.placement would choose for the pod's cpuset: the rule the engine applied, not a copy of it.
+Environment: SERVICE (host:port of the Service), PODS (the headless Service's DNS name), PORT, MODEL (served name),
+USE_SMT, RESERVED_CPUS, THREADS (empty = default), DEPLOYKIT_API_KEY (optional). Exit 0 when every pod passes, 1
+otherwise, with every problem.
 """
 
 from __future__ import annotations
@@ -15,29 +17,22 @@ import socket
 import sys
 import urllib.request
 
-
-def parse(text: str) -> list[int]:
-    """Linux CPU list syntax ("0-3,8") -> sorted ids."""
-    out: set[int] = set()
-    for part in (text or "").split(","):
-        if part.strip():
-            lo, _, hi = part.partition("-")
-            out.update(range(int(lo), int(hi or lo) + 1))
-    return sorted(out)
+from deploykit import cpulist, placement
+from deploykit.binding_report import BindingReport, EngineReport
+from deploykit.errors import DeploykitError
 
 
-def check(engine: dict, *, use_smt: bool, reserved: int | None, threads: int | None) -> list[str]:
+def check(engine: EngineReport, *, use_smt: bool, reserved: int | None, threads: int | None) -> list[str]:
     """Problems with one engine's /debug/binding report ([] = pinned as promised)."""
     problems = []
-    cpuset = set(parse(engine["cpuset"]))
-    cores = [parse(c) for c in engine["physical_cores"]]
+    topo, cpuset = engine.topology, set(engine.cpuset)
+    cores = placement.physical_cores(topo, engine.cpuset)
     core_of = {cpu: i for i, core in enumerate(cores) for cpu in core}
-    omp = sorted((t for t in engine["threads"] if t["omp_thread"] is not None), key=lambda t: t["omp_thread"])
-    pinned = [parse(t["allowed_cpus"]) for t in omp]
-    loose = [t["tid"] for t, p in zip(omp, pinned) if len(p) != 1]
+    omp = engine.omp
+    loose = [t.tid for t in omp if len(t.allowed_cpus) != 1]
     if loose:
         problems.append(f"OpenMP threads {loose} are not pinned to a single CPU")
-    cpus = [p[0] for p in pinned if len(p) == 1]
+    cpus = [t.allowed_cpus[0] for t in omp if len(t.allowed_cpus) == 1]
     if set(cpus) - cpuset:
         problems.append(f"OpenMP threads on CPUs {sorted(set(cpus) - cpuset)} outside the pod's cpuset")
     used = [core_of[c] for c in cpus if c in core_of]
@@ -45,28 +40,30 @@ def check(engine: dict, *, use_smt: bool, reserved: int | None, threads: int | N
         problems.append("two OpenMP threads share a CPU")
     if not use_smt and len(set(used)) != len(used):
         problems.append("two OpenMP threads share a physical core (SMT siblings) without useSmt")
-    front = {core_of[c] for c in parse(engine.get("frontend_cpus") or "") if c in core_of}
+    front = {core_of[c] for c in engine.frontend_cpus or () if c in core_of}
     if front & set(used):
         problems.append("the front end's cores also run OpenMP threads")
-    # The cores the front end keeps: as asked, or deploykit's default (1 from 4 cores up, else 0).
-    keep = reserved if reserved is not None else (1 if len(cores) >= 4 else 0)
-    compute = [core for i, core in enumerate(cores) if i not in front][: max(0, len(cores) - keep)]
-    want = sum(len(core) for core in compute) if use_smt else len(compute)
-    if threads is not None:
-        want = min(want, threads)
-    if len(omp) != want:
-        problems.append(f"{len(omp)} OpenMP threads for {len(cores)} physical cores in cpuset {engine['cpuset']} "
-                        f"({keep} kept for the front end): expected {want}. A CPU quota below the cpuset (no static "
-                        "CPU manager, or a Burstable pod) does this; see node/README.md from `deploykit render`")
-    if engine.get("omp_threads") != len(omp):
-        problems.append(f"the engine reports {engine.get('omp_threads')} OpenMP threads but {len(omp)} are running")
-    if len(front) != keep and keep < len(cores):
+    # What the engine's own rule picks for this cpuset (no quota: a quota below the cpuset is what this test is
+    # there to catch).
+    try:
+        want = placement.choose(topo, engine.cpuset, reserved=reserved, use_smt=use_smt, threads=threads,
+                                label="pod")
+    except DeploykitError as e:
+        return problems + [f"the values cannot be met on cpuset {cpulist.format(engine.cpuset)}: {e}"]
+    keep = len(placement.physical_cores(topo, want.frontend_cpus))
+    if len(omp) != len(want.cpus):
+        problems.append(f"{len(omp)} OpenMP threads for {len(cores)} physical cores in cpuset "
+                        f"{cpulist.format(engine.cpuset)} ({keep} kept for the front end): expected {len(want.cpus)}. "
+                        "A CPU quota below the cpuset (no static CPU manager, or a Burstable pod) does this; see "
+                        "node/README.md from `deploykit render`")
+    if engine.omp_threads != len(omp):
+        problems.append(f"the engine reports {engine.omp_threads} OpenMP threads but {len(omp)} are running")
+    if len(front) != keep:
         problems.append(f"the front end holds {len(front)} core(s), expected {keep}")
-    policy = engine.get("memory_policy") or {}
-    if policy.get("mode") not in ("bind", "interleave"):
-        problems.append(f"memory is not bound to a NUMA node (policy {policy}); is the Localhost seccomp profile "
-                        "in place?")
-    problems += [f"binding warning: {w}" for w in engine.get("warnings") or ()]
+    if not engine.memory_policy.bound:
+        problems.append(f"memory is not bound to a NUMA node (policy {engine.memory_policy.to_dict()}); is the "
+                        "Localhost seccomp profile in place?")
+    problems += [f"binding warning: {w}" for w in engine.warnings]
     return problems
 
 
@@ -93,9 +90,15 @@ def main() -> int:
         return 1
     for ip in pods:
         host = f"[{ip}]" if ":" in ip else ip
-        engine = _get(f"http://{host}:{env['PORT']}/debug/binding", key)["engine"]
+        try:
+            engine = BindingReport.from_dict(_get(f"http://{host}:{env['PORT']}/debug/binding", key)).engine
+        except DeploykitError as e:
+            print(f"FAIL pod {ip}: {e}")
+            failed = True
+            continue
         problems = check(engine, **opts)
-        head = f"pod {ip}: cpuset {engine['cpuset']}, {engine['omp_threads']} OpenMP threads on {engine['planned_cpus']}"
+        head = (f"pod {ip}: cpuset {cpulist.format(engine.cpuset)}, {engine.omp_threads} OpenMP threads on "
+                f"{cpulist.format(engine.planned_cpus or ())}")
         print(("FAIL " if problems else "ok   ") + head)
         for p in problems:
             print(f"     - {p}")
