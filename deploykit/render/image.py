@@ -15,6 +15,10 @@ from .templating import template
 RUNTIME_PACKAGES = ("libtcmalloc-minimal4", "libnuma1", "numactl", "nginx")
 SBOM_PATH = "/opt/deploykit/sbom.cdx.json"  # in the image; build.sh and `up` copy it next to the rendered files
 SBOM_FILE = "sbom.cdx.json"
+# Not deploykit.deployment: containers inherit image labels, and any container run from this image would then
+# count as one of the deployment's (and be removed by its `down`). The intermediate stages carry it too, so `up`
+# can find and drop a superseded build's stage images (the builder stage alone is about 2 GB).
+BUILT_FOR_LABEL = "deploykit.image-built-for"
 
 
 def image_files(plan: Plan) -> list[File]:
@@ -32,7 +36,7 @@ def image_files(plan: Plan) -> list[File]:
               ("io.deploykit.sbom", SBOM_PATH))
     ctx = dict(plan=plan, offline=offline, uid=uid, packages=RUNTIME_PACKAGES, labels=labels,
                requirement=f"deploykit[engine]=={__version__}", sbom_requirement=f"deploykit[sbom]=={__version__}",
-               sbom_path=SBOM_PATH, healthcheck=list(healthcheck(plan.serving.port)))
+               built_for=BUILT_FOR_LABEL, sbom_path=SBOM_PATH, healthcheck=list(healthcheck(plan.serving.port)))
     files = [
         File("Dockerfile", template("Dockerfile.j2", **ctx).encode()),
         File(".dockerignore", template("dockerignore.j2").encode()),

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..errors import RuntimeFailure
 from ..plan import Plan
-from ..render.image import SBOM_FILE, SBOM_PATH
+from ..render.image import BUILT_FOR_LABEL, SBOM_FILE, SBOM_PATH
 from . import Say
 
 # What the deploykit wheel is built from: the image's input hash and the tests' source bundles use this one list.
@@ -31,12 +31,10 @@ SOURCES = ("pyproject.toml", "README.md", "deploykit", "engine", "images", "char
 BUILD_FILES = ("Dockerfile", ".dockerignore", "entrypoint.sh")
 _NOT_SOURCE = (".pyc", ".so", ".o")
 INPUTS_LABEL = "deploykit.image-inputs"
-# Not deploykit.deployment: containers inherit image labels, and any container run from this image would then
-# count as one of the deployment's (and be removed by its `down`).
-BUILT_FOR_LABEL = "deploykit.image-built-for"
 TAIL = 25  # output lines shown with a failed step
 PROGRESS_EVERY = 15.0  # seconds: within a long step, show its latest output line this often
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the classic builder colours a RUN step's stderr
+_STEP_RESULT = re.compile(r"^ ---> ([0-9a-f]{12})\s*$")  # the classic builder's "this step's image is <id>"
 
 
 def ensure(client, plan: Plan, context: Path, say: Say) -> str:
@@ -52,8 +50,9 @@ def ensure(client, plan: Plan, context: Path, say: Say) -> str:
         say(f"image {ref}: building (its inputs changed or it was never built)")
         start = time.monotonic()
         _stage(context, source, wheels, say)
-        _build(client, plan, context, ref, key, say)
+        made = _build(client, plan, context, ref, key, say)
         say(f"image {ref}: built in {_took(time.monotonic() - start)}")
+        drop_stale_stages(client, plan.name, made, say)
     copy_sbom(client, ref, context / SBOM_FILE)
     client.api.tag(ref, plan.image.name, plan.image.tag, force=True)  # what run.sh and compose.yaml refer to
     return ref
@@ -104,6 +103,26 @@ def prune(client, plan: Plan, keep: str, say: Say) -> None:
                     say(f"image {t}: removed (superseded by {keep})")
                 except docker.errors.APIError:
                     pass  # in use by a container, or shared with another tag: leave it
+
+
+def drop_stale_stages(client, deployment: str, made: set[str], say: Say) -> None:
+    """Remove deployment's untagged stage images (builder, sbom) that the build just made did not use.
+
+    Docker keeps every multi-stage build's intermediate stages as untagged images; ours are 1-2 GB each and would
+    fill a disk within a few dozen `up`s. The ones this build made or reused stay: they are its layer cache.
+    """
+    import docker.errors
+    freed = 0
+    for image in client.images.list(filters={"dangling": True, "label": f"{BUILT_FOR_LABEL}={deployment}"}):
+        if image.id.removeprefix("sha256:")[:12] in made:
+            continue
+        try:
+            client.images.remove(image.id)
+            freed += 1
+        except docker.errors.APIError:
+            pass  # a child image or a container still uses it
+    if freed:
+        say(f"removed {freed} untagged stage image(s) of earlier builds")
 
 
 def _base_image(client, base: str, say: Say) -> str:
@@ -190,9 +209,11 @@ def _stage(context: Path, source: Path, wheels: list[Path], say: Say) -> None:
         _link_or_copy(w, staged)
 
 
-def _build(client, plan: Plan, context: Path, ref: str, key: str, say: Say) -> None:
+def _build(client, plan: Plan, context: Path, ref: str, key: str, say: Say) -> set[str]:
+    """Build `ref`; return the short ids of every image the build made or took from its cache."""
     import docker.errors
     lines: list[str] = []
+    made: set[str] = set()
     step = ""
     shown = time.monotonic()
     try:
@@ -204,6 +225,8 @@ def _build(client, plan: Plan, context: Path, ref: str, key: str, say: Say) -> N
             for line in _ANSI.sub("", chunk.get("stream", "")).splitlines():
                 if line.strip():
                     lines.append(line.rstrip())
+                if m := _STEP_RESULT.match(line):
+                    made.add(m.group(1))
                 if line.startswith("Step "):
                     step = line.strip()
                     say(f"  {step}")
@@ -215,6 +238,7 @@ def _build(client, plan: Plan, context: Path, ref: str, key: str, say: Say) -> N
         raise _failed(ref, step, _explain(e), lines) from None
     if not _exists(client, ref):
         raise _failed(ref, step, "the build ended without producing the image", lines)
+    return made
 
 
 def _failed(ref: str, step: str, error: str, lines: list[str]) -> RuntimeFailure:

@@ -12,10 +12,12 @@ import os
 import shutil
 import subprocess
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
+
+from deploykit.render.image import BUILT_FOR_LABEL
 
 try:  # tests/ may or may not become a package
     from .base_image import BaseImageUnavailable, ensure_base_image
@@ -94,11 +96,24 @@ def _docker_problem() -> str:
 
 
 @pytest.fixture(scope="session")
-def docker() -> Docker:
+def docker() -> Iterator[Docker]:
     problem = _docker_problem()
     if problem:
         unavailable(problem)
-    return Docker()
+    before = _stage_images()
+    yield Docker()
+    # Every image build leaves its builder and sbom stages untagged (1-2 GB each; `up` drops only its own
+    # deployment's older ones). A CI disk filled up with them once: remove what this session's builds left.
+    left = sorted(_stage_images() - before)
+    if left:
+        subprocess.run(["docker", "image", "rm", *left], capture_output=True, timeout=600)
+
+
+def _stage_images() -> set[str]:
+    """Ids of the untagged images that deploykit's Dockerfile labels (its intermediate build stages)."""
+    done = subprocess.run(["docker", "image", "ls", "-q", "--no-trunc", "--filter", "dangling=true",
+                           "--filter", f"label={BUILT_FOR_LABEL}"], capture_output=True, text=True, timeout=120)
+    return set(done.stdout.split())
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,7 @@ import pytest
 from deploykit import cpulist
 from deploykit.plan import Plan
 from deploykit.render.container import containers
+from deploykit.render.image import BUILT_FOR_LABEL
 from tests.runtime.helpers import ROOT, Load, corrupt_copy, deploykit, free_port, nothing_listens, spec_file
 
 try:
@@ -93,7 +94,7 @@ def _model(base: Path) -> Path:
 
 def _remove_images(built_for: str) -> None:
     c = _client()
-    for image in c.images.list(filters={"label": f"deploykit.image-built-for={built_for}"}):
+    for image in c.images.list(filters={"label": f"{BUILT_FOR_LABEL}={built_for}"}):
         for tag in image.tags:
             try:
                 c.images.remove(tag)
