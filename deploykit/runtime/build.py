@@ -18,7 +18,6 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import RuntimeFailure
