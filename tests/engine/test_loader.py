@@ -43,14 +43,15 @@ def test_the_engine_treats_a_directory_a_gguf_and_another_file_as_deploykit_does
     from engine.server.options import ServeOptions
     from tests.render.cases import write_tiny_gguf
 
-    reader = open_checkpoint(load_config(tiny_model))  # a directory: safetensors, its own tokenizer files
+    d = tiny_model("llama")
+    reader = open_checkpoint(load_config(d))  # a directory: safetensors, its own tokenizer files
     assert isinstance(reader, CheckpointReader)
     reader.close()
-    assert tokenizer.load(tiny_model).vocab_size > 0
+    assert tokenizer.load(d).vocab_size > 0
     gguf_file = str(write_tiny_gguf(tmp_path / "tiny.gguf"))  # a .gguf: its header
     assert load_config(gguf_file).model_type == "qwen2"
     other = tmp_path / "model.safetensors"  # a single file that is not a .gguf: refused before anything starts
-    shutil.copy(os.path.join(tiny_model, "model.safetensors"), other)
+    shutil.copy(os.path.join(d, "model.safetensors"), other)
     with pytest.raises(ModelLoadError, match="is a file but not a .gguf file"):
         load_config(str(other))
     with caplog.at_level(logging.ERROR, logger="engine.server"):
