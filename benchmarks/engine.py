@@ -90,7 +90,7 @@ class Ours:
 
     def matmul_peak(self) -> dict:
         """Seconds per [512, K] x [K, N] matmul for the model's fused layer shapes, per implementation."""
-        torch, kernels, s = self.torch, self.kernels, self.core.spec
+        torch, kernels, s = self.torch, self.kernels, self.core.model_config
         if self.mats is None:
             shapes = {"qkv": ((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.hidden_size),
                       "o_proj": (s.hidden_size, s.num_heads * s.head_dim),

@@ -163,7 +163,7 @@ def main() -> None:
         from benchmarks.engine import DEFAULT_MODEL_DIR, ensure_model
         ensure_model(DEFAULT_MODEL_DIR)
         model = str(DEFAULT_MODEL_DIR)
-    from deploykit.memory import read_config
+    from deploykit.modelfiles import read_config
     vocab = read_config(model).vocab_size
     w = workload(a, vocab)
     max_len = a.system_tokens + a.turns * (40 + CHAT_TOKENS) + 16

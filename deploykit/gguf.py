@@ -108,15 +108,6 @@ class Header:
         return struct.unpack(f"<{info.numel}f", data)
 
 
-def is_gguf(path: str | Path) -> bool:
-    """A regular file that starts with the GGUF magic."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == MAGIC
-    except OSError:
-        return False
-
-
 def read(path: str | Path) -> Header:
     """Parse the header of a GGUF file. Raises ModelError (with the path) for anything that is not a sound GGUF."""
     p = str(path)

@@ -1,21 +1,19 @@
-"""Where a model is and how big it gets, without loading it: its location, parameter count, weight and KV bytes,
-the dtype it runs in, and how large an automatic KV cache is. Shared by the planner and the engine.
+"""How big a model gets, without loading it: its parameter count, weight and KV bytes, the dtype it runs in, and
+how large an automatic KV cache is. Shared by the planner and the engine.
 
-Reads a local directory (config.json + safetensors headers), a .gguf file's header, or the local Hugging Face
-cache (never downloads); falls back to the spec's explicit architecture numbers.
+Counts from the model deploykit.modelfiles finds (safetensors headers, config.json, a .gguf file's header); falls
+back to the spec's explicit architecture numbers.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import gguf, modelconfig, quant
+from . import gguf, modelconfig, modelfiles, quant
 from .errors import ModelError
 from .spec import ModelSpec
 
@@ -24,7 +22,6 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_NAMES = {"auto": "auto", "float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
                "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
 KV_BLOCK_TOKENS = 16  # tokens per KV cache block: the engine's paging unit; auto-sized caches are whole blocks
-HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,53 +102,8 @@ def one_sequence_bytes(per_token: int, max_model_len: int) -> int:
     return -(-max_model_len // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS * per_token
 
 
-def served_name(source: str) -> str:
-    """A hub id is served under its own name (as vLLM does); a local path (an existing "models/qwen" too) under its
-    last component, without .gguf."""
-    if source.startswith(("/", ".", "~")) or not HF_ID.match(source) or os.path.exists(source):
-        name = source.rstrip("/").rsplit("/", 1)[-1] or source
-        return name[:-5] if name.endswith(".gguf") and len(name) > 5 else name
-    return source
-
-
-def locate(source: str, revision: str | None = None) -> Path | None:
-    """A local model directory or .gguf file, or the HF cache snapshot of a hub id; None if not on this machine."""
-    p = Path(source).expanduser()
-    if p.is_dir() or (p.is_file() and p.suffix == ".gguf"):
-        return p
-    if p.is_absolute() or source.startswith((".", "~")) or not HF_ID.match(source):
-        return None
-    repo = hf_cache_dir() / ("models--" + source.replace("/", "--"))
-    rev = revision or "main"
-    commit = rev if re.fullmatch(r"[0-9a-f]{40}", rev) else None
-    if commit is None:
-        try:
-            commit = (repo / "refs" / rev).read_text().strip()
-        except OSError:
-            return None
-    snap = repo / "snapshots" / commit
-    return snap if (snap / "config.json").is_file() else None
-
-
-def hf_cache_dir() -> Path:
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]) / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "huggingface" / "hub"
-
-
-def read_config(path: str | Path) -> modelconfig.ModelConfig:
-    """ModelConfig of a local model: a Hugging Face directory or a .gguf file."""
-    p = Path(path)
-    if p.is_file() or p.suffix == ".gguf":
-        return modelconfig.from_gguf(gguf.read(p))
-    return modelconfig.read_dir(p)
-
-
 def shape(spec: ModelSpec) -> ModelShape:
-    path = locate(spec.source, spec.revision)
+    path = modelfiles.locate(spec.source, spec.revision)
     if path is not None:
         return _from_local(spec.source, path)
     if spec.architecture is not None:
@@ -167,7 +119,8 @@ def shape(spec: ModelSpec) -> ModelShape:
                 tie_word_embeddings=a.tie_word_embeddings).count_parameters()
         return ModelShape(spec.source, None, "explicit", params, a.num_hidden_layers, a.num_key_value_heads,
                           head_dim, a.max_position_embeddings, "spec")
-    where = f"the local Hugging Face cache ({hf_cache_dir()})" if HF_ID.match(spec.source) else "this machine"
+    where = (f"the local Hugging Face cache ({modelfiles.hf_cache_dir()})" if modelfiles.HF_ID.match(spec.source)
+             else "this machine")
     raise ModelError(f"model not found in {where}; deploykit never downloads", path="model.source",
                      value=spec.source,
                      hint="point model.source at a local directory with config.json or a .gguf file, download it "
@@ -176,8 +129,8 @@ def shape(spec: ModelSpec) -> ModelShape:
 
 
 def _from_local(source: str, path: Path) -> ModelShape:
-    cfg = read_config(path)
-    if path.is_file():
+    cfg = modelfiles.read_config(path)
+    if modelfiles.is_gguf(path):
         header = gguf.read(path)
         params, counted = modelconfig.parameters_in(header), "gguf"
         tensors = tuple((t.type_name, t.shape) for t in header.tensors if t.name != "rope_freqs.weight")

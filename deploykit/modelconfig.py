@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import gguf
-from .errors import ModelError
+from .errors import DeploykitError, ModelError
 
 # GGUF general.architecture -> the Hugging Face class whose weights and forward pass it carries.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -59,6 +59,22 @@ class ModelConfig:
 def kv_elements_per_token(layers: int, kv_heads: int, head_dim: int) -> int:
     """K and V, every layer: [layers, 2, kv_heads, head_dim] elements of cache per token."""
     return layers * 2 * kv_heads * head_dim
+
+
+def context_length(stated: int | None, requested: int | None, *, field: str = "max_model_len",
+                   error: type[DeploykitError] = ModelError) -> int:
+    """The context length a model runs with: `requested` (max_model_len) when given, else what the checkpoint
+    states (max_position_embeddings); never longer than the checkpoint states. The planner and the engine both apply
+    it; `field` and `error` say how the caller names the setting and which error family it raises."""
+    if requested is None:
+        if stated is None:
+            raise error("the model does not state its context length (max_position_embeddings)", path=field,
+                        hint=f"set {field}")
+        return stated
+    if stated is not None and requested > stated:
+        raise error(f"longer than the model's context length (max_position_embeddings={stated})", path=field,
+                    value=requested, allowed=f"1-{stated}", hint=f"use at most {stated}")
+    return requested
 
 
 def read_dir(path: str | Path) -> ModelConfig:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from . import cpulist, isa, layout, memory, placement
+from . import cpulist, isa, layout, memory, modelconfig, modelfiles, placement
 from .errors import PlanError
 from .memory import ModelShape
 from .plan import (BindingPolicy, HardwareSummary, ImagePlan, Layout, ModelPlan, Plan, Replica, SecurityPlan,
@@ -48,7 +48,8 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
         warnings.append("security.seccomp is 'unconfined': the containers run without any syscall filter; "
                         "least-privilege allows NUMA binding and page migration and still blocks mount, ptrace, bpf")
     warnings += _security_notes(spec)
-    max_len = _max_model_len(spec, shape)
+    max_len = modelconfig.context_length(shape.max_position_embeddings, spec.model.max_model_len,
+                                         field="model.max_model_len", error=PlanError)
     cut = layout.cut(spec.placement, topo)
     warnings += cut.notes
     groups = [(g.nodes, g.cpus) for g in cut.groups]
@@ -113,7 +114,7 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
         model=ModelPlan(source=shape.source, path=shape.path, architecture=shape.architecture, dtype=dtype,
                         max_model_len=max_len, num_parameters=shape.num_parameters, weight_bytes=weights,
                         kv_bytes_per_token=per_token,
-                        served_name=sv.served_model_name or memory.served_name(spec.model.source),
+                        served_name=sv.served_model_name or modelfiles.served_name(spec.model.source),
                         sized_from=shape.counted_from, quantization=qz, weight_formats=formats),
         replicas=tuple(replicas),
         serving=ServingPlan(port=sv.port, publish_address=sv.publish_address, max_num_seqs=sv.max_num_seqs,
@@ -198,20 +199,6 @@ def _security_notes(spec: Spec) -> list[str]:
                 "bind its memory to its NUMA node (docker run still confines it with --cpuset-mems; compose and "
                 "Kubernetes without the Memory Manager do not); least-privilege allows them with no capability"]
     return []
-
-
-def _max_model_len(spec: Spec, shape: ModelShape) -> int:
-    limit = shape.max_position_embeddings
-    want = spec.model.max_model_len
-    if want is None:
-        if limit is None:
-            raise PlanError("the model does not state its context length", path="model.max_model_len",
-                            hint="set model.max_model_len")
-        return limit
-    if limit is not None and want > limit:
-        raise PlanError(f"longer than the model's max_position_embeddings ({limit})", path="model.max_model_len",
-                        value=want, allowed=f"1-{limit}", hint=f"use at most {limit}")
-    return want
 
 
 def _mems(spec: Spec, topo: Topology, nodes: tuple[int, ...], label: str) -> tuple[int, ...]:

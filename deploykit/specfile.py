@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from .errors import Problem, SpecError, did_you_mean
-from .memory import HF_ID
+from .modelfiles import HF_ID
 from .spec import Spec
 
 # Discriminator tags pydantic puts into error paths, right after the union field they belong to.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from deploykit import isa, memory, quant
+from deploykit import isa, memory, modelfiles, quant
 from engine.errors import OptionsError
 
 log = logging.getLogger("engine")
@@ -44,7 +44,7 @@ class EngineConfig:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or memory.served_name(self.model)
+        return self.served_model_name or modelfiles.served_name(self.model)
 
 
 def dtype_name(requested: str) -> str:

@@ -6,7 +6,8 @@ import logging
 
 import torch
 
-from deploykit import memory
+from deploykit import memory, modelconfig
+from deploykit.errors import DeploykitError
 from engine.config import EngineConfig, dtype_name, mem_available_bytes
 from engine.errors import ModelLoadError, RequestError
 from engine.grammar import Grammars
@@ -31,9 +32,12 @@ class EngineCore:
         torch.manual_seed(config.seed)
         self.dtype_name = dtype_name(config.dtype)  # "bfloat16" | "float32"
         self.dtype = getattr(torch, self.dtype_name)
-        self.spec = spec = load_config(config.model)
-        self.max_model_len = self._context_len(config)
-        bytes_per_token = memory.kv_bytes_per_token(spec.kv_elements_per_token, self.dtype_name)
+        self.model_config = mc = load_config(config.model)
+        try:
+            self.max_model_len = modelconfig.context_length(mc.max_position_embeddings, config.max_model_len)
+        except DeploykitError as e:  # the shared rule's error, re-raised in the engine's family
+            raise ModelLoadError(f"{mc.source}: {e}") from None
+        bytes_per_token = memory.kv_bytes_per_token(mc.kv_elements_per_token, self.dtype_name)
         budget = config.kv_cache_bytes or memory.auto_kv_cache_bytes(
             bytes_per_token, self.max_model_len, config.max_num_seqs, mem_available_bytes() // DEFAULT_KV_SHARE,
             at_least_one_sequence=False)
@@ -45,42 +49,30 @@ class EngineCore:
             log.warning("KV cache holds %d tokens, less than max_model_len %d; lowering max_model_len",
                         num_blocks * config.block_size, self.max_model_len)
             self.max_model_len = num_blocks * config.block_size
-        self.model = build_model(spec, self.dtype, self.max_model_len, config.quantization)
-        kv = KVCache(spec.num_layers, num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
-                     self.dtype) if is_native(spec) else None
+        self.model = build_model(mc, self.dtype, self.max_model_len, config.quantization)
+        kv = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
+                     self.dtype) if is_native(mc) else None
         # Prefix caching shares blocks of the paged pool; the transformers fallback keeps its own caches.
-        self.allocator = BlockAllocator(num_blocks, config.block_size, config.prefix_caching and is_native(spec))
+        self.allocator = BlockAllocator(num_blocks, config.block_size, config.prefix_caching and is_native(mc))
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, kv, config.block_size)
         self.sampler = Sampler()
-        self.eos_token_ids = spec.eos_token_ids
-        self.grammars = Grammars(config.model, spec.vocab_size, spec.eos_token_ids)  # built on first use
+        self.eos_token_ids = mc.eos_token_ids
+        self.grammars = Grammars(config.model, mc.vocab_size, mc.eos_token_ids)  # built on first use
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
         log.info("engine core: %s (%s, %s), max_model_len=%d, KV cache %d blocks x %d tokens (%.1f MiB), prefix "
-                 "caching %s", spec.architecture, "native" if is_native(spec) else "transformers", self.dtype_name,
+                 "caching %s", mc.architecture, "native" if is_native(mc) else "transformers", self.dtype_name,
                  self.max_model_len, num_blocks, config.block_size, num_blocks * config.block_size
                  * bytes_per_token / 2**20, "on" if self.allocator.prefix_caching else "off")
         _log_kernels(self.dtype, getattr(self.model, "step_weights", None) is not None)
 
-    def _context_len(self, config: EngineConfig) -> int:
-        limit = self.spec.max_position_embeddings
-        if limit is None:
-            if config.max_model_len is None:
-                raise ModelLoadError(f"{self.spec.source}: the model does not state its context length "
-                                     "(max_position_embeddings); set max_model_len")
-            return config.max_model_len
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ModelLoadError(f"max_model_len={config.max_model_len} exceeds the model's "
-                                 f"max_position_embeddings={limit} ({self.spec.source}); lower max_model_len")
-        return config.max_model_len or limit
-
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        vocab = self.spec.vocab_size
+        vocab = self.model_config.vocab_size
         max_tokens = check_prompt(prompt_token_ids, params.max_tokens, vocab_size=vocab,
                                   max_model_len=self.max_model_len)
         n = len(prompt_token_ids)

@@ -8,35 +8,25 @@ import os
 import torch
 from safetensors import safe_open
 
-from deploykit import memory
+from deploykit import modelfiles
 from deploykit.errors import DeploykitError
 from deploykit.modelconfig import ModelConfig
 from engine.errors import ModelLoadError
 
-__all__ = ["CheckpointReader", "ModelConfig", "is_gguf", "load_config", "open_checkpoint"]
-
-
-def is_gguf(model: str) -> bool:
-    return os.path.isfile(model) and model.endswith(".gguf")
+__all__ = ["CheckpointReader", "ModelConfig", "load_config", "open_checkpoint"]
 
 
 def load_config(model: str) -> ModelConfig:
     """The model's configuration: config.json of a Hugging Face directory, or a .gguf file's header."""
-    if not os.path.exists(model):
-        raise ModelLoadError(f"model {model!r} does not exist; pass a local Hugging Face model directory or a .gguf "
-                             "file (create a test one with `python -m engine tiny-model DIR`)")
-    if os.path.isfile(model) and not model.endswith(".gguf"):
-        raise ModelLoadError(f"{model} is a file but not a .gguf file; pass a Hugging Face model directory or a "
-                             ".gguf file")
     try:
-        return memory.read_config(model)
+        return modelfiles.read_config(model)
     except DeploykitError as e:  # the shared reader's error, re-raised in the engine's family
         raise ModelLoadError(str(e)) from None
 
 
 def open_checkpoint(config: ModelConfig):
     """Named tensors (Hugging Face names) of the model `config` was read from."""
-    if is_gguf(config.source):
+    if modelfiles.is_gguf(config.source):
         from engine.gguf_weights import GGUFCheckpoint
         return GGUFCheckpoint(config)
     return CheckpointReader(config.source)

@@ -14,7 +14,7 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.block_size = block_size
-        self.window = (model.spec.sliding_window or 0) if model.native else 0  # 0: no sliding-window layers
+        self.window = (model.config.sliding_window or 0) if model.native else 0  # 0: no sliding-window layers
 
     def release(self, seq: Sequence) -> None:
         if not self.model.native:

@@ -18,15 +18,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from deploykit import modelfiles
 from engine.errors import ModelLoadError
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def load(model: str):
     """The tokenizer of a Hugging Face model directory or a .gguf file. PreTrainedTokenizerFast does not import
     torch (AutoTokenizer may); the fallback serves directories without tokenizer.json."""
-    directory = gguf_tokenizer_dir(model) if model.endswith(".gguf") and os.path.isfile(model) else model
+    directory = gguf_tokenizer_dir(model) if modelfiles.is_gguf(model) else model
     try:
         from transformers import PreTrainedTokenizerFast
         if os.path.isfile(os.path.join(directory, "tokenizer.json")):
@@ -36,15 +35,6 @@ def load(model: str):
     except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, JSON and tokenizers errors
         raise ModelLoadError(f"cannot load a tokenizer from {model} (expected tokenizer.json / tokenizer_config.json "
                              f"saved with save_pretrained): {type(e).__name__}: {e}") from None
-
-
-def missing(model: str) -> str | None:
-    """What a servable model lacks for its tokenizer, or None (a .gguf file always carries one)."""
-    if os.path.isfile(model):
-        return None
-    if os.path.isdir(model) and not set(os.listdir(model)) & set(TOKENIZER_FILES):
-        return "a tokenizer (tokenizer.json)"
-    return None
 
 
 # ---- GGUF ----

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import json
 import os
 from pathlib import Path
 
@@ -313,24 +312,6 @@ def test_helm_test_check_reads_the_report_as_the_engine_writes_it():
     """The check parses /debug/binding with deploykit's own type: the JSON form reads back to the same report."""
     report = engine_report(["8", "9", "10"], "11,203")
     assert BindingReport.from_dict(BindingReport(report, FrontendReport(1, (11, 203))).to_dict()).engine == report
-
-
-def test_chart_defaults_file_documents_every_key():
-    """Every key in values.yaml has a comment above it or on a parent, and the schema knows every key."""
-    schema = json.loads((CHART / "values.schema.json").read_text())
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-
-    def walk(v: dict, s: dict, path: str) -> None:
-        for key, sub in v.items():
-            assert key in s["properties"], f"{path}{key} missing from values.schema.json"
-            node = s["properties"][key]
-            if isinstance(sub, dict) and node.get("type") == "object" and "properties" in node:
-                walk(sub, node, f"{path}{key}.")
-    walk(values, schema, "")
-    text = (CHART / "values.yaml").read_text().splitlines()
-    top = [i for i, line in enumerate(text) if line and not line.startswith((" ", "#"))]
-    assert all(text[i - 1].lstrip().startswith("#") or text[i + 1].lstrip().startswith("#") or
-               text[i + 1].lstrip().startswith(("-", "enabled")) or ":" in text[i] for i in top)
 
 
 def test_a_slot_can_leave_the_kubelet_nothing_so_its_pod_requests_whole_l3_groups():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from deploykit import memory
+from deploykit import memory, modelfiles
 from deploykit.errors import ModelError
 from deploykit.spec import ModelSpec
 
@@ -64,9 +64,9 @@ def test_hf_cache_snapshot_is_found_offline(tmp_path, monkeypatch):
     (snap / "config.json").write_text(json.dumps(CONFIG))
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("a" * 40)
-    assert memory.locate("acme/tiny") == snap
-    assert memory.locate("acme/tiny", revision="a" * 40) == snap
-    assert memory.locate("acme/tiny", revision="v2") is None
+    assert modelfiles.locate("acme/tiny") == snap
+    assert modelfiles.locate("acme/tiny", revision="a" * 40) == snap
+    assert modelfiles.locate("acme/tiny", revision="v2") is None
     assert memory.shape(ModelSpec(source="acme/tiny")).path == str(snap)
 
 
@@ -109,7 +109,7 @@ def test_a_gguf_file_is_sized_from_its_header_by_the_bytes_the_engine_will_hold(
     assert s.num_parameters == 2 * per_layer + 2 * c["vocab_size"] * 64 + 64  # the config.json formula agrees
     assert s.weight_bytes("bfloat16") == 2 * s.num_parameters < path.stat().st_size * 2
     assert (s.num_hidden_layers, s.num_key_value_heads, s.head_dim, s.max_position_embeddings) == (2, 2, 16, 2048)
-    assert memory.served_name(str(path)) == "m"
+    assert modelfiles.served_name(str(path)) == "m"
 
 
 def test_gguf_problems_are_model_errors_naming_the_file(tmp_path):
@@ -146,8 +146,8 @@ def test_malformed_gguf_and_config_values_are_model_errors(tmp_path):
 
 
 def test_served_names(tmp_path, monkeypatch):
-    assert memory.served_name("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"
-    assert memory.served_name("/models/qwen/") == "qwen" and memory.served_name("/m/x.Q4_1.gguf") == "x.Q4_1"
+    assert modelfiles.served_name("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"
+    assert modelfiles.served_name("/models/qwen/") == "qwen" and modelfiles.served_name("/m/x.Q4_1.gguf") == "x.Q4_1"
     (tmp_path / "models" / "qwen").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
-    assert memory.served_name("models/qwen") == "qwen"  # a local directory, though it looks like a hub id
+    assert modelfiles.served_name("models/qwen") == "qwen"  # a local directory, though it looks like a hub id

@@ -10,16 +10,16 @@ from engine.models.llama import ARCHITECTURES, LlamaModel
 __all__ = ["build_model", "is_native", "LlamaModel", "HFCausalLM"]
 
 
-def is_native(spec: ModelConfig) -> bool:
-    return spec.architecture in ARCHITECTURES
+def is_native(config: ModelConfig) -> bool:
+    return config.architecture in ARCHITECTURES
 
 
-def build_model(spec: ModelConfig, dtype: torch.dtype, max_len: int,
+def build_model(config: ModelConfig, dtype: torch.dtype, max_len: int,
                 quantization: str = "none") -> LlamaModel | HFCausalLM:
-    if is_native(spec):
-        reader = open_checkpoint(spec)
+    if is_native(config):
+        reader = open_checkpoint(config)
         try:
-            return LlamaModel(spec, reader, dtype, max_len, quantization)
+            return LlamaModel(config, reader, dtype, max_len, quantization)
         finally:
             reader.close()
-    return HFCausalLM(spec, dtype)
+    return HFCausalLM(config, dtype)

@@ -20,18 +20,18 @@ class HFCausalLM:
     """
     native = False
 
-    def __init__(self, spec: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         log.info("architecture %s has no native implementation; running it through transformers "
-                 "(slower: no batching across sequences)", spec.architecture or spec.model_type)
+                 "(slower: no batching across sequences)", config.architecture or config.model_type)
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(spec.source, dtype=dtype).eval()
+            self.model = AutoModelForCausalLM.from_pretrained(config.source, dtype=dtype).eval()
         except (OSError, ValueError, KeyError) as e:
-            raise ModelLoadError(f"transformers cannot load {spec.source}: {e}") from e
-        self.spec = spec
+            raise ModelLoadError(f"transformers cannot load {config.source}: {e}") from e
+        self.config = config
         self._caches: dict[str, tuple[object, int]] = {}   # request_id -> (cache, tokens it holds)
 
     @torch.inference_mode()
@@ -49,7 +49,7 @@ class HFCausalLM:
             if seq.num_computed_tokens + n == seq.num_tokens:
                 sampled.append(seq)
                 rows.append(out.logits[0, -1])
-        logits = torch.stack(rows).float() if rows else torch.empty(0, self.spec.vocab_size)
+        logits = torch.stack(rows).float() if rows else torch.empty(0, self.config.vocab_size)
         return sampled, logits
 
     def release(self, seq: Sequence) -> None:

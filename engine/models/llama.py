@@ -37,22 +37,23 @@ class LlamaModel:
     """Plain tensors + functional ops; no nn.Module, so each layer is a short, fixed list of kernel calls."""
     native = True
 
-    def __init__(self, spec: ModelConfig, reader, dtype: torch.dtype, max_len: int, quantization: str = "none"):
-        if spec.hidden_act not in ACTIVATIONS:
-            raise ModelLoadError(f"{spec.source}: hidden_act {spec.hidden_act!r} is not supported "
+    def __init__(self, config: ModelConfig, reader, dtype: torch.dtype, max_len: int, quantization: str = "none"):
+        if config.hidden_act not in ACTIVATIONS:
+            raise ModelLoadError(f"{config.source}: hidden_act {config.hidden_act!r} is not supported "
                                  f"(supported: {', '.join(ACTIVATIONS)})")
-        if spec.head_dim % 2:
-            raise ModelLoadError(f"{spec.source}: head_dim {spec.head_dim} must be even for rotary")
-        self.spec = spec
+        if config.head_dim % 2:
+            raise ModelLoadError(f"{config.source}: head_dim {config.head_dim} must be even for rotary")
+        self.config = config
         self.dtype = dtype
-        self.act = ACTIVATIONS[spec.hidden_act]
-        self.act_fused = spec.hidden_act in ("silu", "swish")
-        self.scale = spec.head_dim ** -0.5
+        self.act = ACTIVATIONS[config.hidden_act]
+        self.act_fused = config.hidden_act in ("silu", "swish")
+        self.scale = config.head_dim ** -0.5
         # Per layer: 0 = full causal attention, W = only the last W tokens (Mistral's sliding window).
-        self.windows = [spec.sliding_window if i in spec.sliding_layers else 0 for i in range(spec.num_layers)]
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_len, dtype, spec.rope_freq_factors)
+        self.windows = [config.sliding_window if i in config.sliding_layers else 0 for i in range(config.num_layers)]
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling, max_len, dtype,
+                             config.rope_freq_factors)
         held = quant.Loader(reader, dtype, quantization)
         self._load(reader, held)
         self.weight_paths = held.paths.summary()  # {type in the file: {path: tensors}}, for /debug/binding
@@ -61,7 +62,7 @@ class LlamaModel:
         self.step_weights = self._step_weights()  # None: small decode steps take the per-op path as well
 
     def _load(self, r, held: quant.Loader) -> None:
-        s, dt = self.spec, self.dtype
+        s, dt = self.config, self.dtype
         used: set[str] = set()
 
         def get(name: str) -> torch.Tensor:
@@ -141,7 +142,7 @@ class LlamaModel:
     def _step_weights(self) -> list[torch.Tensor | None] | None:
         """kernels.decode_step_'s flat weight list, or None where it cannot run: no native kernels or not bf16,
         an activation other than SiLU, a head size the attention kernel lacks, weights the kernels did not pack."""
-        s = self.spec
+        s = self.config
         probe = torch.empty(1, s.num_heads, s.head_dim, dtype=self.dtype)
         if not (self.act_fused and kernels.decode_step_supported(probe, s.intermediate_size)):
             return None
@@ -157,7 +158,7 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: KVCache) -> torch.Tensor:
         """input_ids, positions [N] (all sequences flattened) -> final hidden states [N, H] (pre-norm)."""
-        s = self.spec
+        s = self.config
         n = input_ids.shape[0]
         nh, nkv, hd = s.num_heads, s.num_kv_heads, s.head_dim
         h = embed_rows(self.embed if self.embed is not None else self.lm_head, input_ids, self.dtype)  # [N, H]

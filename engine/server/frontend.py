@@ -202,6 +202,7 @@ class Frontend:
                arrival: float | None = None) -> Generation:
         """Send prompts[i] once per entry of params[i]; choice index = position in that flattened order.
         `arrival`: time.monotonic() when the HTTP request came in (default now)."""
+        self.admit(sum(map(len, params)))  # still room after the (possibly off-loop) template and tokenizing
         self.check_available()  # the engine may have died while this request was being tokenized
         gen = Generation(self, request_id, [len(p) for p in prompts], arrival)
         if not self._choices:  # the engine was idle: its silence until now was not a stall

@@ -16,7 +16,7 @@ import os
 import signal
 import socket
 
-from deploykit import cpulist
+from deploykit import cpulist, modelfiles
 from deploykit.errors import DeploykitError
 from engine import tokenizer as tokenizers
 from engine.errors import EXIT_STARTUP, EXIT_USAGE, EngineError, ModelLoadError, exit_code
@@ -27,23 +27,6 @@ __all__ = ["ServeOptions", "add_arguments", "main", "options", "options_from_arg
 log = logging.getLogger("engine.server")
 EXIT_OK, EXIT_ENGINE_DIED = 0, 1
 DEATH_LINGER = 1.0  # seconds /health answers 503 after the engine died, so probes record it, before exiting
-
-
-def missing_model_files(model: str) -> str | None:
-    """What a servable model (Hugging Face directory or .gguf file) lacks, or None."""
-    if os.path.isfile(model):
-        return None if model.endswith(".gguf") else f"{model} is a file but not a .gguf file"
-    if not os.path.isdir(model):
-        return f"model {model} does not exist (a local Hugging Face model directory or .gguf file is required)"
-    names = set(os.listdir(model))
-    lacks = []
-    if "config.json" not in names:
-        lacks.append("config.json")
-    if not any(n.endswith((".safetensors", ".bin")) for n in names):
-        lacks.append("weights (*.safetensors)")
-    if tokenizers.missing(model):
-        lacks.append(tokenizers.missing(model))
-    return f"model directory {model} lacks {', '.join(lacks)}" if lacks else None
 
 
 def resolve_binding(o: ServeOptions):
@@ -63,7 +46,7 @@ def _listen(host: str, port: int) -> socket.socket:
 def serve(o: ServeOptions) -> int:
     """Run the server until SIGTERM/SIGINT (exit 0 after draining) or engine death (exit 1)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    problem = missing_model_files(o.model)
+    problem = modelfiles.missing(o.model)
     if problem:
         log.error("%s", problem)
         return EXIT_STARTUP

@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from deploykit import cpulist, memory, placement, quant
+from deploykit import cpulist, memory, modelfiles, placement, quant
 from deploykit.errors import DeploykitError
 from deploykit.plan import Plan
 from deploykit.units import parse_size
@@ -52,7 +52,7 @@ class ServeOptions:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or memory.served_name(self.model)
+        return self.served_model_name or modelfiles.served_name(self.model)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,

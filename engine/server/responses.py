@@ -7,7 +7,6 @@ are 400s telling the client to send the whole conversation, and GET /v1/response
 """
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Literal
@@ -18,11 +17,11 @@ from starlette.responses import Response
 
 from engine.errors import RequestError
 from engine.params import SamplingParams
-from engine.server import chat, fields
+from engine.server import chat
 from engine.server import protocol as p
 from engine.server.errors import APIError, bad_request, from_request_error
 from engine.server.frontend import Frontend
-from engine.server.serving import EventStream, arguments_object, collect, dumps, usage_of
+from engine.server.serving import EventStream, arguments_object, collect, dumps, received, usage_of
 from engine.server.templates import Message
 from engine.server.tools import Function, ToolCall
 
@@ -247,10 +246,7 @@ def _call_item(c, status: str, arguments: str | None = None) -> dict:
 
 
 async def create_response(fe: Frontend, req: ResponsesRequest, request: Request) -> Response:
-    arrival = time.monotonic()
-    fe.check_available()
-    fe.check_model(req.model)
-    fields.check(req, "responses")
+    arrival = received(fe, req, "responses")
     t = turn(req)
 
     def params(g: str | None) -> SamplingParams:
@@ -267,9 +263,8 @@ async def create_response(fe: Frontend, req: ResponsesRequest, request: Request)
     sp = params(prep.grammar)
     ids = await fe.encode(prep.prompt, add_special_tokens=False)
     fe.check_prompt(ids, req.max_output_tokens, "input")
-    fe.admit(1)
     rid = _id("resp")
-    gen = fe.submit(rid, [ids], [[sp]], arrival)
+    gen = fe.submit(rid, [ids], [[sp]], arrival)  # admits again, after the template and tokenizing
     shape = Shape(req, rid, fe.model_name, gen.created)
     out = prep.output()
     if req.stream:

@@ -163,11 +163,20 @@ def _completion_logprobs(fe: Frontend, lps, offset: int) -> dict:
             "text_offset": offsets}
 
 
-async def create_completion(fe: Frontend, req: p.CompletionRequest, request: Request) -> Response:
+def received(fe: Frontend, req, endpoint: str) -> float:
+    """What every generation endpoint checks first, before any work: 503 unless the engine is ready, 404 for another
+    model, the fields `endpoint` ignores or rejects. Returns when the request came in (time.monotonic()).
+    Admission (429 for a full queue) follows once the request's size is known (Frontend.admit), and again in
+    Frontend.submit, after the tokenizing."""
     arrival = time.monotonic()
     fe.check_available()
     fe.check_model(req.model)
-    fields.check(req, "completions")
+    fields.check(req, endpoint)
+    return arrival
+
+
+async def create_completion(fe: Frontend, req: p.CompletionRequest, request: Request) -> Response:
+    arrival = received(fe, req, "completions")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of different from n is not supported", "best_of")
     if req.echo and req.logprobs is not None:
@@ -181,9 +190,8 @@ async def create_completion(fe: Frontend, req: p.CompletionRequest, request: Req
     prompts = await _prompts(fe, req.prompt)
     for ids in prompts:
         fe.check_prompt(ids, req.max_tokens, "prompt")
-    fe.admit(count)  # still room after the (possibly off-loop) tokenizing
     rid, model = f"cmpl-{uuid.uuid4().hex}", fe.model_name
-    gen = fe.submit(rid, prompts, [params] * len(prompts), arrival)
+    gen = fe.submit(rid, prompts, [params] * len(prompts), arrival)  # admits again, after the tokenizing
     if req.echo:  # each prompt decoded once, not once per choice
         texts = await fe.decode_many(prompts)
         echo = [texts[i // req.n] for i in range(len(gen.choices))]
@@ -290,10 +298,7 @@ def chat_turn(req: p.ChatCompletionRequest) -> chat.ChatTurn:
 
 
 async def create_chat_completion(fe: Frontend, req: p.ChatCompletionRequest, request: Request) -> Response:
-    arrival = time.monotonic()
-    fe.check_available()
-    fe.check_model(req.model)
-    fields.check(req, "chat")
+    arrival = received(fe, req, "chat")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
     max_tokens = req.max_completion_tokens or req.max_tokens
@@ -306,9 +311,8 @@ async def create_chat_completion(fe: Frontend, req: p.ChatCompletionRequest, req
     fe.check_token_ids(params[0])
     ids = await fe.encode(prep.prompt, add_special_tokens=False)
     fe.check_prompt(ids, max_tokens, "messages")
-    fe.admit(req.n)
     rid, model = f"chatcmpl-{uuid.uuid4().hex}", fe.model_name
-    gen = fe.submit(rid, [ids], [params], arrival)
+    gen = fe.submit(rid, [ids], [params], arrival)  # admits again, after the template and tokenizing
     outs = [prep.output() for _ in gen.choices]
 
     if req.stream:

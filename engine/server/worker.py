@@ -166,7 +166,7 @@ def child_main(fd: int) -> int:
         return EXIT_STARTUP
     loop = _Loop(core, conn, report)
     threading.Thread(target=loop.receive, args=(pin,), name="ipc-recv", daemon=True).start()
-    conn.send(Ready(pid=os.getpid(), max_model_len=core.max_model_len, vocab_size=core.spec.vocab_size,
+    conn.send(Ready(pid=os.getpid(), max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
                     eos_token_ids=tuple(core.eos_token_ids)))
     try:
         loop.run()

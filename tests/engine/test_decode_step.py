@@ -91,7 +91,7 @@ def test_fused_step_is_used_only_where_it_applies(tiny_model, caplog):
                                    dtype="bfloat16"))
     assert gelu.model.step_weights is None  # the kernel fuses SiLU only
     bf16 = EngineCore(EngineConfig(tiny_model("qwen3", **SHAPE), dtype="bfloat16"))
-    assert len(bf16.model.step_weights) == 11 * bf16.model.spec.num_layers
+    assert len(bf16.model.step_weights) == 11 * bf16.model.config.num_layers
     assert "decode steps of up to 4 sequences run as one fused native call" in caplog.text  # said at start-up
     kw = dict(CASES["llama-all-biases-18-blocks"])
     biased = EngineCore(EngineConfig(tiny_model(kw.pop("arch"), **kw), dtype="bfloat16")).model.step_weights
@@ -100,7 +100,7 @@ def test_fused_step_is_used_only_where_it_applies(tiny_model, caplog):
 
 def test_fused_step_rejects_indices_outside_the_cache_and_tables(tiny_model):
     core = EngineCore(EngineConfig(tiny_model("llama", **SHAPE), dtype="bfloat16", block_size=8, max_model_len=64))
-    m, s = core.model, core.model.spec
+    m, s = core.model, core.model.config
     blocks = core.runner.kv.layers[0].shape[0]
 
     def call(position=0, table=(0,), length=1, slot=0, rows=1):

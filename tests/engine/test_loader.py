@@ -35,6 +35,30 @@ def test_missing_directory_and_config(tmp_path):
         EngineCore(EngineConfig(str(tmp_path)))
 
 
+def test_the_engine_treats_a_directory_a_gguf_and_another_file_as_deploykit_does(tiny_model, tmp_path, caplog):
+    """deploykit.modelfiles.kind decides for the loader, the tokenizer and the server's start-up check alike."""
+    from engine import tokenizer
+    from engine.loader import CheckpointReader, load_config, open_checkpoint
+    from engine.server.launch import serve
+    from engine.server.options import ServeOptions
+    from tests.render.cases import write_tiny_gguf
+
+    d = tiny_model("llama")
+    reader = open_checkpoint(load_config(d))  # a directory: safetensors, its own tokenizer files
+    assert isinstance(reader, CheckpointReader)
+    reader.close()
+    assert tokenizer.load(d).vocab_size > 0
+    gguf_file = str(write_tiny_gguf(tmp_path / "tiny.gguf"))  # a .gguf: its header
+    assert load_config(gguf_file).model_type == "qwen2"
+    other = tmp_path / "model.safetensors"  # a single file that is not a .gguf: refused before anything starts
+    shutil.copy(os.path.join(d, "model.safetensors"), other)
+    with pytest.raises(ModelLoadError, match="is a file but not a .gguf file"):
+        load_config(str(other))
+    with caplog.at_level(logging.ERROR, logger="engine.server"):
+        assert serve(ServeOptions(str(other), port=0)) == 3
+    assert "is a file but not a .gguf file" in caplog.text
+
+
 def test_missing_weights(tiny_model, tmp_path):
     d = _copy(tiny_model("llama"), tmp_path / "m")
     os.remove(os.path.join(d, "model.safetensors"))

@@ -20,7 +20,7 @@ def test_rss_is_stable_over_1000_short_requests(tiny_model, dtype):
     core = EngineCore(EngineConfig(tiny_model("qwen2", hidden=128, heads=4, intermediate=256), dtype=dtype,
                                    max_model_len=128, max_num_seqs=16, kv_cache_bytes=8 << 20))
     rng = random.Random(0)
-    vocab = core.spec.vocab_size
+    vocab = core.model_config.vocab_size
 
     def run(first: int, count: int) -> None:
         for i in range(first, first + count):

@@ -62,7 +62,7 @@ def test_sliding_window_with_chunked_prefill_matches_transformers(tiny_model, hf
     model_dir = tiny_model(kwargs.pop("arch"), **kwargs)
     expected = hf_greedy(model_dir, prompts, 24)
     core = EngineCore(EngineConfig(model_dir, dtype="float32", max_num_batched_tokens=5))
-    assert core.spec.sliding_window == 12 and len(core.spec.sliding_layers) == core.spec.num_layers
+    assert core.model_config.sliding_window == 12 and len(core.model_config.sliding_layers) == core.model_config.num_layers
     got = run_core(core, _greedy_requests(prompts, 24))
     assert [got[f"r{i}"] for i in range(len(prompts))] == expected
 
