@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import cgroups, procfs
+from . import cgroups, cpulist, procfs
 from . import isa as _isa
 from .errors import TopologyError
 from .procfs import Reader
