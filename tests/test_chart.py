@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import yaml
