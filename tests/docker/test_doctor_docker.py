@@ -14,7 +14,6 @@ import json
 import subprocess
 import sys
 import tarfile
-import time
 import uuid
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from deploykit.runtime import build
 
 from tests.docker import render_image
 from tests.docker.conftest import TEST_LABEL
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.docker
 
@@ -117,8 +117,12 @@ def broken_container(docker, base_image):
                           base_image, "sh", "-c", "while :; do :; done & while :; do :; done"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    time.sleep(1)
+
+    def busy() -> bool:  # the shell and its two loops
+        top = subprocess.run(["docker", "top", name, "-o", "pid"], capture_output=True, text=True, timeout=30)
+        return top.returncode == 0 and len(top.stdout.split()) - 1 >= 3
     try:
+        wait_until(busy, timeout=30, interval=0.2, what="the container's two busy loops")
         yield name
     finally:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True, timeout=60)

@@ -31,6 +31,7 @@ from deploykit.plan import Plan
 from deploykit.render.container import containers
 from deploykit.render.image import BUILT_FOR_LABEL
 from tests.runtime.helpers import ROOT, Load, corrupt_copy, deploykit, free_port, nothing_listens, spec_file
+from tests.waiting import wait_until
 
 try:
     from . import render_image
@@ -209,14 +210,18 @@ def test_logs(deployed):
     assert r.returncode == 0 and "POST /v1/chat/completions" in r.stdout, r.stdout[-2000:]
     follow = subprocess.Popen([sys.executable, "-m", "deploykit.cli", "logs", NAME, "-f", "--tail", "0"], cwd=ROOT,
                               env={**os.environ, **deployed.env}, stdout=subprocess.PIPE, text=True)
-    try:
-        time.sleep(2)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(iter(follow.stdout.readline, "")), daemon=True)
+    reader.start()
+
+    def followed_a_chat() -> bool:  # until `logs -f` is attached, a chat's log line goes unseen: send another
         _chat(deployed.port)
-        time.sleep(2)
+        return any(line.startswith(f"{NAME}-lb | ") and "POST /v1/chat/completions" in line for line in out)
+    try:
+        wait_until(followed_a_chat, timeout=60, interval=0.5, what="`logs -f` to print nginx's line for a chat")
     finally:
         follow.send_signal(signal.SIGINT)
-    out, _ = follow.communicate(timeout=30)
-    assert follow.returncode == 130 and f"{NAME}-lb | " in out and "POST /v1/chat/completions" in out, out
+    assert follow.wait(timeout=30) == 130
 
 
 def test_a_changed_spec_replaces_the_replicas_one_at_a_time_and_keeps_nginx_serving(deployed):
@@ -290,9 +295,7 @@ def builtin_proxy(deployed):
     try:
         c.networks.get(f"{NAME}-internal").connect(ctr)
         ctr.start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not _answers(port):
-            time.sleep(0.5)
+        wait_until(lambda: _answers(port), timeout=60, interval=0.5, what="the built-in proxy container to answer")
         yield port
     finally:
         ctr.remove(force=True)
