@@ -110,10 +110,14 @@ def docker() -> Iterator[Docker]:
 
 
 def _stage_images() -> set[str]:
-    """Ids of the untagged images that deploykit's Dockerfile labels (its intermediate build stages)."""
-    done = subprocess.run(["docker", "image", "ls", "-q", "--no-trunc", "--filter", "dangling=true",
-                           "--filter", f"label={BUILT_FOR_LABEL}"], capture_output=True, text=True, timeout=120)
-    return set(done.stdout.split())
+    """Ids of the untagged images deploykit's builds leave: the intermediate stages its Dockerfile labels, and test
+    images whose tag moved on to a newer build."""
+    ids: set[str] = set()
+    for label in (BUILT_FOR_LABEL, TEST_LABEL):
+        done = subprocess.run(["docker", "image", "ls", "-q", "--no-trunc", "--filter", "dangling=true",
+                               "--filter", f"label={label}"], capture_output=True, text=True, timeout=120)
+        ids.update(done.stdout.split())
+    return ids
 
 
 @pytest.fixture(scope="session")
