@@ -19,9 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import topology
-from ..errors import PlanError, RuntimeFailure
+from ..errors import RuntimeFailure
 from ..render.container import INTERNAL, INTERNAL_OPTIONS, network_name
 from . import Change, Observed, Ready, Say, atomic, build, health, preflight
+from .docker_errors import daemon_is_local, not_running, refused
 from .deployment import Deployment, Member, url
 
 LABEL = "deploykit.deployment"
@@ -37,8 +38,6 @@ PROBE = ("import http.client, os, sys\n"
          "c.request('GET', sys.argv[2], headers={'Authorization': 'Bearer ' + key} if key else {})\n"
          "r = c.getresponse()\n"
          "sys.stdout.buffer.write(b'%d\\n' % r.status + r.read())\n")
-START_HINT = ("start it: sudo systemctl start docker (without systemd: sudo service docker start; Docker Desktop: "
-              "open it), or run without Docker: --runtime local")
 
 
 class DockerRuntime:
@@ -60,7 +59,7 @@ class DockerRuntime:
             client = docker.from_env(timeout=API_TIMEOUT)
             version = client.version().get("Version", "?")
         except docker.errors.DockerException as e:
-            raise _not_running(host, e) from None
+            raise not_running(host, e) from None
         return cls(client, f"Docker {version} at {host}")
 
     # --- up ----------------------------------------------------------------------------------------------------
@@ -239,7 +238,7 @@ class DockerRuntime:
     # --- helpers ------------------------------------------------------------------------------------------------
 
     def _preflight(self, d: Deployment) -> None:
-        if not _daemon_is_local():
+        if not daemon_is_local():
             raise RuntimeFailure("the Docker daemon is not on this host; deploykit up mounts the model and plan from "
                                  "this host's files", path="DOCKER_HOST", value=os.environ.get("DOCKER_HOST"),
                                  hint="run deploykit up on the Docker host itself (render there with --sysroot if "
@@ -330,7 +329,7 @@ class DockerRuntime:
                 api.connect_container_to_network(made["Id"], net, aliases=[m.name])
             api.start(made["Id"])
         except docker.errors.APIError as e:
-            raise _refused(d, m, e) from None
+            raise refused(d, m, e) from None
         return made["Id"]
 
     def _reload(self, lb: str, say: Say) -> None:
@@ -386,45 +385,6 @@ def _bindings(ctr) -> list[dict]:
 def _placement(m: Member) -> str:
     c = m.container
     return f"CPUs {c.cpuset}, memory nodes {c.mems}" if c.mems else f"CPUs {c.cpuset or 'any'}"
-
-
-def _daemon_is_local() -> bool:
-    host = os.environ.get("DOCKER_HOST", "")
-    if not host or host.startswith("unix://"):
-        return True
-    rest = host.split("://", 1)[-1]
-    return rest.startswith(("localhost", "127.0.0.1", "[::1]")) and not host.startswith("ssh://")
-
-
-def _not_running(host: str, e: Exception) -> RuntimeFailure:
-    text = str(e)
-    if "Permission denied" in text or "PermissionError" in text:
-        return RuntimeFailure(f"Docker refused this user at {host} (permission denied)", value=text[:200],
-                              hint="add yourself to the docker group: sudo usermod -aG docker $USER (then log in "
-                                   "again), or run as root; or run without Docker: --runtime local")
-    if host.startswith("unix://") and not os.path.exists(host.removeprefix("unix://")):
-        return RuntimeFailure(f"Docker is not running (no socket at {host.removeprefix('unix://')})",
-                              value=text[:200], hint=START_HINT)
-    if os.environ.get("DOCKER_HOST"):
-        return RuntimeFailure(f"Docker is not answering at DOCKER_HOST={host}", value=text[:200],
-                              hint="start the daemon there or unset DOCKER_HOST; or run without Docker: "
-                                   "--runtime local")
-    return RuntimeFailure(f"Docker is not answering at {host}", value=text[:200], hint=START_HINT)
-
-
-def _refused(d: Deployment, m: Member, e) -> RuntimeFailure:
-    """The daemon's refusal in the spec's terms: ports and cpusets are the usual ones."""
-    text = str(getattr(e, "explanation", None) or e)
-    if "port is already allocated" in text or "address already in use" in text:
-        return RuntimeFailure(f"{m.name}: port {m.port} is already in use", path="serving.port", value=m.port,
-                              hint="stop what listens there, or change serving.port (replicas use the ports after "
-                                   f"it); Docker said: {text}")
-    if "cpuset" in text.lower() or "Requested CPUs" in text or "memory nodes" in text:
-        return PlanError(f"{m.name}: Docker refused the planned CPUs or memory nodes: {text}", path="placement",
-                         value=f"cpus {m.container.cpuset}, mems {m.container.mems}",
-                         hint="plan for this host (hardware: auto) or change placement.cpus")
-    return RuntimeFailure(f"{m.name}: Docker refused to create or start the container: {text}",
-                          hint="see the message above; `deploykit logs` shows the container's output")
 
 
 def _parallel(fn, items) -> None:
