@@ -76,17 +76,10 @@ class Ours:
         return {"ttft_s": first - t0, "decode_s": time.perf_counter() - first, "tokens": list(out.values())}
 
     def bandwidth(self) -> dict:
-        """Best of 3 streaming reads of 1 GiB and 3 MKL fp32 GEMVs over 512 MiB (both far beyond the L3)."""
-        torch = self.torch
-        if self.probe is None:
-            self.probe = (torch.ones(256 << 20), torch.randn(32768, 4096), torch.randn(1, 4096))
-        stream, w, x = self.probe
-        native = self.kernels.status()["path"] != "fallback" and hasattr(torch.ops.deploykit, "stream_read")
-        read = torch.ops.deploykit.stream_read if native else torch.sum
-        t_read = best_time(lambda: read(stream), 3)
-        t_gemv = best_time(lambda: torch.nn.functional.linear(x, w), 3)
-        return {"stream_read_gbps": stream.nbytes / t_read / 1e9, "fp32_gemv_gbps": w.nbytes / t_gemv / 1e9,
-                "stream_probe": "native avx512 stream_read" if native else "torch.sum (compute-bound, understates)"}
+        """benchmarks/roofline.py's probe: the best of native streaming reads of 1 GiB and an MKL fp32 GEMV."""
+        from benchmarks.roofline import read_bandwidth
+        native = self.kernels.status()["path"] != "fallback"
+        return read_bandwidth(3, native)
 
     def matmul_peak(self) -> dict:
         """Seconds per [512, K] x [K, N] matmul for the model's fused layer shapes, per implementation."""

@@ -35,10 +35,8 @@ DOCUMENT = {"name": "Ada Lovelace", "age": 36, "tags": ["mathematics", "engines"
 
 
 def _cpu() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+    from deploykit.isa import cpu_model
+    return cpu_model() or platform.processor()
 
 
 def sampler_costs(model: str, rows: int, rounds: int) -> dict:

@@ -53,20 +53,11 @@ def rotate(fn, weights: list, x: torch.Tensor):
     return run
 
 
-def roofline(rounds: int) -> dict[str, float]:
-    """Best of a streaming read of 1 GiB and an MKL fp32 GEMV over 512 MiB. The read uses the native AVX-512
-    probe when built: torch's reductions are compute-bound at ~10 GB/s on 2 cores and would understate it."""
-    stream = torch.ones(256 << 20, dtype=torch.float32)  # 1 GiB
-    gemv_w = torch.randn(32768, 4096, dtype=torch.float32)  # 512 MiB
-    gemv_x = torch.randn(1, 4096, dtype=torch.float32)
-    native = kernels.status()["path"] != "fallback"
-    read = torch.ops.deploykit.stream_read if native else torch.sum
-    t = best_round({"stream": lambda: (read(stream), 1)[1], "gemv": lambda: (F.linear(gemv_x, gemv_w), 1)[1]}, rounds)
-    out = {"stream_read_gbps": stream.numel() * 4 / t["stream"] / 1e9,
-           "stream_read_probe": "native avx512" if native else "torch.sum",
-           "fp32_gemv_gbps": gemv_w.numel() * 4 / t["gemv"] / 1e9}
-    out["best_gbps"] = max(out["stream_read_gbps"], out["fp32_gemv_gbps"])
-    return out
+def roofline(rounds: int) -> dict:
+    """benchmarks/roofline.py's probe: the best of native streaming reads of 1 GiB (1-8 streams per thread) and an
+    MKL fp32 GEMV over 512 MiB."""
+    from benchmarks.roofline import read_bandwidth
+    return read_bandwidth(rounds, kernels.status()["path"] != "fallback")
 
 
 def native_kernel_name(m: int, packed: bool) -> str:

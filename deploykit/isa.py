@@ -32,6 +32,22 @@ def flags_in(cpuinfo_text: str) -> frozenset[str]:
     return frozenset()
 
 
+def model_in(cpuinfo_text: str) -> str:
+    """The first CPU's `model name` ("" when absent, e.g. on some ARM kernels)."""
+    for line in cpuinfo_text.splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return ""
+
+
+def cpu_model(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """The first CPU's model name from `cpuinfo` (a path); "" when unreadable."""
+    try:
+        return model_in(Path(cpuinfo).read_text(errors="replace"))
+    except OSError:
+        return ""
+
+
 def tier(flags: frozenset[str] | set[str] | tuple[str, ...]) -> str:
     f = set(flags)
     if {"amx_tile", "amx_bf16"} <= f:

@@ -220,10 +220,9 @@ def read_with_sources(sysroot: str | Path = "/", pid: int | None = None) -> tupl
 
     cpuinfo = r.text("proc/cpuinfo") or ""
     flags = _isa.flags_in(cpuinfo)
-    model = (re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.M) or _EMPTY).group(1)
     topo = Topology(cpus=tuple(cpus), offline=offline, nodes=nodes, allowed_cpus=tuple(sorted(allowed)),
                     allowed_mems=tuple(sorted(mems)), quota_cpus=cg.quota_cpus, memory_limit_bytes=cg.memory_bytes,
-                    isa=tuple(f for f in _isa.OF_INTEREST if f in flags), cpu_model=model.strip(),
+                    isa=tuple(f for f in _isa.OF_INTEREST if f in flags), cpu_model=_isa.model_in(cpuinfo),
                     source=str(root), cpuset=tuple(c for c in cg.cpus if c in on) if cg.cpus is not None else None,
                     l3_groups=l3)
     return topo, tuple(sorted(r.seen))
@@ -276,14 +275,6 @@ def _extract(archive: Path, dest: Path) -> None:
     except (tarfile.TarError, OSError) as e:
         raise TopologyError(f"cannot read snapshot archive: {e}", path=str(archive),
                             hint="pass a directory or a .tar.gz written by `deploykit topology snapshot`") from None
-
-
-class _NoMatch:
-    def group(self, _: int) -> str:
-        return ""
-
-
-_EMPTY = _NoMatch()
 
 
 def _nodes(r: Reader, online: tuple[int, ...]) -> tuple[Node, ...]:

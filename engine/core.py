@@ -151,5 +151,7 @@ def _log_kernels(dtype: torch.dtype, fused_step: bool) -> None:
         log.warning("matmul path: PyTorch fallback, bf16 decode runs ~2x slower: %s", st["reason"])
     else:
         log.info("matmul path: %s (%s)", st["path"], st["reason"])
+    if dtype == torch.bfloat16 and (choice := kernels.tune_streams()) is not None:
+        log.info("bf16 GEMV: %s", choice.describe())
     if fused_step:
         log.info("decode steps of up to %d sequences run as one fused native call", kernels.STEP_MAX_ROWS)

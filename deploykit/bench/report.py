@@ -21,13 +21,8 @@ FORMAT = 1
 
 
 def client_host() -> dict:
-    from ..isa import OF_INTEREST, cpu_flags, tier
-    model, flags = "", cpu_flags()
-    try:
-        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), "")
-    except OSError:
-        pass
+    from ..isa import OF_INTEREST, cpu_flags, cpu_model, tier
+    model, flags = cpu_model(), cpu_flags()
     return {"hostname": socket.gethostname(), "platform": platform.platform(), "python": platform.python_version(),
             "cpus_allowed": len(os.sched_getaffinity(0)), "cpu_model": model, "isa_tier": tier(flags),
             "isa": sorted(flags & set(OF_INTEREST)),

@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from deploykit import isa
-from engine.kernels import loader
+from engine.kernels import loader, streaming
 
 __all__ = ["LIMITS", "add_rms_norm", "decode_attention", "decode_attention_supported", "decode_step_",
            "decode_step_supported", "fused", "head_rms_norm_", "is_quantized", "linear", "logits", "prepare_bias",
-           "prepare_weight", "quant_pack", "quant_parts", "quant_rows", "quantized_ok", "rotary_", "silu_mul", "status"]
+           "prepare_weight", "quant_pack", "quant_parts", "quant_rows", "quantized_ok", "rotary_", "silu_mul", "status", "tune_streams"]
 
 _NATIVE = loader.load()
 _ops = torch.ops.deploykit if _NATIVE.loaded else None
@@ -243,6 +243,18 @@ def fallback_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> N
     x.copy_(xf * cos.float()[:, None] + xf.roll(x.shape[-1] // 2, -1) * sin.float()[:, None])
 
 
+_streams: streaming.Choice | None = None
+
+
+def tune_streams() -> streaming.Choice | None:
+    """Pick how the bf16 GEMV streams weights on this CPU (engine/kernels/streaming.py), once per process; None
+    without the native library. Results are the same either way; only the speed differs."""
+    global _streams
+    if _ops is not None and _streams is None:
+        _streams = streaming.calibrate(_ops)
+    return _streams
+
+
 def status() -> dict:
     """Which matmul path is active and why, for the engine's start-up log."""
     path = ("native-amx" if _NATIVE.amx else f"native-{_NATIVE.variant}") if _NATIVE.loaded else "fallback"
@@ -259,4 +271,5 @@ def status() -> dict:
         "rows_max_m": ROWS_MAX_M,
         "plain_amx_max_m": PLAIN_AMX_MAX_M,
         "quantized": _QUANT,
+        "gemv_streams": int(_ops.gemv_streams()) if _ops is not None else None,
     }

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attention.h"
@@ -33,6 +34,7 @@
 #include "op_args.h"
 #include "quant_gemv.h"
 #include "row_ops.h"
+#include "step_profile.h"
 
 namespace deploykit {
 namespace {
@@ -120,6 +122,14 @@ inline void gate_up_pairs(const bf16* x, int64_t ldx, const bf16* w, int64_t Kh,
                           const float* bias, bf16* gu, int64_t ldo) {
   constexpr int P = MT <= 2 ? 4 : 2;
   int64_t j = j0;
+  if (gemv::one_stream()) {  // gate block j, then up block j: one stream at a time (gemv.h Streams)
+    for (; j < j1; ++j) {
+      const int64_t gate[1] = {j}, up[1] = {J + j};
+      gemv::packed_blocks<1, MT, false>(x, ldx, w, Kh, gate, bias, gu, ldo);
+      gemv::packed_blocks<1, MT, false>(x, ldx, w, Kh, up, bias, gu, ldo);
+    }
+    return;
+  }
   for (; j + P <= j1; j += P) {
     int64_t ids[2 * P];
     for (int p = 0; p < P; ++p) ids[p] = j + p, ids[P + p] = J + j + p;
@@ -227,6 +237,7 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
     longest = std::max<int64_t>(longest, end[b]);
   }
 
+  if (step_profile::enabled.load(std::memory_order_relaxed)) ++step_profile::steps;
   // Shared activations [B, ...]; every element has one writer per phase.
   std::vector<bf16> qkv(B * NQKV), o(B * Hq * D), d(B * H), gu(B * 2 * I), act(B * I);
   // Per thread: its copy of the residual stream and its norm, and attention scratch sized up front, so nothing
@@ -262,11 +273,14 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
     const auto [jb0, jb1] = share(I / 16, tid, nt);
     const auto [t0, t1] = share(B * Hkv, tid, nt);  // attention tasks: (row, KV head)
     const int64_t J = I / 16;
+    step_profile::Clock clock(tid);
     for (int64_t b = 0; b < B; ++b) rows::rms_norm(res + b * H, layers[0].ln1, H, feps, x + b * H);
     for (int64_t l = 0; l < L; ++l) {
       const Layer& y = layers[l];
       matvec(B, x, H, y.qkv, act_q, qb0, qb1, y.qkv_bias, qkv.data(), NQKV);
+      clock.mark(step_profile::QKV);
 #pragma omp barrier
+      clock.mark(step_profile::BARRIER);
       const attention::PagedKV cache{y.kv, bs, Hkv, D};
       for (int64_t task = t0; task < t1; ++task) {
         const int64_t b = task / Hkv, kh = task % Hkv;
@@ -284,9 +298,13 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
         attention::attend(q + kh * G * D, cache, tbl + b * W, end[b], y.window, kh, G, fscale, scratch,
                           o.data() + (b * Hq + kh * G) * D);
       }
+      clock.mark(step_profile::ATTENTION);
 #pragma omp barrier
+      clock.mark(step_profile::BARRIER);
       matvec(B, o.data(), Hq * D, y.o, act_q, ob0, ob1, y.o_bias, d.data(), H);
+      clock.mark(step_profile::O_PROJ);
 #pragma omp barrier
+      clock.mark(step_profile::BARRIER);
       for (int64_t b = 0; b < B; ++b) {
         rows::add_(res + b * H, d.data() + b * H, H);
         rows::rms_norm(res + b * H, y.ln2, H, feps, x + b * H);
@@ -306,16 +324,42 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
         const bf16* g = gu.data() + b * 2 * I;
         rows::silu_mul(g + jb0 * 16, g + I + jb0 * 16, (jb1 - jb0) * 16, act.data() + b * I + jb0 * 16);
       }
+      clock.mark(step_profile::GATE_UP);
 #pragma omp barrier
+      clock.mark(step_profile::BARRIER);
       matvec(B, act.data(), I, y.down, act_q, ob0, ob1, y.down_bias, d.data(), H);
+      clock.mark(step_profile::DOWN);
 #pragma omp barrier
+      clock.mark(step_profile::BARRIER);
       for (int64_t b = 0; b < B; ++b) {
         rows::add_(res + b * H, d.data() + b * H, H);
         if (l + 1 < L) rows::rms_norm(res + b * H, layers[l + 1].ln1, H, feps, x + b * H);
       }
+      clock.mark(step_profile::RESIDUAL);
     }
     if (tid == 0) std::copy(res, res + B * H, hp);
   }
+}
+
+// The fused step's profile since the last call (step_profile.h): int64 [threads, phases + 1], nanoseconds per
+// phase then the barrier count, and the number of steps; resets the counters and switches profiling on or off.
+std::tuple<at::Tensor, int64_t> step_profile_(bool enable) {
+  namespace sp = step_profile;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), sp::MAX_THREADS);
+  at::Tensor out = at::empty({threads, sp::PHASES + 1}, at::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t t = 0; t < threads; ++t) {
+    std::copy(sp::rows[t].ns, sp::rows[t].ns + sp::PHASES, o + t * (sp::PHASES + 1));
+    o[t * (sp::PHASES + 1) + sp::PHASES] = sp::rows[t].barriers;
+  }
+  const int64_t steps = sp::steps.exchange(0);
+  for (auto& r : sp::rows) r = sp::Row{};
+  sp::enabled.store(enable);
+  return {out, steps};
+}
+
+std::vector<std::string> step_profile_phases() {
+  return {step_profile::NAMES, step_profile::NAMES + step_profile::PHASES};
 }
 
 // The shape limits above, by name: Python reads them once at load (engine/kernels/__init__.py) instead of repeating
@@ -332,6 +376,8 @@ c10::Dict<std::string, int64_t> limits() {
 
 TORCH_LIBRARY_FRAGMENT(deploykit, m) {
   m.def("limits() -> Dict(str, int)", &limits);
+  m.def("step_profile_(bool enable) -> (Tensor, int)", &step_profile_);
+  m.def("step_profile_phases() -> str[]", &step_profile_phases);
   m.def(
       "decode_step_(Tensor(a!) h, Tensor?[] weights, Tensor(b!)[] kv, int[] windows, Tensor cos, Tensor sin, "
       "Tensor position, Tensor table, Tensor length, Tensor slot, int num_heads, int num_kv_heads, float eps, "

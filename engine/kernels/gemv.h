@@ -10,6 +10,7 @@
 
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstring>
 #include <type_traits>
 
@@ -70,14 +71,31 @@ inline void packed_block(const bf16* x, int64_t ldx, const bf16* wp, int64_t Kh,
   packed_blocks<G, MT, PF>(x, ldx, wp, Kh, nb, bias, out, ldo);
 }
 
-// MT <= 4 x rows, column blocks [b0, b1), each weight line read once: 8 block streams at a time keep more DRAM
-// requests in flight per core (4 from 3 rows on, where 8 x MT accumulators would not fit the 32 registers), then
-// 4, then 1, so an equal split of blocks between threads stays equal (whole groups of 8 would leave one of 2
+// How a core streams the column blocks of one call at M <= 4: a property of the CPU's memory system, not of the
+// numbers (each block is one accumulation chain over k whatever the grouping, so both give bitwise the same
+// outputs). Measured on the whole 24-layer step's matrices, 2 threads, M = 1 (benchmarks/decode_profile.py):
+//   MANY: 8 block streams at a time, each prefetched 2 KiB ahead. Xeon (AVX-512F, 2 vCPUs): the fastest; an
+//         Intel core keeps few lines in flight per stream, so more streams and software prefetch pay.
+//   ONE:  one block after another (one sequential 28 KiB stream at K = 896), no software prefetch. Zen 4: 14.3 ms
+//         a token against 20.7 ms for MANY (50 against 35 GB/s); its L2 prefetcher follows one stream best and a
+//         software prefetch only competes with it (quant_gemv.h found the same for the block-quantized formats).
+// Picked at start-up by timing both (engine/kernels/streaming.py); MANY until then.
+enum class Streams : int { MANY = 8, ONE = 1 };
+inline std::atomic<int> streams{static_cast<int>(Streams::MANY)};
+inline bool one_stream() { return streams.load(std::memory_order_relaxed) == static_cast<int>(Streams::ONE); }
+
+// MT <= 4 x rows, column blocks [b0, b1), each weight line read once. MANY: 8 block streams at a time keep more
+// DRAM requests in flight per core (4 from 3 rows on, where 8 x MT accumulators would not fit the 32 registers),
+// then 4, then 1, so an equal split of blocks between threads stays equal (whole groups of 8 would leave one of 2
 // threads a group short on the 56-block o_proj/down matrices, ~14 % of their time).
 template <int MT>
 inline void packed_range(const bf16* x, int64_t ldx, const bf16* wp, int64_t Kh, int64_t b0, int64_t b1,
                          const float* bias, bf16* out, int64_t ldo) {
   int64_t nb = b0;
+  if (one_stream()) {
+    for (; nb < b1; ++nb) packed_block<1, MT, false>(x, ldx, wp, Kh, nb, bias, out, ldo);
+    return;
+  }
   if constexpr (MT <= 2)
     for (; nb + 8 <= b1; nb += 8) packed_block<8, MT>(x, ldx, wp, Kh, nb, bias, out, ldo);
   for (; nb + 4 <= b1; nb += 4) packed_block<4, MT>(x, ldx, wp, Kh, nb, bias, out, ldo);

@@ -165,7 +165,18 @@ at::Tensor linear_packed_avx512(const at::Tensor& x, const at::Tensor& wp,
   return out;
 }
 
+// How M <= 4 GEMVs stream their column blocks (gemv.h Streams): 8 or 1; the choice never changes a result.
+void set_gemv_streams(int64_t n) {
+  TORCH_CHECK(n == static_cast<int>(gemv::Streams::MANY) || n == static_cast<int>(gemv::Streams::ONE),
+              "gemv streams must be 8 or 1, not ", n);
+  gemv::streams.store(static_cast<int>(n));
+}
+
+int64_t gemv_streams() { return gemv::streams.load(); }
+
 TORCH_LIBRARY_FRAGMENT(deploykit, m) {
+  m.def("set_gemv_streams(int n) -> ()", &set_gemv_streams);
+  m.def("gemv_streams() -> int", &gemv_streams);
   m.def("linear_rows(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_packed_avx512(Tensor x, Tensor wp, Tensor? bias) -> Tensor");
 }

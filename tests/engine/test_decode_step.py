@@ -27,13 +27,16 @@ CASES["llama-all-biases-18-blocks"] = {**SHAPE, "arch": "llama", "intermediate":
                                              "extra_config": {"attention_bias": True, "mlp_bias": True}}
 
 
-def _run(model_dir: str, fused: bool, threads: int, monkeypatch,
-         quantization: str = "none") -> tuple[list[torch.Tensor], torch.Tensor, list]:
+def _run(model_dir: str, fused: bool, threads: int, monkeypatch, quantization: str = "none",
+         streams: int = 8) -> tuple[list[torch.Tensor], torch.Tensor, list]:
     """Logits of every step, the final KV cache and (rows, block tables) of each step that took the fused path.
     The requests decode side by side first, so when the longest goes on alone its block table (block_size 8) is no
-    longer one contiguous run."""
+    longer one contiguous run. streams: how the bf16 GEMV reads its blocks (kernels/gemv.h Streams)."""
     core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", block_size=8, max_model_len=256,
                                    quantization=quantization))
+    ops = torch.ops.deploykit
+    picked = int(ops.gemv_streams())
+    ops.set_gemv_streams(streams)
     model = core.model
     assert model.step_weights is not None
     held = [w for w in model.step_weights if w is not None and kernels.is_quantized(w)]
@@ -55,6 +58,7 @@ def _run(model_dir: str, fused: bool, threads: int, monkeypatch,
             core.step()
     finally:
         torch.set_num_threads(before)
+        ops.set_gemv_streams(picked)
     return logits, core.runner.kv._pool.clone(), calls
 
 
@@ -70,8 +74,9 @@ def test_fused_decode_step_is_bitwise_the_per_op_path(tiny_model, name, quantiza
     model_dir = tiny_model(kw.pop("arch"), **kw)
     ref_logits, ref_kv, ref_calls = _run(model_dir, False, 2, monkeypatch, quantization)
     assert ref_calls == []
-    for threads in (2, 1):  # the split between threads must not change a single bit
-        logits, kv, calls = _run(model_dir, True, threads, monkeypatch, quantization)
+    # Neither the split between threads nor how the GEMV streams its blocks may change a single bit.
+    for threads, streams in ((2, 8), (2, 1), (1, 1)):
+        logits, kv, calls = _run(model_dir, True, threads, monkeypatch, quantization, streams)
         assert len(calls) == len(logits) - 1, "every decode step should take the fused path (all but the prefill)"
         assert {rows for rows, _ in calls} == {1, 2, 3, 4}
         lone = [tables[0] for rows, tables in calls if rows == 1]
@@ -135,3 +140,26 @@ def test_fused_step_rejects_indices_outside_the_cache_and_tables(tiny_model):
         kernels.decode_step_(torch.zeros(n, s.hidden_size, dtype=torch.bfloat16), m.step_weights,
                              core.runner.kv.layers, m.windows, m.rotary.cos, m.rotary.sin, *[torch.zeros(n)] * 4,
                              s.num_heads, s.num_kv_heads, s.rms_norm_eps, 1.0)
+
+
+def test_step_profile_counts_every_phase_and_barrier(tiny_model):
+    """benchmarks/decode_profile.py's view inside the fused step: per thread, time in each phase and 5 barriers
+    per layer per step; off, nothing is counted."""
+    core = EngineCore(EngineConfig(tiny_model("qwen3", **SHAPE), dtype="bfloat16"))
+    ops = torch.ops.deploykit
+    layers = core.model.config.num_layers
+    core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    core.step()  # prefill: not the fused step
+    ops.step_profile_(True)
+    for _ in range(3):
+        core.step()
+    phases, steps = ops.step_profile_(False)
+    names = list(ops.step_profile_phases())
+    assert names == ["qkv", "attention", "o_proj", "gate_up", "down", "residual", "barrier"]
+    assert steps == 3 and phases.shape == (torch.get_num_threads(), len(names) + 1)
+    assert (phases[:, len(names)] == 3 * 5 * layers).all()  # barriers per thread
+    assert (phases[:, names.index("gate_up")] > 0).all() and (phases[:, :len(names)] >= 0).all()
+    while core.has_unfinished_requests():
+        core.step()
+    phases, steps = ops.step_profile_(False)
+    assert steps == 0 and int(phases.sum()) == 0  # off: nothing recorded

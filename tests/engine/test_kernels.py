@@ -167,7 +167,57 @@ def test_stream_read_probe_reads_every_line(kernels):
     for index in (0, 12345, (1 << 20) - 1, 777_777):
         t.zero_()
         t[index] = 1 << (index % 63)
-        assert torch.ops.deploykit.stream_read(t) == 1 << (index % 63)
+        for streams in (1, 3, 4, 8):  # the roofline takes the best stream count; each must read everything
+            assert torch.ops.deploykit.stream_read(t, streams) == 1 << (index % 63)
+
+
+@needs_bf16
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv_streaming_never_changes_a_bit(kernels, m):
+    """How the GEMV streams its column blocks is picked per host by timing (kernels/streaming.py), so the two ways
+    must give bitwise the same outputs, also on a range whose block count is no multiple of 8 (the 8-stream path
+    then runs groups of 4 and single blocks)."""
+    ops = torch.ops.deploykit
+    picked = int(ops.gemv_streams())
+    try:
+        for k, n in [(896, 1152), (4864, 896), (96, 16 * 13)]:
+            x, w, b = make(m, k, n, True)
+            wp, bias = kernels.prepare_weight(w), kernels.prepare_bias(b)
+            out = {}
+            for streams in (8, 1):
+                ops.set_gemv_streams(streams)
+                out[streams] = ops.linear_packed_avx512(x, wp, bias)
+            assert torch.equal(out[8], out[1]), f"K={k} N={n}"
+            assert_close(out[1], x, w, b)
+    finally:
+        ops.set_gemv_streams(picked)
+
+
+@needs_bf16
+def test_gemv_streaming_is_measured_or_forced_by_env(kernels, monkeypatch):
+    from engine.kernels import streaming
+    ops = torch.ops.deploykit
+    picked = int(ops.gemv_streams())
+    try:
+        choice = streaming.calibrate(ops)
+        assert choice.source == "measured" and set(choice.seconds) == {8, 1}
+        assert all(0 < t < 1 for t in choice.seconds.values())
+        assert int(ops.gemv_streams()) == choice.streams  # what it measured is what now runs
+        faster = min(choice.seconds, key=choice.seconds.get)
+        assert choice.streams in (faster, 8)  # one stream only when it won (by the margin); a tie keeps 8
+        assert "measured over 119 MB" in choice.describe()
+        for forced in ("1", "8"):
+            monkeypatch.setenv(streaming.ENV, forced)
+            choice = streaming.calibrate(ops)
+            assert (choice.streams, choice.seconds, int(ops.gemv_streams())) == (int(forced), {}, int(forced))
+        monkeypatch.setenv(streaming.ENV, "4")
+        with pytest.raises(ValueError, match="DEPLOYKIT_GEMV_STREAMS='4': expected 8 or 1"):
+            streaming.calibrate(ops)
+        with pytest.raises(RuntimeError, match="gemv streams must be 8 or 1"):
+            ops.set_gemv_streams(2)
+    finally:
+        ops.set_gemv_streams(picked)
+    assert kernels.status()["gemv_streams"] == picked
 
 
 def run_status(env_overrides: dict[str, str]) -> dict:

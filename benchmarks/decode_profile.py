@@ -1,0 +1,158 @@
+"""Where the time of a bf16 batch-1 decode step goes, for each way the GEMV can stream its weights.
+
+One process pinned like `python -m engine serve` loads engine.py's 717 MB bf16 Qwen2-shaped model into EngineCore and
+decodes greedily at batch 1 (a 16-token prompt, then --tokens tokens), rounds alternating between the GEMV streamings
+(kernels/gemv.h `Streams`: 8 prefetched block streams per core, and one stream). Per generated token it reports:
+  - the engine step split into the fused native forward (`decode_step_`), the rest of `model.forward` (embedding,
+    Python), the LM head with the final norm, the sampler, and everything else (scheduling, inputs, outputs);
+  - inside the native forward, per thread (kernels/step_profile.h): each phase's compute (qkv, attention, o_proj,
+    norm + gate_up + silu, down, residual + next norm) and the time spent waiting at its barriers, and the barrier
+    count: the OpenMP barriers one token costs;
+  - the weight bytes the step reads over the native forward's time (GB/s), against the roofline of
+    benchmarks/roofline.py measured before and after in the same run.
+The JSON also names the streaming the start-up measurement (engine/kernels/streaming.py) picked on this host.
+
+    flock /tmp/deploykit-heavy.lock python benchmarks/decode_profile.py [--rounds 5] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[0] = str(ROOT)  # not benchmarks/: engine.py's name would shadow the engine package
+
+PROMPT = 16
+STREAMINGS = {8: "8 prefetched block streams per core", 1: "one block stream per core"}
+
+
+class Timers:
+    """Wall time of chosen calls, summed per name (attributes wrapped in place)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+
+    def wrap(self, obj, attr: str, name: str) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t
+
+        setattr(obj, attr, timed)
+
+
+def decode_round(core, timers: Timers, ops, vocab: int, tokens: int) -> dict:
+    from engine.sampling import SamplingParams
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=tokens + 1)
+    core.add_request(str(time.monotonic_ns()), [3 + (7 * i) % (vocab - 3) for i in range(PROMPT)], params)
+    core.step()  # the prefill and the first token
+    ops.step_profile_(True)
+    timers.seconds.clear()
+    steps, t0 = 0, time.perf_counter()
+    while core.has_unfinished_requests():
+        core.step()
+        steps += 1
+    wall = time.perf_counter() - t0
+    phases, native_steps = ops.step_profile_(False)
+    names = list(ops.step_profile_phases())
+    per = {k: v / steps * 1e3 for k, v in timers.seconds.items()}  # ms per token
+    native = per.get("native_step", 0.0)
+    split = {"native_forward": native, "forward_rest": per.get("forward", 0.0) - native,
+             "lm_head": per.get("logits", 0.0), "sampler": per.get("sampler", 0.0)}
+    split["engine_python"] = wall / steps * 1e3 - sum(split.values())
+    threads = phases.shape[0]
+    inside = {n: float(phases[:, i].sum()) / threads / native_steps / 1e6 for i, n in enumerate(names)}
+    return {"tok_s": steps / wall, "ms_per_token": wall / steps * 1e3, "split_ms": split,
+            "native_phases_ms": inside,
+            "barrier_wait_ms_by_thread": [float(phases[t, names.index("barrier")]) / native_steps / 1e6
+                                          for t in range(threads)],
+            "barriers_per_token": float(phases[0, len(names)]) / native_steps, "native_steps": native_steps}
+
+
+def summarize(rounds: list[dict], read_bytes: int, roofline_gbps: float) -> dict:
+    best = max(rounds, key=lambda r: r["tok_s"])
+    mid = sorted(rounds, key=lambda r: r["tok_s"])[len(rounds) // 2]
+    nat = mid["split_ms"]["native_forward"]
+    return {"tok_s": {"best": round(best["tok_s"], 1), "median": round(median(r["tok_s"] for r in rounds), 1),
+                      "samples": [round(r["tok_s"], 1) for r in rounds]},
+            "pct_roofline_best": round(100 * best["tok_s"] * read_bytes / 1e9 / roofline_gbps, 1),
+            "median_round": {"ms_per_token": round(mid["ms_per_token"], 2),
+                             "split_ms": {k: round(v, 3) for k, v in mid["split_ms"].items()},
+                             "native_phases_ms": {k: round(v, 3) for k, v in mid["native_phases_ms"].items()},
+                             "barrier_wait_ms_by_thread": [round(v, 3) for v in mid["barrier_wait_ms_by_thread"]],
+                             "barriers_per_token": mid["barriers_per_token"],
+                             "native_forward_gbps": round(read_bytes / (nat / 1e3) / 1e9, 1)}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-dir", type=Path, default=Path.home() / ".cache/deploykit/bench/qwen2-350m-bf16")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=64)
+    a = ap.parse_args()
+
+    from deploykit import cpulist
+    from deploykit.isa import cpu_model
+    from engine import binding
+    b = binding.prepare(binding.resolve("auto"))
+    import torch  # OpenMP starts with the binding's environment
+    binding.finish(b)
+    from benchmarks.engine import ensure_model, weight_stats
+    from benchmarks.roofline import read_bandwidth
+    ensure_model(a.model_dir)
+
+    from engine import kernels
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    if kernels.status()["path"] == "fallback":
+        raise SystemExit(f"the native kernels are not loaded ({kernels.status()['reason']}): nothing to profile")
+    ops = torch.ops.deploykit
+    core = EngineCore(EngineConfig(str(a.model_dir), dtype="bfloat16", max_model_len=1024, max_num_seqs=4))
+    picked = kernels.tune_streams()
+    timers = Timers()
+    timers.wrap(kernels, "decode_step_", "native_step")  # the model calls kernels.decode_step_ by attribute
+    timers.wrap(core.runner.model, "forward", "forward")
+    timers.wrap(core.runner.model, "compute_logits", "logits")
+    timers.wrap(core, "sampler", "sampler")
+    w = weight_stats(a.model_dir)
+    vocab = core.model_config.vocab_size
+    bw_before = read_bandwidth(3)
+    decode_round(core, timers, ops, vocab, 8)  # warm-up
+    rounds: dict[int, list[dict]] = {s: [] for s in STREAMINGS}
+    for _ in range(a.rounds):
+        for s in STREAMINGS:
+            ops.set_gemv_streams(s)
+            rounds[s].append(decode_round(core, timers, ops, vocab, a.tokens))
+    ops.set_gemv_streams(picked.streams)
+    bw_after = read_bandwidth(3)
+    roof = max(bw_before["best_gbps"], bw_after["best_gbps"])
+    flags = kernels.status()["isa"]
+    print(json.dumps({
+        "benchmark": "bf16_batch1_decode_profile",
+        "host": {"cpu": platform.processor() or platform.machine(), "model_name": cpu_model(), "isa": flags,
+                 "cpus": cpulist.format(b.cpus), "threads": b.threads, "torch": torch.__version__,
+                 "kernels": kernels.status()["path"]},
+        "model": {"dir": str(a.model_dir), "decode_read_bytes": w["decode_read_bytes"]},
+        "settings": {"rounds": a.rounds, "tokens": a.tokens, "prompt_tokens": PROMPT, "batch": 1},
+        "picked_at_startup": {"streams": picked.streams, "how": picked.describe()},
+        "roofline": {"before": bw_before, "after": bw_after, "best_gbps": roof,
+                     "tok_s": round(roof * 1e9 / w["decode_read_bytes"], 1)},
+        "by_streaming": {STREAMINGS[s]: summarize(r, w["decode_read_bytes"], roof) for s, r in rounds.items()},
+        "method": "ms per generated token; the step split is wall time of the wrapped calls, the native phases are "
+                  "the mean over threads of kernels/step_profile.h's timers (compute per phase, barrier = waiting)",
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()

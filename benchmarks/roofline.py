@@ -1,0 +1,44 @@
+"""The memory roofline the decode benchmarks hold their figures to: the best rate this host reads DRAM at.
+
+A native AVX-512 read of 1 GiB (kernels/stream_read.cpp) with 1, 2, 4 and 8 sequential streams per thread, and an
+MKL fp32 GEMV over 512 MiB; the roofline is the best of them. Which stream count is fastest depends on the CPU
+(one on Zen 4, several on the Xeons measured), so a probe with one fixed count understates some hosts: with 4
+streams it read 25-33 GB/s on a Zen 4 VM whose GEMV streamed 50 GB/s, which would have put kernels above 100 %.
+torch's own reductions are compute-bound at ~10 GB/s on 2 cores and are used only without the native library.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+STREAMS = (1, 2, 4, 8)
+
+
+def _best(fn, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def read_bandwidth(rounds: int = 3, native: bool = True) -> dict:
+    """GB/s per probe and the best of them (`best_gbps`). native: whether the kernel library is loaded."""
+    data = torch.ones(256 << 20, dtype=torch.float32)  # 1 GiB
+    w, x = torch.randn(32768, 4096), torch.randn(1, 4096)  # 512 MiB
+    out: dict = {"fp32_gemv_gbps": round(w.nbytes / _best(lambda: F.linear(x, w), rounds) / 1e9, 2)}
+    if native:
+        out["stream_read_gbps_by_streams"] = {
+            s: round(data.nbytes / _best(lambda s=s: torch.ops.deploykit.stream_read(data, s), rounds) / 1e9, 2)
+            for s in STREAMS}
+        out["stream_read_gbps"] = max(out["stream_read_gbps_by_streams"].values())
+        out["stream_read_probe"] = "native avx512, best stream count per thread"
+    else:
+        out["stream_read_gbps"] = round(data.nbytes / _best(lambda: torch.sum(data), rounds) / 1e9, 2)
+        out["stream_read_probe"] = "torch.sum (compute-bound, understates)"
+    out["best_gbps"] = max(out["stream_read_gbps"], out["fp32_gemv_gbps"])
+    return out
