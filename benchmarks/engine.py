@@ -52,7 +52,9 @@ class Ours:
         from engine.core import EngineCore
         self.torch, self.kernels = torch, kernels
         src = a.model_dir if a.weights == "bf16" else a.gguf  # a quantized run loads llama.cpp's very file
-        self.core = EngineCore(EngineConfig(src, dtype="bfloat16", max_model_len=MAX_LEN, max_num_seqs=BATCH))
+        # No prefix cache: every round repeats its prompts, and a hit would time a 512-token prefill as one block.
+        self.core = EngineCore(EngineConfig(src, dtype="bfloat16", max_model_len=MAX_LEN, max_num_seqs=BATCH,
+                                            prefix_caching=False))
         self.ids, self.probe, self.mats = itertools.count(), None, None
         self.info = {"kernels": kernels.status(), "torch": torch.__version__,
                      "weights_held_bytes": getattr(self.core.model, "weight_bytes", None), "rss_after_load": rss(),
@@ -308,7 +310,7 @@ def summarize(samples: dict[str, list[dict]], w: dict, tokens: int) -> dict:
         best = max(max(s["stream_read_gbps"], s["fp32_gemv_gbps"]) for s in bw)
         out["bandwidth_gbps"] = {"best": round(best, 1), "stream_read": stats([s["stream_read_gbps"] for s in bw], 1),
                                  "fp32_gemv": stats([s["fp32_gemv_gbps"] for s in bw], 1),
-                                 "stream_probe": bw[0]["stream_probe"]}
+                                 "stream_probe": bw[0]["stream_read_probe"]}
         out["roofline_tok_s"] = round(best * 1e9 / w["decode_read_bytes"], 2)
     if mm := [s["shapes"] for s in samples.get("matmul_peak", ())]:
         flop = {shape: r["flop"] for shape, r in mm[0].items()}
@@ -344,6 +346,11 @@ def ratios(s: dict) -> tuple[dict, dict]:
              "prefill_vs_llamacpp": (pre.get("ours", {}).get("tflops"), pre.get("llamacpp", {}).get("tflops"), 1)}
     out = {k: None if a is None or b is None else {m: round(f * a[m] / b[m], 2) for m in ("best", "median")}
            for k, (a, b, f) in pairs.items()}
+    # Rounds alternate between the frameworks, so a round's ratio compares them under the same memory bandwidth,
+    # which on a shared VM swings by up to 2x between minutes; the median of those is the steadiest ratio.
+    ours, peer = d.get("b1/ours"), d.get("b1/llamacpp")
+    if ours and peer:
+        out["b1_vs_llamacpp"]["paired_median"] = round(median(o / p for o, p in zip(ours["samples"], peer["samples"])), 2)
     targets = {k: {"target": v, "value": (out[k] or {}).get("best"),
                    "pass": None if out[k] is None else out[k]["best"] >= v} for k, v in TARGETS.items()}
     return out, targets
