@@ -74,8 +74,8 @@ inline void packed_block(const bf16* x, int64_t ldx, const bf16* wp, int64_t Kh,
 // How a core streams the column blocks of one call at M <= 4: a property of the CPU's memory system, not of the
 // numbers (each block is one accumulation chain over k whatever the grouping, so both give bitwise the same
 // outputs). Measured on the whole 24-layer step's matrices, 2 threads, M = 1 (benchmarks/decode_profile.py):
-//   MANY: 8 block streams at a time, each prefetched 2 KiB ahead. Xeon (AVX-512F, 2 vCPUs): the fastest; an
-//         Intel core keeps few lines in flight per stream, so more streams and software prefetch pay.
+//   MANY: 8 block streams at a time, each prefetched 2 KiB ahead: what was tuned, and fastest, on a Xeon
+//         (AVX-512F, 2 vCPUs), whose hardware prefetcher ramps up late on each of 97 short matrices a token.
 //   ONE:  one block after another (one sequential 28 KiB stream at K = 896), no software prefetch. Zen 4: 14.3 ms
 //         a token against 20.7 ms for MANY (50 against 35 GB/s); its L2 prefetcher follows one stream best and a
 //         software prefetch only competes with it (quant_gemv.h found the same for the block-quantized formats).
