@@ -55,7 +55,7 @@ class Ours:
         # No prefix cache: every round repeats its prompts, and a hit would time a 512-token prefill as one block.
         self.core = EngineCore(EngineConfig(src, dtype="bfloat16", max_model_len=MAX_LEN, max_num_seqs=BATCH,
                                             prefix_caching=False))
-        self.ids, self.probe, self.mats = itertools.count(), None, None
+        self.ids, self.mats = itertools.count(), None
         self.info = {"kernels": kernels.status(), "torch": torch.__version__,
                      "weights_held_bytes": getattr(self.core.model, "weight_bytes", None), "rss_after_load": rss(),
                      "kv_cache_bytes": self.core.runner.kv.nbytes if self.core.runner.kv is not None else None}

@@ -9,6 +9,7 @@ torch's own reductions are compute-bound at ~10 GB/s on 2 cores and are used onl
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -26,10 +27,16 @@ def _best(fn, rounds: int) -> float:
     return best
 
 
+@functools.cache
+def _buffers() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """1 GiB to read and a 512 MiB fp32 GEMV, made once per process: benchmarks probe every round, and filling
+    them costs more than the probes."""
+    return torch.ones(256 << 20, dtype=torch.float32), torch.randn(32768, 4096), torch.randn(1, 4096)
+
+
 def read_bandwidth(rounds: int = 3, native: bool = True) -> dict:
     """GB/s per probe and the best of them (`best_gbps`). native: whether the kernel library is loaded."""
-    data = torch.ones(256 << 20, dtype=torch.float32)  # 1 GiB
-    w, x = torch.randn(32768, 4096), torch.randn(1, 4096)  # 512 MiB
+    data, w, x = _buffers()
     out: dict = {"fp32_gemv_gbps": round(w.nbytes / _best(lambda: F.linear(x, w), rounds) / 1e9, 2)}
     if native:
         out["stream_read_gbps_by_streams"] = {
