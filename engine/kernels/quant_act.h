@@ -1,14 +1,20 @@
 // Activations quantized on the fly for the int8 dot products of quantized weights (quant_gemv.h).
 //
-// Per block of 32: d = max|x| / 127, q = round(x / d) (nearest even) in [-127, 127], as llama.cpp's Q8_0
-// activations; and the sums of q per 16 and per 32, which turn the unsigned weight codes back into signed values
-// (sum (c - 128) q = sum c q - 128 sum q) and carry the Q4_1/Q4_K offsets. A row of K values takes 1.5 K bytes.
+// Per block of 32, as llama.cpp's Q8_0 / Q8_1 activations (ggml-cpu's x86 quantize_row_q8_0/q8_1): d = max|x| / 127,
+// q = round(x * (127 / max|x|)) (nearest even) in [-127, 127]; the block's scale is kept as llama.cpp stores it,
+// rounded to fp16 (dh), and Q8_1's s = fp16(d * sum q), which carries the Q4_1/Q5_1 offsets, is kept as well (ms).
+// Products with Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 weights use dh and ms, so they round where llama.cpp rounds: measured on
+// SmolLM2-135M Q4_1 (tests/engine/test_smollm2.py), this is what brings our argmax to llama.cpp's on the same file.
+// The K formats use the fp32 d (llama.cpp pairs them with Q8_K, whose scale is fp32 per 256; ours is finer).
+// Also the sums of q per 16 and per 32, which turn the unsigned weight codes back into signed values
+// (sum (c - 128) q = sum c q - 128 sum q) and carry the Q4_K offsets. A row of K values takes 1.75 K bytes.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -19,13 +25,24 @@ namespace quant {
 
 struct Act {  // one row
   int8_t* q;     // [K], 64-byte aligned
-  float* d;      // [K / 32] scales
+  float* d;      // [K / 32] scales, fp32
+  float* dh;     // [K / 32] the scales rounded to fp16 (Q8_0/Q8_1's d)
+  float* ms;     // [K / 32] fp16(d * sum q) (Q8_1's s)
   int32_t* s16;  // [K / 16] sums of q
   int32_t* s32;  // [K / 32]
 };
 
 inline __m512 load_f32(const at::BFloat16* p) { return vec::load16(p); }
 inline __m512 load_f32(const float* p) { return _mm512_loadu_ps(p); }
+
+// x rounded to the nearest fp16 (even on ties), back in fp32; beyond fp16's range (an s of a block of activations
+// over ~2048) x stays as it is, where llama.cpp would store inf. (AVX-512F's conversion: the scalar F16C one is not
+// enabled by the build's -mavx512f.)
+inline float fp16(float x) {
+  if (!(std::fabs(x) < 65504.0f)) return x;
+  const __m256i h = _mm512_cvtps_ph(_mm512_set1_ps(x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_cvtss_f32(_mm512_cvtph_ps(h));
+}
 
 // x [K] (K a multiple of 32) -> a. (GCC 12 warns inside its own _mm512_reduce_* about _mm256_undefined_si256.)
 #pragma GCC diagnostic push
@@ -36,7 +53,7 @@ inline void quantize(const T* x, int64_t K, const Act& a) {
   for (int64_t b = 0; b < K / 32; ++b) {
     const __m512 lo = load_f32(x + 32 * b), hi = load_f32(x + 32 * b + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
-    const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;  // llama.cpp's id, to the bit
+    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;  // llama.cpp's d and id, to the bit
     const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
     const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q + 32 * b), _mm512_cvtsepi32_epi8(qlo));
@@ -45,6 +62,8 @@ inline void quantize(const T* x, int64_t K, const Act& a) {
     a.s16[2 * b] = _mm512_reduce_add_epi32(qlo);
     a.s16[2 * b + 1] = _mm512_reduce_add_epi32(qhi);
     a.s32[b] = a.s16[2 * b] + a.s16[2 * b + 1];
+    a.dh[b] = fp16(d);
+    a.ms[b] = fp16(d * (float)a.s32[b]);
   }
 }
 #pragma GCC diagnostic pop
@@ -63,12 +82,14 @@ class ActBuffer {
 
   Act row(int64_t m) {
     uint8_t* base = aligned() + m * row_bytes();
+    const int64_t f = K_ / 8;  // bytes of one float or int32 per 32 values
     return Act{reinterpret_cast<int8_t*>(base), reinterpret_cast<float*>(base + K_),
-               reinterpret_cast<int32_t*>(base + K_ + K_ / 8), reinterpret_cast<int32_t*>(base + K_ + K_ / 8 + K_ / 4)};
+               reinterpret_cast<float*>(base + K_ + f), reinterpret_cast<float*>(base + K_ + 2 * f),
+               reinterpret_cast<int32_t*>(base + K_ + 3 * f), reinterpret_cast<int32_t*>(base + K_ + 5 * f)};
   }
 
  private:
-  int64_t row_bytes() const { return K_ + K_ / 8 + K_ / 4 + K_ / 8; }  // q, d, s16, s32: multiples of 64
+  int64_t row_bytes() const { return (K_ + 6 * (K_ / 8) + 63) / 64 * 64; }  // q, d, dh, ms, s16 (2 per 32), s32
   uint8_t* aligned() {
     return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(bytes_.data()) + 63) & ~uintptr_t{63});
   }

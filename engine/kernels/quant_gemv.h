@@ -135,15 +135,15 @@ inline void groups(const Act* act, const Part& p, const int64_t gl[G], int64_t K
           const __m512 dw = halves(ch + (F == Q8_0 ? 1024 : F == Q4_0 ? 512 : 640) + u * 32);
           for (int m = 0; m < MT; ++m) {
             const __m512i t = _mm512_sub_epi32(acc[m][g], _mm512_set1_epi32(zero * act[m].s32[unit]));
-            accf[m][g] = _mm512_fmadd_ps(cvt(t), _mm512_mul_ps(dw, _mm512_set1_ps(act[m].d[unit])), accf[m][g]);
+            accf[m][g] = _mm512_fmadd_ps(cvt(t), _mm512_mul_ps(dw, _mm512_set1_ps(act[m].dh[unit])), accf[m][g]);
           }
-        } else if constexpr (offset) {
+        } else if constexpr (offset) {  // d_w dh sum c q + m_w s, s = fp16(d sum q): Q8_1's terms
           const uint8_t* sc = ch + (five ? 640 : 512);
           const __m512 dw = halves(sc + u * 32), mw = halves(sc + 64 + u * 32);
           for (int m = 0; m < MT; ++m) {
-            const float dx = act[m].d[unit];
-            accf[m][g] = _mm512_fmadd_ps(cvt(acc[m][g]), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), accf[m][g]);
-            accf[m][g] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx * (float)act[m].s32[unit]), accf[m][g]);
+            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(act[m].dh[unit]));
+            accf[m][g] = _mm512_fmadd_ps(cvt(acc[m][g]), scale, accf[m][g]);
+            accf[m][g] = _mm512_fmadd_ps(mw, _mm512_set1_ps(act[m].ms[unit]), accf[m][g]);
           }
         } else if constexpr (F == Q4_K) {
           const auto u8s = [&](int64_t at) {

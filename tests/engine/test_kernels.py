@@ -172,6 +172,26 @@ def test_stream_read_probe_reads_every_line(kernels):
 
 
 @needs_bf16
+@pytest.mark.parametrize("m", [5, 8, 16, 17, 40])
+def test_a_rows_output_does_not_depend_on_the_batch_it_is_in(kernels, m):
+    """Every packed bf16 tiling (1-4 rows, one block for 5-16 rows, 4-row tiles above) sums each output over k in
+    one fixed order, so a sequence decoded in a batch of m gets bitwise the logits it would get alone, under both
+    ways of streaming the weights."""
+    ops = torch.ops.deploykit
+    picked = int(ops.gemv_streams())
+    try:
+        for k, n in [(896, 1152), (4864, 896), (96, 16 * 13)]:
+            x, w, b = make(m, k, n, True)
+            wp, bias = kernels.prepare_weight(w), kernels.prepare_bias(b)
+            alone = torch.cat([ops.linear_packed_avx512(x[i:i + 1], wp, bias) for i in range(m)])
+            for streams in (8, 1):
+                ops.set_gemv_streams(streams)
+                assert torch.equal(ops.linear_packed_avx512(x, wp, bias), alone), f"K={k} N={n} streams={streams}"
+    finally:
+        ops.set_gemv_streams(picked)
+
+
+@needs_bf16
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_gemv_streaming_never_changes_a_bit(kernels, m):
     """How the GEMV streams its column blocks is picked per host by timing (kernels/streaming.py), so the two ways

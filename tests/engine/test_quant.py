@@ -36,18 +36,25 @@ def dequantized(raw: Raw) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(raw.data.numpy(), GGMLQuantizationType[raw.type_name])).float()
 
 
-def quantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the kernels see it (llama.cpp's Q8_0 activations): per 32, d = max|x| / 127 and
-    q = round-half-even(x * (1 / d)) in fp32 (1 / d, not 127 / max|x|: they differ in the last bit, and a product
-    near a half rounds either way)."""
-    xb = x.float().reshape(x.shape[0], -1, 32)
-    d = xb.abs().amax(-1, keepdim=True) / 127
-    q = torch.round(xb * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
-    return (q * d).reshape(x.shape)
-
-
-def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    y = quantized_activations(x).double() @ w.double().T
+def reference(x: torch.Tensor, raw: Raw, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] times raw's weights (w, dequantized) as the kernels compute it, in fp64 after the activations are
+    quantized as llama.cpp's x86 quantize_row_q8_0/q8_1 do: per 32, d = max|x| / 127, q = round-half-even(x * (127 /
+    max|x|)) in fp32 (127 / max|x|, not 1 / d: they differ in the last bit, and a product near a half rounds either
+    way); d is used rounded to fp16 (block_q8_0/q8_1's d), and Q4_1/Q5_1's offsets m_w are multiplied by Q8_1's
+    s = fp16(d * sum q), not by fp16(d) * sum q. The K formats keep d in fp32 (llama.cpp pairs them with Q8_K)."""
+    xb = x.float().reshape(x.shape[0], -1, 32)                                       # [M, B, 32]
+    amax = xb.abs().amax(-1, keepdim=True)
+    d = amax / 127
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))  # (torch's 127 / t is
+    q = torch.round(xb * inv)                                                          # 127 * (1 / t): two roundings)
+    k_format = raw.type_name.endswith("_K")
+    scale = d if k_format else d.half().float()
+    y = (q * scale).reshape(x.shape).double() @ w.double().T
+    if raw.type_name in ("Q4_1", "Q5_1"):
+        s = q.sum(-1)                                                                  # [M, B]
+        block = FILE_BLOCK[raw.type_name][1]
+        m = torch.from_numpy(raw.data.numpy().reshape(w.shape[0], -1, block)[:, :, 2:4].copy().view(np.float16))
+        y += ((d[..., 0] * s).half().float() - scale[..., 0] * s).double() @ m[..., 0].double().T
     return (y + bias.double() if bias is not None else y).float()
 
 
@@ -87,16 +94,31 @@ def test_linear_computes_the_reference_at_every_row_count(fmt, m):
     raw = random_raw(fmt, 96, 768 if fmt.endswith("_K") else 320)
     blob, w = quant.pack([raw]), dequantized(raw)
     x, bias = torch.randn(m, w.shape[1]), torch.randn(w.shape[0])
-    want = reference(x, w, bias)
+    want = reference(x, raw, w, bias)
     got = kernels.linear(x, blob, bias)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
     xb = x.bfloat16()
     got_bf16 = kernels.linear(xb, blob, bias)
     assert got_bf16.dtype == torch.bfloat16
-    torch.testing.assert_close(got_bf16.float(), reference(xb, w, bias), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got_bf16.float(), reference(xb, raw, w, bias), rtol=1e-2, atol=1e-2)
     logits = kernels.logits(xb, blob)
     assert logits.dtype == torch.float32
-    torch.testing.assert_close(logits, reference(xb, w), rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    torch.testing.assert_close(logits, reference(xb, raw, w), rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_q4_1_offsets_meet_the_activations_as_llama_cpps_q8_1_blocks():
+    """Q4_1's offsets m_w are multiplied by Q8_1's s = fp16(d * sum q), as in llama.cpp, not by d or fp16(d) times
+    sum q (they differ by up to 2^-12 of each block's term): codes 0 and m_w = 1 leave only those terms."""
+    block = np.zeros((16, 8, 20), dtype=np.uint8)                                 # 16 rows x 8 blocks of 32
+    block[:, :, 0:2] = np.array([0.01], dtype=np.float16).view(np.uint8)          # d_w (times codes 0)
+    block[:, :, 2:4] = np.array([1.0], dtype=np.float16).view(np.uint8)           # m_w
+    raw = Raw("Q4_1", torch.from_numpy(block.reshape(16, -1)))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)) * 3.7
+    got, want = kernels.linear(x, quant.pack([raw])), reference(x, raw, dequantized(raw))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    xb = x.reshape(3, 8, 32)
+    unrounded = (xb.abs().amax(-1) / 127 * torch.round(xb * (127 / xb.abs().amax(-1, keepdim=True))).sum(-1)).sum(-1)
+    assert not torch.allclose(got[:, 0], unrounded, rtol=1e-5, atol=0)            # the case tells them apart
 
 
 def test_rows_are_bitwise_the_same_in_any_batch():

@@ -132,11 +132,14 @@ def test_bf16_fidelity_per_native_path(smollm2, reference, prompts, transformers
 
 
 def test_quantized_weights_are_as_close_to_exact_as_llama_cpp_on_the_same_file(smollm2, reference, tokenizer):
-    """The Q4_1 file run as it is (int8 kernels, bf16 activations) against llama.cpp on the same file, over 16 chat
-    prompts x 48-54 tokens: agreement with fp32 transformers on the dequantized weights at least llama.cpp's own
-    minus one point, and llama.cpp, fed our continuations, picks our token almost everywhere. (Measured here: ours
-    98.4 %, llama.cpp 96.1 % against fp32; the fp32 reference itself agrees with llama.cpp on ~97 %, which bounds
-    the second measure for any implementation.)"""
+    """The Q4_1 file run as it is (int8 kernels) against llama.cpp on the same file, over 16 chat prompts x 48-54
+    tokens, with fp32 activations as llama.cpp computes them: agreement with fp32 transformers on the dequantized
+    weights at least llama.cpp's own minus one point, and llama.cpp, fed our continuations, picks our token at 97 %
+    of positions (issue 19). Measured here: ours 97.3 %, llama.cpp 96.1 % against fp32; llama.cpp's argmax = ours
+    at 97.2 %, as often as it equals the fp32 reference's on the same continuations (97.2 %), which bounds this
+    measure for an implementation that does not copy llama.cpp's roundings. Rounding the activation block scales
+    as llama.cpp's Q8_0/Q8_1 store them (quant_act.h) took it from 96.7 %; bf16 activations give 96.6 % (their own
+    rounding; test_bf16_fidelity_per_native_path holds that path to fp32 transformers)."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/test installs it)")
     from engine import kernels
     if not kernels.quantized_ok():
@@ -145,12 +148,12 @@ def test_quantized_weights_are_as_close_to_exact_as_llama_cpp_on_the_same_file(s
     eos = list(reference.generation_config.eos_token_id if isinstance(reference.generation_config.eos_token_id, list)
                else [reference.generation_config.eos_token_id])
     llama = fidelity.LlamaCpp(smollm2, eos)
-    run = fidelity.engine_in_child(smollm2, prompts, TOKENS, dtype="bfloat16", max_model_len=MAX_LEN, max_num_seqs=4)
-    assert run["quantized"]
+    run = fidelity.engine_in_child(smollm2, prompts, TOKENS, dtype="float32", max_model_len=MAX_LEN, max_num_seqs=4)
+    assert run["quantized"] and run["dtype"] == "float32" and run["kernels"].startswith("native-"), run
     ours = fidelity.agreement(reference, prompts, run["tokens"])
     theirs = fidelity.agreement(reference, prompts, llama.greedy(prompts, TOKENS))
     same_as_llama = fidelity.share_equal(run["tokens"], llama.choices(prompts, run["tokens"]))
     print(f"\nagreement with fp32 transformers: ours {ours:.4f}, llama.cpp {theirs:.4f}; "
           f"llama.cpp's argmax = ours at {same_as_llama:.4f} of positions")
     assert ours >= theirs - 0.01, (ours, theirs)
-    assert same_as_llama >= 0.95, same_as_llama
+    assert same_as_llama >= 0.97, same_as_llama
