@@ -93,30 +93,82 @@ def check_tokenizer(gguf_path: str, model_dir: str) -> dict:
 
 
 class LlamaCppRunner:
-    """One llama.cpp context; generate() mirrors the other frameworks' benchmark workers (greedy, token ids in)."""
+    """generate() runs N prompts as N parallel sequences of one llama.cpp context, as llama-batched-bench does: each
+    prompt is prefilled into its own seq_id, then every step is one llama_decode of one token per sequence (logits
+    for those only) and a greedy argmax per sequence. The other frameworks' benchmark workers mirror it (greedy,
+    token ids in). Low-level API: the high-level Llama object runs a single sequence."""
 
     def __init__(self, gguf_path: str, threads: int, n_ctx: int, n_batch: int):
+        import logging
+
         import llama_cpp
-        self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
-                                   n_threads=threads, n_threads_batch=threads, verbose=False)
+        self.lib, self.threads, self.n_ctx, self.n_batch = llama_cpp, threads, n_ctx, n_batch
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # as Llama(verbose=False): no load log
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
+        self.model = llama_cpp.llama_model_load_from_file(str(gguf_path).encode(), params)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf_path}")
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.contexts: dict[int, object] = {}  # sequences -> context (its KV cache has one stream per sequence)
         self.info = {"llama_cpp_python": llama_cpp.__version__,
                      "system_info": llama_cpp.llama_print_system_info().decode().strip()}
 
-    def _argmax(self) -> int:
-        return int(np.argmax(_last_logits(self.llm)))
+    def _context(self, n_seq: int):
+        """A context for n_seq parallel sequences of up to n_ctx tokens each. kv_unified=False gives each sequence
+        its own KV stream, so attention reads only that sequence's cells (llama.cpp's advice for sequences that
+        share no prefix). Flash attention keeps llama.cpp's default (auto: on for this CPU backend), which
+        the Llama object turns off: that cost llama.cpp 15-20 % at 16 sequences on the benchmark model."""
+        if n_seq not in self.contexts:
+            lib = self.lib
+            if n_seq > min(self.n_batch, lib.llama_max_parallel_sequences()):  # a step's batch holds them all
+                raise ValueError(f"{n_seq} sequences: at most {min(self.n_batch, lib.llama_max_parallel_sequences())}")
+            p = lib.llama_context_default_params()
+            p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_seq * self.n_ctx, self.n_batch, self.n_batch, n_seq
+            p.n_threads = p.n_threads_batch = self.threads
+            p.kv_unified, p.flash_attn_type = False, lib.LLAMA_FLASH_ATTN_TYPE_AUTO
+            ctx = lib.llama_init_from_model(self.model, p)
+            if not ctx:
+                raise RuntimeError(f"llama.cpp could not make a context for {n_seq} sequences")
+            self.contexts[n_seq] = ctx
+        return self.contexts[n_seq]
+
+    def _decode(self, ctx, batch, rows: list[tuple[int, int, int, bool]]) -> dict[int, int]:
+        """One llama_decode of rows (token, position, seq_id, wants logits); the argmax of each row that wants
+        logits, by seq_id. llama_get_logits_ith takes the row's index in the batch."""
+        lib = self.lib
+        for i, (tok, pos, seq, out) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.logits[i] = tok, pos, out
+            batch.n_seq_id[i], batch.seq_id[i][0] = 1, seq
+        batch.n_tokens = len(rows)
+        if (rc := lib.llama_decode(ctx, batch)) != 0:
+            raise RuntimeError(f"llama_decode returned {rc} for {len(rows)} tokens")
+        return {seq: int(np.argmax(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, i), shape=(self.n_vocab,))))
+                for i, (_, _, seq, out) in enumerate(rows) if out}
 
     def generate(self, prompts: list[list[int]], tokens: int) -> dict:
-        (ids,) = prompts  # the high-level Llama object runs one sequence
-        llm = self.llm
-        llm.reset()  # eval() then drops the whole KV cache before the prompt
-        t0 = time.perf_counter()
-        llm.eval(ids)
-        seq = [self._argmax()]
-        first = time.perf_counter()
-        while len(seq) < tokens:
-            llm.eval(seq[-1:])
-            seq.append(self._argmax())
-        return {"ttft_s": first - t0, "decode_s": time.perf_counter() - first, "tokens": [seq]}
+        lib, n = self.lib, len(prompts)
+        if any(len(p) + tokens > self.n_ctx for p in prompts):
+            raise ValueError(f"a prompt plus {tokens} tokens exceeds the {self.n_ctx} positions a sequence has")
+        ctx = self._context(n)
+        lib.llama_memory_clear(lib.llama_get_memory(ctx), True)  # every call starts from an empty cache
+        batch = lib.llama_batch_init(self.n_batch, 0, 1)  # one seq_id per token
+        try:
+            t0 = time.perf_counter()
+            # Prefill: the prompts' tokens back to back, n_batch per llama_decode, logits at each prompt's end.
+            rows = [(tok, pos, seq, pos == len(p) - 1) for seq, p in enumerate(prompts) for pos, tok in enumerate(p)]
+            nxt: dict[int, int] = {}
+            for i in range(0, len(rows), self.n_batch):
+                nxt.update(self._decode(ctx, batch, rows[i:i + self.n_batch]))
+            seqs = [[nxt[s]] for s in range(n)]
+            first = time.perf_counter()
+            for step in range(tokens - 1):  # one token per sequence per llama_decode
+                nxt = self._decode(ctx, batch, [(seqs[s][-1], len(p) + step, s, True) for s, p in enumerate(prompts)])
+                for s in range(n):
+                    seqs[s].append(nxt[s])
+            return {"ttft_s": first - t0, "decode_s": time.perf_counter() - first, "tokens": seqs}
+        finally:
+            lib.llama_batch_free(batch)
 
 
 if __name__ == "__main__":
