@@ -251,6 +251,7 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
   for (auto& a : acts) a.reserve(B, std::max({H, Hq * D, I}));
   for (auto& s : scratches) {
     s.scores.reserve(G * longest);
+    s.keys.reserve(longest);
     s.inv.reserve(G);
   }
   bf16* hp = h.data_ptr<bf16>();

@@ -26,36 +26,9 @@ namespace {
 
 using bf16 = at::BFloat16;
 using vec::dot2;
+using vec::reduce16;
 using vec::to_bf16;
 using gemv::packed_block;
-
-// Permute indices for one halving step of a 16-way transposed reduction: with h lanes per row
-// in a and b, out lane j sums lanes (base + j%h) and (base + h + j%h) of concat(a, b).
-struct HalvingIdx {
-  __m512i lo, hi;
-  explicit HalvingIdx(int h) {
-    alignas(64) int32_t l[16], u[16];
-    for (int j = 0; j < 16; ++j) {
-      const int base = (j / h) * 2 * h;
-      l[j] = base + j % h;
-      u[j] = base + h + j % h;
-    }
-    lo = _mm512_load_si512(l);
-    hi = _mm512_load_si512(u);
-  }
-};
-
-// acc[r] holds 16 partial sums of row r; returns lane r = sum(acc[r]) for r < 16.
-inline __m512 reduce16(__m512 acc[16]) {
-  static const HalvingIdx idx[4] = {HalvingIdx(8), HalvingIdx(4), HalvingIdx(2), HalvingIdx(1)};
-  for (int level = 0, n = 16; n > 1; ++level, n /= 2)
-    for (int i = 0; i < n / 2; ++i) {
-      const __m512 a = acc[2 * i], b = acc[2 * i + 1];
-      acc[i] = _mm512_add_ps(_mm512_permutex2var_ps(a, idx[level].lo, b),
-                             _mm512_permutex2var_ps(a, idx[level].hi, b));
-    }
-  return acc[0];
-}
 
 // `prefetch`: the next block of R contiguous rows (or nullptr); one of its lines is requested into
 // L2 per line loaded here (a block of long rows exceeds L1). R rows of a few KiB are R short

@@ -1,4 +1,4 @@
-// Small AVX-512 helpers shared by every kernel: bf16 <-> fp32, the bf16 pair dot product, and exp.
+// Small AVX-512 helpers shared by every kernel: bf16 <-> fp32, the bf16 pair dot product, 16 sums at once, and exp.
 //
 // The sources compile twice (engine/kernels/build.py): with -mavx512bf16 (vdpbf16ps, vcvtneps2bf16) and for
 // plain AVX-512F (Skylake-SP to Ice Lake, or a hypervisor that hides the BF16 CPUID bit), where a bf16 is
@@ -56,6 +56,35 @@ inline __m512 dot2(__m512 acc, __m512i a, __m512i b) {
 inline void store16(bf16* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, to_bf16(v)); }
 inline void store16_masked(bf16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, to_bf16(v)); }
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+
+// Permute indices for one halving step of a 16-way transposed reduction: with h lanes per row
+// in a and b, out lane j sums lanes (base + j%h) and (base + h + j%h) of concat(a, b).
+struct HalvingIdx {
+  __m512i lo, hi;
+  explicit HalvingIdx(int h) {
+    alignas(64) int32_t l[16], u[16];
+    for (int j = 0; j < 16; ++j) {
+      const int base = (j / h) * 2 * h;
+      l[j] = base + j % h;
+      u[j] = base + h + j % h;
+    }
+    lo = _mm512_load_si512(l);
+    hi = _mm512_load_si512(u);
+  }
+};
+
+// acc[r] holds 16 partial sums of row r; returns lane r = sum(acc[r]) for r < 16. Lanes are paired (j, j + 8), then
+// (j, j + 4), (j, j + 2), (j, j + 1): the tree of GCC's _mm512_reduce_add_ps, so each lane is bitwise that sum.
+inline __m512 reduce16(__m512 acc[16]) {
+  static const HalvingIdx idx[4] = {HalvingIdx(8), HalvingIdx(4), HalvingIdx(2), HalvingIdx(1)};
+  for (int level = 0, n = 16; n > 1; ++level, n /= 2)
+    for (int i = 0; i < n / 2; ++i) {
+      const __m512 a = acc[2 * i], b = acc[2 * i + 1];
+      acc[i] = _mm512_add_ps(_mm512_permutex2var_ps(a, idx[level].lo, b),
+                             _mm512_permutex2var_ps(a, idx[level].hi, b));
+    }
+  return acc[0];
+}
 
 // exp(x) = 2^t, t = x log2(e) = 2^n * 2^f with n = round(t), f in [-0.5, 0.5] (the compiler has no vector
 // exp). t is clamped to [-126, 126] so 2^n stays a normal float: exp(x) for x < -87 comes out ~1e-38
