@@ -13,6 +13,8 @@ thread per CPU), so llama.cpp's OpenMP runtime never shares a process with torch
 every measurement in alternating order, one at a time, a measurement during which other processes used our CPUs is
 repeated, and each number is reported as best and median over the rounds. Decode rates exclude prefill (they start
 at the step that delivered every sequence's first token); prefill is the time to first token of a 512-token prompt.
+llama.cpp runs with its defaults, flash attention included (auto: on here; runs before 2026-11-25 had it off), and
+N sequences as N parallel sequences of one context (benchmarks/gguf_export.py).
 """
 from __future__ import annotations
 
