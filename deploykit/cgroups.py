@@ -27,6 +27,20 @@ class Limits:
     memory_bytes: int | None
 
 
+@dataclass(frozen=True, slots=True)
+class Throttling:
+    """cpu.stat's CFS counters, summed over the cgroups whose quota applies; the difference of two samples is what
+    happened between them."""
+
+    periods: int  # enforcement periods elapsed while the cgroup had runnable threads
+    throttled: int  # periods that ended with the quota used up
+    seconds: float  # thread time held back
+
+    def __sub__(self, earlier: Throttling) -> Throttling:
+        return Throttling(self.periods - earlier.periods, self.throttled - earlier.throttled,
+                          self.seconds - earlier.seconds)
+
+
 def paths(r: Reader, proc: str) -> tuple[dict[str, str], str | None]:
     """({v1 controller: path}, v2 path or None) from /proc/<pid>/cgroup."""
     v1: dict[str, str] = {}
@@ -65,8 +79,8 @@ def limits(r: Reader, proc: str = "proc/self") -> Limits:
     return Limits(cpus, mems, quota, mem)  # type: ignore[arg-type]
 
 
-def throttling(sysroot: str | Path = "/", pid: int | None = None) -> tuple[int, int, float] | None:
-    """(periods, periods throttled, seconds throttled) so far, from cpu.stat of the cgroups whose CFS quota applies to
+def throttling(sysroot: str | Path = "/", pid: int | None = None) -> Throttling | None:
+    """The counters so far, from cpu.stat of the cgroups whose CFS quota applies to
     the process (the same directories the quota is read from); None when no quota applies. Sample twice: a count
     that grows while the process works is the quota biting."""
     r = Reader(Path(sysroot))
@@ -86,7 +100,7 @@ def throttling(sysroot: str | Path = "/", pid: int | None = None) -> tuple[int, 
         periods += int(stat.get("nr_periods", 0))
         throttled += int(stat.get("nr_throttled", 0))
         seconds += int(stat.get(key, 0)) * scale
-    return periods, throttled, seconds
+    return Throttling(periods, throttled, seconds)
 
 
 def _ancestors(r: Reader, mount: str, path: str) -> list[str]:

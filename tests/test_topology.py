@@ -52,6 +52,28 @@ def test_cgroup_v2_quota(sysroots):
     assert t.allowed_cpus == tuple(range(16)) and t.quota_cpus == 4.0
 
 
+@pytest.mark.parametrize("machine,stat,key,unit", [("quota4-in-16", "sys/fs/cgroup/cpu.stat", "throttled_usec", 1e6),
+                                                    ("epyc-container-8c", "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.stat",
+                                                     "throttled_time", 1e9)])
+def test_throttling_counters_of_the_cgroup_whose_quota_applies(sysroots, tmp_path, machine, stat, key, unit):
+    """doctor samples cpu.stat before and after its window: the difference is the throttling during it (v2 counts
+    microseconds, v1 nanoseconds)."""
+    import shutil
+
+    from deploykit import cgroups
+    root = shutil.copytree(sysroots[machine], tmp_path / "root", symlinks=True)
+    (root / stat).parent.mkdir(parents=True, exist_ok=True)
+    if machine == "epyc-container-8c":  # the quota must sit where the process's cgroup path points
+        (root / stat).with_name("cpu.cfs_quota_us").write_text("800000\n")
+    (root / stat).write_text(f"nr_periods 100\nnr_throttled 10\n{key} {int(0.5 * unit)}\n")
+    before = cgroups.throttling(root)
+    (root / stat).write_text(f"nr_periods 150\nnr_throttled 40\n{key} {int(2.0 * unit)}\n")
+    during = cgroups.throttling(root) - before
+    assert (before.periods, before.throttled, before.seconds) == (100, 10, 0.5)
+    assert (during.periods, during.throttled, during.seconds) == (50, 30, 1.5)
+    assert cgroups.throttling(sysroots["epyc-2s-nps1"]) is None  # no quota: nothing to measure
+
+
 def test_offline_cpus_and_memory_only_node(sysroots):
     t = topology.read(sysroots["cxl-offline"])
     assert t.offline == (15, 31)

@@ -21,7 +21,7 @@ def examine_pid(pid: int, seconds: float, *, during=None, driven: str = "",
     before = cgroups.throttling("/", pid)
     s = sample(pid, seconds, during)
     after = cgroups.throttling("/", pid)
-    ctx = Context(topo, (before, after) if before and after else None, omp_tids, driven)
+    ctx = Context(topo, after - before if before is not None and after is not None else None, omp_tids, driven)
     sections = list(extra) + analyse(s, ctx)
     hidden = sorted({f for p in s.after.values() for f in p.unreadable})
     if hidden:

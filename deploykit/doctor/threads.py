@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from .. import cpulist, procfs
+from .. import cgroups, cpulist, procfs
 from ..process import Proc, Sample
 from ..topology import Topology
 from ..units import human
@@ -23,7 +23,7 @@ LOCAL = 0.8  # below this share of memory on the busy threads' nodes, memory pla
 @dataclass(frozen=True, slots=True)
 class Context:
     topo: Topology  # the host, with the target's cpuset and quota (topology.read(pid=...))
-    throttling: tuple[tuple[int, int, float], tuple[int, int, float]] | None = None  # (before, after) cpu.stat
+    throttling: cgroups.Throttling | None = None  # cpu.stat's counters over the sample (after - before)
     omp_tids: frozenset[int] | None = None  # known OpenMP workers (our engine reports them); None = unknown
     driven: str = ""  # what load ran during the window ("a 64-token generation"), "" = whatever it was doing
 
@@ -244,8 +244,7 @@ def _throttled(ctx: Context, used: float, seconds: float) -> Finding | None:
         return Finding("cpu.throttled", OK, "no CFS quota on the process's cgroup")
     if ctx.throttling is None:
         return Finding("cpu.throttled", INFO, f"CFS quota {q:g} CPUs; throttling not measured")
-    (p0, t0, s0), (p1, t1, s1) = ctx.throttling
-    periods, throttled, lost = p1 - p0, t1 - t0, s1 - s0
+    periods, throttled, lost = ctx.throttling.periods, ctx.throttling.throttled, ctx.throttling.seconds
     cpus = len(ctx.topo.cpuset or ctx.topo.allowed_cpus)
     evidence = (f"cpu.stat over the sample: {throttled} of {periods} periods throttled, {lost:.2f} s of thread "
                 f"time held back", f"quota {q:g} CPUs, cpuset {cpus} CPUs, {used:.2f} CPUs used")
