@@ -171,24 +171,38 @@ def test_stream_read_probe_reads_every_line(kernels):
             assert torch.ops.deploykit.stream_read(t, streams) == 1 << (index % 63)
 
 
-@needs_bf16
-@pytest.mark.parametrize("m", [5, 8, 16, 17, 40])
-def test_a_rows_output_does_not_depend_on_the_batch_it_is_in(kernels, m):
-    """Every packed bf16 tiling (1-4 rows, one block for 5-16 rows, 4-row tiles above) sums each output over k in
-    one fixed order, so a sequence decoded in a batch of m gets bitwise the logits it would get alone, under both
-    ways of streaming the weights."""
+# Shapes of the streaming/batching bitwise checks: the model's qkv and down, and a block count no multiple of 8.
+STREAM_SHAPES = [(896, 1152), (4864, 896), (96, 16 * 13)]
+
+
+def each_streaming(kernels, m: int):
+    """(K, N, x, packed w, bias, {streams: y}) per STREAM_SHAPES, y computed under each way the GEMV streams its
+    weights (gemv.h Streams; the host's pick is restored)."""
     ops = torch.ops.deploykit
     picked = int(ops.gemv_streams())
     try:
-        for k, n in [(896, 1152), (4864, 896), (96, 16 * 13)]:
+        for k, n in STREAM_SHAPES:
             x, w, b = make(m, k, n, True)
             wp, bias = kernels.prepare_weight(w), kernels.prepare_bias(b)
-            alone = torch.cat([ops.linear_packed_avx512(x[i:i + 1], wp, bias) for i in range(m)])
+            out = {}
             for streams in (8, 1):
                 ops.set_gemv_streams(streams)
-                assert torch.equal(ops.linear_packed_avx512(x, wp, bias), alone), f"K={k} N={n} streams={streams}"
+                out[streams] = ops.linear_packed_avx512(x, wp, bias)
+            yield k, n, (x, w, b), (wp, bias), out
     finally:
         ops.set_gemv_streams(picked)
+
+
+@needs_bf16
+@pytest.mark.parametrize("m", [5, 8, 16, 17, 40])
+def test_a_rows_output_does_not_depend_on_the_batch_it_is_in(kernels, m):
+    """Every packed bf16 tiling (1-4 rows, 8-row passes over pairs of blocks for 5-16 rows, 4-row tiles above) sums
+    each output over k in one fixed order, so a sequence decoded in a batch of m gets bitwise the logits it would get
+    alone, under both ways of streaming the weights."""
+    for k, n, (x, _, _), (wp, bias), out in each_streaming(kernels, m):
+        alone = torch.cat([torch.ops.deploykit.linear_packed_avx512(x[i:i + 1], wp, bias) for i in range(m)])
+        for streams, y in out.items():
+            assert torch.equal(y, alone), f"K={k} N={n} streams={streams}"
 
 
 @needs_bf16
@@ -197,20 +211,9 @@ def test_gemv_streaming_never_changes_a_bit(kernels, m):
     """How the GEMV streams its column blocks is picked per host by timing (kernels/streaming.py), so the two ways
     must give bitwise the same outputs, also on a range whose block count is no multiple of 8 (the 8-stream path
     then runs groups of 4 and single blocks)."""
-    ops = torch.ops.deploykit
-    picked = int(ops.gemv_streams())
-    try:
-        for k, n in [(896, 1152), (4864, 896), (96, 16 * 13)]:
-            x, w, b = make(m, k, n, True)
-            wp, bias = kernels.prepare_weight(w), kernels.prepare_bias(b)
-            out = {}
-            for streams in (8, 1):
-                ops.set_gemv_streams(streams)
-                out[streams] = ops.linear_packed_avx512(x, wp, bias)
-            assert torch.equal(out[8], out[1]), f"K={k} N={n}"
-            assert_close(out[1], x, w, b)
-    finally:
-        ops.set_gemv_streams(picked)
+    for k, n, (x, w, b), _, out in each_streaming(kernels, m):
+        assert torch.equal(out[8], out[1]), f"K={k} N={n}"
+        assert_close(out[1], x, w, b)
 
 
 @needs_bf16
