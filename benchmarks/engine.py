@@ -154,13 +154,9 @@ def rss() -> dict:
 
 
 def best_time(fn, reps: int) -> float:
+    from benchmarks.roofline import best_seconds
     fn()  # warm-up: page-in, oneDNN primitive cache, AMX tile state
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+    return best_seconds(fn, reps)
 
 
 def serve_worker(a) -> None:

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 STREAMS = (1, 2, 4, 8)
 
 
-def _best(fn, rounds: int) -> float:
+def best_seconds(fn, rounds: int) -> float:
+    """The fastest of `rounds` timed calls of fn (no warm-up: callers decide)."""
     best = float("inf")
     for _ in range(rounds):
         t = time.perf_counter()
@@ -37,15 +38,15 @@ def _buffers() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def read_bandwidth(rounds: int = 3, native: bool = True) -> dict:
     """GB/s per probe and the best of them (`best_gbps`). native: whether the kernel library is loaded."""
     data, w, x = _buffers()
-    out: dict = {"fp32_gemv_gbps": round(w.nbytes / _best(lambda: F.linear(x, w), rounds) / 1e9, 2)}
+    out: dict = {"fp32_gemv_gbps": round(w.nbytes / best_seconds(lambda: F.linear(x, w), rounds) / 1e9, 2)}
     if native:
         out["stream_read_gbps_by_streams"] = {
-            s: round(data.nbytes / _best(lambda s=s: torch.ops.deploykit.stream_read(data, s), rounds) / 1e9, 2)
+            s: round(data.nbytes / best_seconds(lambda s=s: torch.ops.deploykit.stream_read(data, s), rounds) / 1e9, 2)
             for s in STREAMS}
         out["stream_read_gbps"] = max(out["stream_read_gbps_by_streams"].values())
         out["stream_read_probe"] = "native avx512, best stream count per thread"
     else:
-        out["stream_read_gbps"] = round(data.nbytes / _best(lambda: torch.sum(data), rounds) / 1e9, 2)
+        out["stream_read_gbps"] = round(data.nbytes / best_seconds(lambda: torch.sum(data), rounds) / 1e9, 2)
         out["stream_read_probe"] = "torch.sum (compute-bound, understates)"
     out["best_gbps"] = max(out["stream_read_gbps"], out["fp32_gemv_gbps"])
     return out
