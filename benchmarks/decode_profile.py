@@ -12,7 +12,9 @@ decodes greedily at batch 1 (a 16-token prompt, then --tokens tokens), rounds al
     benchmarks/roofline.py measured before and after in the same run.
 The JSON also names the streaming the start-up measurement (engine/kernels/streaming.py) picked on this host.
 
-    flock /tmp/deploykit-heavy.lock python benchmarks/decode_profile.py [--rounds 5] [--tokens 64]
+`--gguf FILE` profiles a (quantized) GGUF file instead, its roofline counted from the file's weight bytes.
+
+    flock /tmp/deploykit-heavy.lock python benchmarks/decode_profile.py [--rounds 5] [--tokens 64] [--gguf FILE]
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ def main() -> None:
     ap.add_argument("--model-dir", type=Path, default=Path.home() / ".cache/deploykit/bench/qwen2-350m-bf16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--gguf", type=Path, default=None,
+                    help="profile this (quantized) GGUF file instead; the roofline then counts its weight bytes")
     a = ap.parse_args()
 
     from deploykit import cpulist
@@ -108,7 +112,7 @@ def main() -> None:
     b = binding.prepare(binding.resolve("auto"))
     import torch  # OpenMP starts with the binding's environment
     binding.finish(b)
-    from benchmarks.engine import ensure_model, weight_stats
+    from benchmarks.engine import ensure_model, gguf_weight_stats, weight_stats
     from benchmarks.roofline import read_bandwidth
     ensure_model(a.model_dir)
 
@@ -118,14 +122,15 @@ def main() -> None:
     if kernels.status()["path"] == "fallback":
         raise SystemExit(f"the native kernels are not loaded ({kernels.status()['reason']}): nothing to profile")
     ops = torch.ops.deploykit
-    core = EngineCore(EngineConfig(str(a.model_dir), dtype="bfloat16", max_model_len=1024, max_num_seqs=4))
+    src = str(a.gguf or a.model_dir)
+    core = EngineCore(EngineConfig(src, dtype="bfloat16", max_model_len=1024, max_num_seqs=4))
     picked = kernels.tune_streams()
     timers = Timers()
     timers.wrap(kernels, "decode_step_", "native_step")  # the model calls kernels.decode_step_ by attribute
     timers.wrap(core.runner.model, "forward", "forward")
     timers.wrap(core.runner.model, "compute_logits", "logits")
     timers.wrap(core, "sampler", "sampler")
-    w = weight_stats(a.model_dir)
+    w = gguf_weight_stats(src) if a.gguf else weight_stats(a.model_dir)
     vocab = core.model_config.vocab_size
     bw_before = read_bandwidth(3)
     decode_round(core, timers, ops, vocab, 8)  # warm-up
@@ -143,7 +148,7 @@ def main() -> None:
         "host": {"cpu": platform.processor() or platform.machine(), "model_name": cpu_model(), "isa": flags,
                  "cpus": cpulist.format(b.cpus), "threads": b.threads, "torch": torch.__version__,
                  "kernels": kernels.status()["path"]},
-        "model": {"dir": str(a.model_dir), "decode_read_bytes": w["decode_read_bytes"]},
+        "model": {"source": src, "decode_read_bytes": w["decode_read_bytes"]},
         "settings": {"rounds": a.rounds, "tokens": a.tokens, "prompt_tokens": PROMPT, "batch": 1},
         "picked_at_startup": {"streams": picked.streams, "how": picked.describe()},
         "roofline": {"before": bw_before, "after": bw_after, "best_gbps": roof,

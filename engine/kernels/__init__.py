@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from deploykit import isa
 from engine.kernels import loader, streaming
 
-__all__ = ["LIMITS", "add_rms_norm", "decode_attention", "decode_attention_supported", "decode_step_",
+__all__ = ["LIMITS", "add_rms_norm", "argmax", "decode_attention", "decode_attention_supported", "decode_step_",
            "decode_step_supported", "fused", "head_rms_norm_", "is_quantized", "linear", "logits", "prepare_bias",
            "prepare_weight", "quant_pack", "quant_parts", "quant_rows", "quantized_ok", "rotary_", "silu_mul", "status", "tune_streams"]
 
@@ -45,6 +45,7 @@ if _ops is not None:  # resolved once: the OpOverloadPacket lookup costs microse
     _decode_step = _ops.decode_step_.default
     _decode_attention = _ops.decode_attention.default
     _quant_linear = _ops.quant_linear.default
+    _argmax_rows = _ops.argmax_rows.default
 
 # The kernels' shape limits, stated once in C++ and read from the extension (decode_step.cpp `limits`):
 # step_max_rows: decode_step_ takes up to this many sequences (the GEMV loads each weight line once for all of them,
@@ -161,6 +162,14 @@ def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if w.dtype == _U8:
         return _quant_linear(x.contiguous(), w, None, True)
     return linear(x, w, None).float()
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """Row-wise argmax of fp32 [R, V] logits as torch.argmax gives it (first maximum, NaN first), in one native pass;
+    None where the library is not loaded (the caller then runs its PyTorch argmax)."""
+    if _ops is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    return _argmax_rows(x)
 
 
 def fused(x: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ import torch
 from torch.utils import cpp_extension
 
 SOURCES = ("gemv_bf16.cpp", "amx_bf16.cpp", "amx_plain_bf16.cpp", "stream_read.cpp", "decode_ops.cpp",
-           "decode_attention.cpp", "decode_step.cpp", "quant_pack.cpp", "qlinear.cpp")
+           "decode_attention.cpp", "decode_step.cpp", "quant_pack.cpp", "qlinear.cpp", "argmax.cpp")
 HEADERS = ("vec.h", "gemv.h", "row_ops.h", "attention.h", "op_args.h", "quant_layout.h", "quant_act.h", "quant_gemv.h",
            "step_profile.h")
 MANIFEST_NAME = "manifest.json"

@@ -491,3 +491,27 @@ def test_decode_attention_rejects_tables_that_point_outside_the_cache(kernels):
         call(9, 3)
     with pytest.raises(RuntimeError, match="context length"):
         call(0, 17)
+
+
+@needs_bf16
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 1024, 49152, 151936])
+def test_argmax_is_torch_argmax_on_ties_infinities_and_nans(kernels, vocab):
+    # The greedy token of every step: the native pass must give torch.argmax's index on everything logits hold
+    # (the first of tied maxima, -inf from bans and grammars, a NaN from a broken model), tails included.
+    from engine.sampling import _argmax_torch
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g) * 5
+    x[1] = -torch.inf                                           # everything banned
+    x[2, vocab // 3] = x[2, vocab - 1] = 1e4                    # a tie: the first
+    x[3, vocab - 1] = 1e4                                       # the maximum in the tail
+    x[4, ::2] = -torch.inf                                      # half banned
+    x[5, vocab // 2] = torch.nan                                # NaN counts as the maximum
+    x[6, -1] = x[6, vocab // 4] = torch.nan                     # the first NaN
+    x[7] = 0.0
+    x[7, vocab // 2:] = -0.0                                    # 0 and -0 tie
+    x[8, vocab - 1] = torch.inf
+    got = kernels.argmax(x)
+    assert got.dtype == torch.int64 and got.tolist() == x.argmax(-1).tolist()
+    assert _argmax_torch(x).tolist() == x.argmax(-1).tolist()
+    strided = torch.zeros(9, vocab + 5)[:, :vocab].copy_(x)     # rows apart in memory (a sliced batch)
+    assert kernels.argmax(strided).tolist() == x.argmax(-1).tolist()

@@ -262,6 +262,26 @@ def test_ignore_eos_never_samples_eos():
     assert masked[:, 0].tolist() == [-math.inf, -math.inf]
 
 
+def test_greedy_under_bans_is_the_argmax_of_the_masked_logits():
+    # The greedy fast path takes the raw argmax unless it is banned; rows whose best token is EOS, or ties with it,
+    # must get what masking first gives (the first remaining maximum).
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 5000, generator=g)
+    logits[0, EOS] = 50.0                                   # EOS best: the next best wins
+    logits[1, EOS] = logits[1, 4321] = 50.0                 # EOS tied with a later token: that token
+    logits[2, 17] = logits[2, 4000] = 60.0                  # a tie without EOS: the first of the two
+    params = [SamplingParams(temperature=0, ignore_eos=True), SamplingParams(temperature=0, ignore_eos=True),
+              SamplingParams(temperature=0, ignore_eos=True), SamplingParams(temperature=0, min_tokens=5),
+              SamplingParams(temperature=0), SamplingParams(temperature=0, min_tokens=1, stop_token_ids=(9,))]
+    logits[3, EOS] = logits[5, 9] = 70.0
+    states = states_for(params, 5000)
+    masked = logits.clone()
+    apply_bans(masked, states)
+    expected = masked.argmax(-1).tolist()
+    assert Sampler()(logits.clone(), states).token_ids == expected
+    assert expected[:3] == [logits[0, 1:].argmax().item() + 1, 4321, 17] and expected[4] == logits[4].argmax()
+
+
 def test_logprobs_are_raw_log_softmax_with_sorted_alternatives():
     logits = torch.randn(3, 5003, generator=torch.Generator().manual_seed(2)) * 3
     params = [SamplingParams(logprobs=5, temperature=0.7, top_k=40, repetition_penalty=1.5, seed=1),
