@@ -40,7 +40,7 @@ void run(const In* x, int64_t ldx, int64_t M, const Matrix& w, const float* bias
     for (int64_t b = b0; b < b1; b += 2) {
       const int64_t e = std::min(b + 2, b1);
       for (int64_t m = 0; m < M; m += 4)
-        rows(std::min<int64_t>(4, M - m), acts.data() + m, w, b, e, bias, out + m * N, N);
+        rows(std::min<int64_t>(4, M - m), acts.data() + m, w, b, e, bias, out + m * N, N, false);
     }
   });
 }

@@ -39,9 +39,15 @@ constexpr int groups_for() {
   return 1;
 }
 
-// No software prefetch: measured on Zen 4 (M = 1, the model's shapes), prefetching each group's stream 2 KiB ahead
-// (as gemv.h does for bf16) cost 10-30 %, and fetching the next G groups into L2 during these did not help either; a
-// 16-row group of 4-bit weights is a short stream (8 KiB at K = 896) that the hardware prefetcher follows alone.
+// Streaming ahead (the GEMV of up to 4 rows, whose weights are read once): each unit requests its share of the lines
+// STREAM_AHEAD bytes further down its group's stream with PREFETCHNTA, a few lines per unit rather than a chunk's
+// worth at once. Measured on Zen 4 in the batch-1 engine step (benchmarks/decode_profile.py --gguf, variants
+// alternated in one process): 4-9 % less time a token on Q4_0, Q8_0 and Q4_K_M at 3-4 KiB ahead, from both the
+// GEMV and the work between steps, which finds more of its own lines still cached when the weights went through
+// as non-temporal. Whole chunks requested at once instead cost Q4_K_M 5-8 % (37 lines in one burst), and T0/T1
+// prefetches 2 KiB ahead 0-30 %. Tiles of a wider call re-read a group pair from L1/L2 after the first tile, so
+// they do not stream ahead: non-temporal lines would be gone by then.
+constexpr int64_t STREAM_AHEAD = 4096;
 
 inline __m512 halves(const uint8_t* p) {  // 16 fp16 -> fp32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -56,8 +62,9 @@ inline __m512 cvt(__m512i v) { return _mm512_cvtepi32_ps(v); }
 inline void store16(at::BFloat16* p, __m512 v) { vec::store16(p, v); }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 
-// out[m, col[g] .. col[g] + 16) for MT activation rows and G groups (local indices gl[] of part p).
-template <int F, int MT, int G, class Out>
+// out[m, col[g] .. col[g] + 16) for MT activation rows and G groups (local indices gl[] of part p). Ahead: stream
+// the weights ahead non-temporally (above).
+template <int F, int MT, int G, bool Ahead, class Out>
 inline void groups(const Act* act, const Part& p, const int64_t gl[G], int64_t K, const float* bias, Out* out,
                    int64_t ldo) {
   constexpr Info inf = info_of(F);
@@ -71,6 +78,13 @@ inline void groups(const Act* act, const Part& p, const int64_t gl[G], int64_t K
   const int64_t chunks = K / (32 * inf.units);
   for (int64_t c = 0; c < chunks; ++c) {
     for (int u = 0; u < inf.units; ++u) {
+      if constexpr (Ahead) {  // this unit's share of the lines of chunk c, STREAM_AHEAD bytes on
+        constexpr int lines = inf.chunk_bytes / 64, per = (lines + inf.units - 1) / inf.units;
+        for (int g = 0; g < G; ++g)
+          for (int i = u * per; i < std::min(lines, (u + 1) * per); ++i)
+            _mm_prefetch(reinterpret_cast<const char*>(base[g] + c * inf.chunk_bytes + STREAM_AHEAD + i * 64),
+                         _MM_HINT_NTA);
+      }
       const int64_t unit = c * inf.units + u;
       __m512i acc[MT][G], accb[MT][G];  // two chains; Q6_K: accb is the unit's second 16 k (its own scale)
       for (int m = 0; m < MT; ++m)
@@ -181,52 +195,62 @@ inline void groups(const Act* act, const Part& p, const int64_t gl[G], int64_t K
 
 // Groups [g, g1) of part p, G at a time while G fit, then in halves: a range's tail still streams several groups at
 // once instead of one by one.
-template <int F, int MT, int G, class Out>
+template <int F, int MT, int G, bool Ahead, class Out>
 inline void batches(const Act* act, const Part& p, int64_t g, int64_t g1, int64_t K, const float* bias, Out* out,
                     int64_t ldo) {
   for (; g + G <= g1; g += G) {
     int64_t gl[G];
     for (int i = 0; i < G; ++i) gl[i] = g + i;
-    groups<F, MT, G>(act, p, gl, K, bias, out, ldo);
+    groups<F, MT, G, Ahead>(act, p, gl, K, bias, out, ldo);
   }
-  if constexpr (G > 1) batches<F, MT, G / 2>(act, p, g, g1, K, bias, out, ldo);
+  if constexpr (G > 1) batches<F, MT, G / 2, Ahead>(act, p, g, g1, K, bias, out, ldo);
 }
 
-template <int F, int MT, class Out>
+template <int F, int MT, bool Ahead, class Out>
 inline void part_range(const Act* act, const Part& p, int64_t g0, int64_t g1, int64_t K, const float* bias, Out* out,
                        int64_t ldo) {
-  batches<F, MT, groups_for<F, MT>()>(act, p, g0, g1, K, bias, out, ldo);
+  batches<F, MT, groups_for<F, MT>(), Ahead>(act, p, g0, g1, K, bias, out, ldo);
 }
 
-template <int MT, class Out>
+template <int MT, bool Ahead, class Out>
 inline void part_rows(const Act* act, const Part& p, int64_t g0, int64_t g1, int64_t K, const float* bias, Out* out,
                       int64_t ldo) {
   switch (p.format) {
-    case Q8_0: part_range<Q8_0, MT>(act, p, g0, g1, K, bias, out, ldo); break;
-    case Q4_0: part_range<Q4_0, MT>(act, p, g0, g1, K, bias, out, ldo); break;
-    case Q4_1: part_range<Q4_1, MT>(act, p, g0, g1, K, bias, out, ldo); break;
-    case Q5_0: part_range<Q5_0, MT>(act, p, g0, g1, K, bias, out, ldo); break;
-    case Q5_1: part_range<Q5_1, MT>(act, p, g0, g1, K, bias, out, ldo); break;
-    case Q4_K: part_range<Q4_K, MT>(act, p, g0, g1, K, bias, out, ldo); break;
-    case Q6_K: part_range<Q6_K, MT>(act, p, g0, g1, K, bias, out, ldo); break;
+    case Q8_0: part_range<Q8_0, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
+    case Q4_0: part_range<Q4_0, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
+    case Q4_1: part_range<Q4_1, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
+    case Q5_0: part_range<Q5_0, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
+    case Q5_1: part_range<Q5_1, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
+    case Q4_K: part_range<Q4_K, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
+    case Q6_K: part_range<Q6_K, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
   }
 }
 
+template <int MT, class Out>
+inline void part_rows(bool ahead, const Act* act, const Part& p, int64_t g0, int64_t g1, int64_t K, const float* bias,
+                      Out* out, int64_t ldo) {
+  if (ahead)
+    part_rows<MT, true>(act, p, g0, g1, K, bias, out, ldo);
+  else
+    part_rows<MT, false>(act, p, g0, g1, K, bias, out, ldo);
+}
+
 // out[m, 16 b0 .. 16 b1) for M <= 4 activation rows: the 16-row groups [b0, b1) of the whole matrix, split where
-// parts of different formats meet.
+// parts of different formats meet. ahead: these rows are all the call has, so the weights stream once and ahead
+// (STREAM_AHEAD); a tile of a wider call passes false.
 template <class Out>
 inline void rows(int64_t M, const Act* act, const Matrix& w, int64_t b0, int64_t b1, const float* bias, Out* out,
-                 int64_t ldo) {
+                 int64_t ldo, bool ahead = true) {
   for (int i = 0; i < w.nparts; ++i) {
     const Part& p = w.parts[i];
     const int64_t p0 = p.row0 / 16, p1 = p0 + p.rows / 16;
     const int64_t lo = std::max(b0, p0), hi = std::min(b1, p1);
     if (lo >= hi) continue;
     switch (M) {
-      case 1: part_rows<1>(act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
-      case 2: part_rows<2>(act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
-      case 3: part_rows<3>(act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
-      default: part_rows<4>(act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
+      case 1: part_rows<1>(ahead, act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
+      case 2: part_rows<2>(ahead, act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
+      case 3: part_rows<3>(ahead, act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
+      default: part_rows<4>(ahead, act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
     }
   }
 }
