@@ -42,10 +42,10 @@ constexpr int groups_for() {
 // Streaming ahead (the GEMV of up to 4 rows, whose weights are read once): each unit requests its share of the lines
 // STREAM_AHEAD bytes further down its group's stream with PREFETCHNTA, a few lines per unit rather than a chunk's
 // worth at once. Measured on Zen 4 in the batch-1 engine step (benchmarks/decode_profile.py --gguf, variants
-// alternated in one process): 4-9 % less time a token on Q4_0, Q8_0 and Q4_K_M at 3-4 KiB ahead, from both the
+// alternated in one process): 3-12 % less time a token on Q4_0, Q8_0 and Q4_K_M at 3-4 KiB ahead, from both the
 // GEMV and the work between steps, which finds more of its own lines still cached when the weights went through
-// as non-temporal. Whole chunks requested at once instead cost Q4_K_M 5-8 % (37 lines in one burst), and T0/T1
-// prefetches 2 KiB ahead 0-30 %. Tiles of a wider call re-read a group pair from L1/L2 after the first tile, so
+// as non-temporal. Whole chunks requested at once instead cost Q4_K_M 5-8 % (37 lines in one burst), and T0/T1/T2
+// prefetches 1-4 KiB ahead were erratic (-5 to +28 %). Tiles of a wider call re-read a group pair from L1/L2 after the first tile, so
 // they do not stream ahead: non-temporal lines would be gone by then.
 constexpr int64_t STREAM_AHEAD = 4096;
 
