@@ -14,6 +14,9 @@ import struct
 from collections.abc import Callable
 
 _SMALL = 0x7FFFFFFF
+# Bytes one read takes. Read into one reused buffer: `sock.recv(1 << 20)` allocates 1 MiB per call, which cost
+# ~15 us per read (measured on a socketpair, Zen 4) on the front end that shares the inference CPUs.
+READ_BYTES = 1 << 18
 
 
 def frame(obj) -> bytes:
@@ -28,6 +31,7 @@ class Channel:
         self.sock = sock
         self._in = bytearray()
         self._out = bytearray()
+        self._read = memoryview(bytearray(READ_BYTES))
         self._loop = None
         self._on_message: Callable = lambda msg: None
         self._on_eof: Callable[[], None] = lambda: None
@@ -85,15 +89,15 @@ class Channel:
 
     def _readable(self) -> None:
         try:
-            chunk = self.sock.recv(1 << 20)
+            n = self.sock.recv_into(self._read)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            chunk = b""
-        if not chunk:
+            n = 0
+        if not n:
             self._close()
             return
-        self._in += chunk
+        self._in += self._read[:n]
         while True:
             msg = self._next()
             if msg is None:
