@@ -45,8 +45,8 @@ constexpr int groups_for() {
 // alternated in one process): 3-12 % less time a token on Q4_0, Q8_0 and Q4_K_M at 3-4 KiB ahead, from both the
 // GEMV and the work between steps, which finds more of its own lines still cached when the weights went through
 // as non-temporal. Whole chunks requested at once instead cost Q4_K_M 5-8 % (37 lines in one burst), and T0/T1/T2
-// prefetches 1-4 KiB ahead were erratic (-5 to +28 %). Tiles of a wider call re-read a group pair from L1/L2 after the first tile, so
-// they do not stream ahead: non-temporal lines would be gone by then.
+// prefetches 1-4 KiB ahead were erratic (-5 to +28 %). Tiles of a wider call re-read a group pair from L1/L2 after
+// the first tile, so they do not stream ahead: non-temporal lines would be gone by then.
 constexpr int64_t STREAM_AHEAD = 4096;
 
 inline __m512 halves(const uint8_t* p) {  // 16 fp16 -> fp32
