@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "vec.h"
+
 namespace deploykit {
 namespace {
 
@@ -24,8 +26,7 @@ int64_t argmax_row(const float* x, int64_t V) {
   const __m512i step = _mm512_set1_epi32(16);
   __mmask16 nan = 0;
   for (int64_t i = 0; i < V; i += 16) {
-    const __mmask16 live = V - i >= 16 ? 0xFFFF : (__mmask16)((1u << (V - i)) - 1);
-    const __m512 v = _mm512_mask_loadu_ps(best, live, x + i);  // the tail repeats `best`: never strictly greater
+    const __m512 v = _mm512_mask_loadu_ps(best, vec::tail_mask(V - i), x + i);  // the tail repeats `best`: never strictly greater
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
     best = _mm512_mask_mov_ps(best, gt, v);
