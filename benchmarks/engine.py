@@ -57,10 +57,15 @@ class Ours:
         src = a.model_dir if a.weights == "bf16" else a.gguf  # a quantized run loads llama.cpp's very file
         # No prefix cache: every round repeats its prompts, and a hit would time a 512-token prefill as one block.
         self.core = EngineCore(EngineConfig(src, dtype="bfloat16", max_model_len=MAX_LEN, max_num_seqs=BATCH,
-                                            prefix_caching=False))
+                                            prefix_caching=False, compact_weights=not a.no_compact))
+        m = self.core.model
+        mats = [w for L in getattr(m, "layers", ()) for w in (L.qkv, L.o, L.gate_up, L.down)]
+        mats.append(getattr(m, "lm_head", None))
         self.ids, self.mats = itertools.count(), None
         self.info = {"kernels": kernels.status(), "torch": torch.__version__,
                      "weights_held_bytes": getattr(self.core.model, "weight_bytes", None), "rss_after_load": rss(),
+                     # what a decode step of ours reads: compact bf16 matrices hold 12 bits a weight
+                     "decode_read_bytes_held": sum(w.numel() * w.element_size() for w in mats if w is not None),
                      "kv_cache_bytes": self.core.runner.kv.nbytes if self.core.runner.kv is not None else None}
 
     def generate(self, prompts: list[list[int]], tokens: int) -> dict:
@@ -185,7 +190,8 @@ class Worker:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
         self.kind, self.proc = kind, subprocess.Popen(
             [sys.executable, __file__, "--worker", kind, "--model-dir", str(a.model_dir), "--cpus", cpus,
-             "--threads", str(threads), "--gguf", str(a.gguf), "--weights", a.weights],
+             "--threads", str(threads), "--gguf", str(a.gguf), "--weights", a.weights]
+            + (["--no-compact"] if a.no_compact else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
 
     def call(self, op: str | None = None, **kwargs) -> dict:
@@ -398,6 +404,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run: one round of 8-token decodes")
     for flag in ("--skip-transformers", "--skip-llamacpp"):
         ap.add_argument(flag, action="store_true")
+    ap.add_argument("--no-compact", action="store_true",
+                    help="ours holds bf16 matrices in 16 bits, not compact (12 bits, lossless; the default)")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "Q8_0", "Q4_0", "Q4_K_M"],
                     help="bf16: the safetensors; else ours and llama.cpp on the same llama.cpp-quantized GGUF")
     for hidden in ("--worker", "--cpus", "--gguf"):
@@ -441,6 +449,11 @@ def main() -> None:
             wk.proc.wait(60)
     s = summarize(samples, w, a.tokens)
     derived, targets = ratios(s)
+    held = infos["ours"].get("decode_read_bytes_held")
+    if held and s.get("roofline_tok_s") and (b1 := s["decode_tok_s"].get("b1/ours")):
+        # Against the bytes ours reads (compact bf16 reads 3/4 of the file's): how close the kernels run to memory.
+        roof_held = s["roofline_tok_s"] * w["decode_read_bytes"] / held
+        derived["b1_pct_roofline_of_bytes_read"] = {m: round(100 * b1[m] / roof_held, 2) for m in ("best", "median")}
     kern = infos["ours"]["kernels"]
     if kern["path"] == "fallback":
         notes.append(f"engine kernels are NOT native ({kern['reason']}); build: python -m engine.kernels build")
@@ -451,7 +464,7 @@ def main() -> None:
             "intermediate_size", "vocab_size", "dtype")}},
         "machine": {"cpus": cpulist.format(b.cpus), "threads": b.threads, "isa": kern["isa"],
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "workers": infos},
-        "settings": {"weights": a.weights, "rounds": a.rounds, "decode_tokens": a.tokens, "decode_prompt_tokens": PROMPT,
+        "settings": {"weights": a.weights, "compact": not a.no_compact, "rounds": a.rounds, "decode_tokens": a.tokens, "decode_prompt_tokens": PROMPT,
                      "batch": BATCH, "small_batch": SMALL_BATCH, "prefill_tokens": PREFILL, "quick": a.quick},
         **s, "ratios": derived, "targets": targets,
         "retried_for_foreign_load": {k: sum(x["retries"] for x in v) for k, v in samples.items()},

@@ -26,6 +26,7 @@ class EngineConfig:
     seed: int = 0
     served_model_name: str | None = None
     quantization: str = "none"              # float weights quantized on load (deploykit.quant.ON_LOAD)
+    compact_weights: bool = True            # bf16 matrices in 12 bits a weight, losslessly (kernels/compact_bf16.h)
 
     def __post_init__(self) -> None:
         try:

@@ -137,6 +137,15 @@ class Loader:
                            rule.KEPT[fmt].bytes(*shape))
         return pack(raws)
 
+    def compacted(self, names: list[str], dense_bytes: int, held_bytes: int) -> None:
+        """Tensors `names`, recorded by `dense`, are held as one compact bf16 matrix of `held_bytes`."""
+        for n in names:
+            type_name, _ = self.reader.info(n)
+            self.paths.counts[(type_name, self.dtype_name)] -= 1
+            self.paths.counts[(type_name, f"{self.dtype_name} compact (12-bit, lossless)")] += 1
+        self.paths.counts += Counter()  # drops the paths no tensor took any more
+        self.paths.bytes += held_bytes - dense_bytes
+
     def dense(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Record a tensor held in the model's dtype (its type in the file, dequantized or as is)."""
         type_name, _ = self.reader.info(name)

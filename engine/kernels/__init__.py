@@ -10,13 +10,14 @@ from deploykit import isa
 from engine.kernels import loader, streaming
 
 __all__ = ["LIMITS", "add_rms_norm", "argmax", "decode_attention", "decode_attention_supported", "decode_step_",
-           "decode_step_supported", "fused", "head_rms_norm_", "is_quantized", "linear", "logits", "prepare_bias",
+           "decode_step_supported", "fused", "head_rms_norm_", "is_compact", "is_quantized", "linear", "logits", "prepare_bias",
            "prepare_weight", "quant_pack", "quant_parts", "quant_rows", "quantized_ok", "rotary_", "silu_mul", "status", "tune_streams"]
 
 _NATIVE = loader.load()
 _ops = torch.ops.deploykit if _NATIVE.loaded else None
 _BF16 = torch.bfloat16
 _U8 = torch.uint8
+_I8 = torch.int8
 # Block-quantized weights (engine/quant.py) run on the int8 kernels: the library has them and the CPU has VNNI.
 _QUANT = _ops is not None and isa.quantized_kernels(isa.cpu_flags())
 
@@ -46,6 +47,8 @@ if _ops is not None:  # resolved once: the OpOverloadPacket lookup costs microse
     _decode_attention = _ops.decode_attention.default
     _quant_linear = _ops.quant_linear.default
     _argmax_rows = _ops.argmax_rows.default
+    _compact_linear = _ops.compact_linear.default
+    _compact_unpack = _ops.compact_unpack.default
 
 # The kernels' shape limits, stated once in C++ and read from the extension (decode_step.cpp `limits`):
 # step_max_rows: decode_step_ takes up to this many sequences (the GEMV loads each weight line once for all of them,
@@ -99,14 +102,42 @@ def unpack(wp: torch.Tensor) -> torch.Tensor:
     return wp.permute(0, 2, 1, 3).reshape(nb * _block_n, kh * 2)
 
 
-def prepare_weight(w: torch.Tensor) -> torch.Tensor:
-    """Called once per weight at load time; returns what `linear` should be given. Never keeps a second copy:
-    callers must drop their reference to `w` and keep only the result."""
+# A compact bf16 matrix (kernels/compact_bf16.h) holds each weight in 12 bits, losslessly, when the 15 most common
+# high bytes cover all but this share of its weights (2 in 10,000 miss on the benchmark model; each miss costs 8
+# bytes and a patch on every read). Past it the matrix stays packed.
+COMPACT_MAX_ESCAPES = 0.002
+
+
+def is_compact(w: torch.Tensor) -> bool:
+    """A compact bf16 matrix is a 1-D int8 blob (kernels/compact_bf16.h)."""
+    return w.dtype == _I8 and w.dim() == 1
+
+
+def compact_unpack(w: torch.Tensor) -> torch.Tensor:
+    """A compact matrix -> the packed bf16 matrix it holds, bit for bit."""
+    return _compact_unpack(w)
+
+
+def compact_info(w: torch.Tensor) -> tuple[int, int, int]:
+    """(N, K, escaped weights) of a compact matrix."""
+    n, k, e = _ops.compact_info(w)
+    return n, k, e
+
+
+def prepare_weight(w: torch.Tensor, compact: bool = False) -> torch.Tensor:
+    """Called once per weight at load time; returns what `linear` should be given: packed bf16, or with `compact`
+    the same weights in 12 bits each where they allow it. Never keeps a second copy: callers must drop their
+    reference to `w` and keep only the result."""
     with torch.no_grad():
         w = w.detach()
         n, k = w.shape
         if _NATIVE.loaded and w.dtype == torch.bfloat16 and n % _block_n == 0 and k % _block_k == 0:
-            return pack(w)
+            p = pack(w)
+            if compact:
+                c = _ops.compact_pack(p, COMPACT_MAX_ESCAPES)
+                if c.numel():
+                    return c
+            return p
         return w.contiguous()
 
 
@@ -122,6 +153,8 @@ def fallback_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
     """Pure PyTorch (oneDNN) path; also the reference the native kernels are tested against."""
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)  # a prepare_bias fp32 copy on a non-native call
+    if is_compact(w):
+        w = compact_unpack(w)
     return F.linear(x, unpack(w) if is_packed(w) else w, bias)
 
 
@@ -132,6 +165,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         y = _quant_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, bias, False)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+    if w.dtype == _I8:  # compact bf16 (exists only where the library is loaded)
+        return _linear_compact(x, w, bias)
     if _ops is None or x.dtype != _BF16 or w.dtype != _BF16:
         return fallback_linear(x, w, bias)
     lead = x.shape[:-1]
@@ -154,6 +189,25 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     else:
         return fallback_linear(x, w, bias)
     return y if x.dim() == 2 else y.view(*lead, y.shape[-1])
+
+
+# Past this many rows (prefill) an AMX host unpacks a compact matrix for the call and runs its AMX tiles: the unpack
+# (one write and read of the bf16 matrix) is then small against the matmul. Up to it the AVX-512 tiles decode
+# in cache (kernels/compact_bf16.cpp).
+COMPACT_AMX_MIN_M = 64
+
+
+def _linear_compact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.dtype != _BF16:
+        return fallback_linear(x, w, bias)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x2.shape[0] >= max(_amx_min_m, COMPACT_AMX_MIN_M):
+        y = _amx_packed(x2, _compact_unpack(w), bias)
+    else:
+        y = _compact_linear(x2, w, bias)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
 def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,10 @@ import torch
 from torch.utils import cpp_extension
 
 SOURCES = ("gemv_bf16.cpp", "amx_bf16.cpp", "amx_plain_bf16.cpp", "stream_read.cpp", "decode_ops.cpp",
-           "decode_attention.cpp", "decode_step.cpp", "quant_pack.cpp", "qlinear.cpp", "argmax.cpp")
+           "decode_attention.cpp", "decode_step.cpp", "quant_pack.cpp", "qlinear.cpp", "argmax.cpp",
+           "compact_bf16.cpp")
 HEADERS = ("vec.h", "gemv.h", "row_ops.h", "attention.h", "op_args.h", "quant_layout.h", "quant_act.h", "quant_gemv.h",
-           "step_profile.h")
+           "step_profile.h", "compact_bf16.h")
 MANIFEST_NAME = "manifest.json"
 SOURCE_DIR = Path(__file__).resolve().parent
 

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "compact_bf16.h"
 #include "gemv.h"
 #include "op_args.h"
 #include "quant_gemv.h"
@@ -47,11 +48,14 @@ constexpr int64_t MAX_ROWS = 4;
 // Per-layer entries of the `weights` list, in this order (None where the model has no such tensor).
 enum Slot { LN1, QKV, QKV_BIAS, QK_NORM, O, O_BIAS, LN2, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, PER_LAYER };
 
-// A matrix of the step: packed bf16 (gemv.h) or block-quantized (quant_layout.h), chosen per weight at load.
+// A matrix of the step: packed bf16 (gemv.h), compact bf16 (compact_bf16.h) or block-quantized (quant_layout.h),
+// chosen per weight at load.
 struct Weight {
+  enum Kind { PACKED, COMPACT, QUANTIZED } kind = PACKED;
   const bf16* packed = nullptr;
+  compact::Matrix c{};
   quant::Matrix q{};
-  bool quantized() const { return packed == nullptr; }
+  bool quantized() const { return kind == QUANTIZED; }
 };
 
 struct Layer {
@@ -70,7 +74,15 @@ struct Matrix {
 
 Weight weight(const at::Tensor& w, int64_t N, int64_t K, int64_t layer, const char* name) {
   Weight out;
+  if (compact::is_blob(w)) {
+    out.kind = Weight::COMPACT;
+    out.c = compact::matrix(w);
+    TORCH_CHECK(out.c.N == N && out.c.K == K, "layer ", layer, " ", name, ": the compact weight is [", out.c.N, ", ",
+                out.c.K, "], expected [", N, ", ", K, "]");
+    return out;
+  }
   if (quant::is_blob(w)) {
+    out.kind = Weight::QUANTIZED;
     out.q = quant::matrix(w);
     TORCH_CHECK(out.q.N == N && out.q.K == K, "layer ", layer, " ", name, ": the quantized weight is [", out.q.N,
                 ", ", out.q.K, "], expected [", N, ", ", K, "]");
@@ -78,8 +90,8 @@ Weight weight(const at::Tensor& w, int64_t N, int64_t K, int64_t layer, const ch
   }
   TORCH_CHECK(w.dim() == 4 && w.size(0) * 16 == N && w.size(1) * 2 == K && w.size(2) == 16 && w.size(3) == 2 &&
                   w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
-              "layer ", layer, " ", name, ": expected a packed bf16 [", N / 16, ", ", K / 2, ", 16, 2] weight or a "
-              "quantized one");
+              "layer ", layer, " ", name, ": expected a packed bf16 [", N / 16, ", ", K / 2, ", 16, 2] weight, a "
+              "compact or a quantized one");
   out.packed = w.data_ptr<bf16>();
   return out;
 }
@@ -88,8 +100,12 @@ Weight weight(const at::Tensor& w, int64_t N, int64_t K, int64_t layer, const ch
 // this thread's room for x quantized (quantized weights take int8 activations).
 void matvec(int64_t B, const bf16* x, int64_t K, const Weight& w, quant::ActBuffer& acts, int64_t b0, int64_t b1,
             const float* bias, bf16* y, int64_t ldy) {
-  if (!w.quantized()) {
+  if (w.kind == Weight::PACKED) {
     gemv::packed_rows(B, x, K, w.packed, K / 2, b0, b1, bias, y, ldy);
+    return;
+  }
+  if (w.kind == Weight::COMPACT) {
+    compact::rows(B, x, K, w.c, b0, b1, bias, y, ldy);
     return;
   }
   quant::Act a[MAX_ROWS];
@@ -173,9 +189,12 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
   TORCH_CHECK(D % attention::HEAD_DIM_MULTIPLE == 0 && D <= attention::MAX_HEAD_DIM, "head_dim must be a multiple of ",
               attention::HEAD_DIM_MULTIPLE, " up to ", attention::MAX_HEAD_DIM);
   const auto& gu0 = weights[GATE_UP];
-  TORCH_CHECK(gu0.has_value() && gu0->defined() && (gu0->dim() == 4 || quant::is_blob(*gu0)),
-              "layer 0 gate_up: expected a packed or quantized weight");
-  const int64_t I = quant::is_blob(*gu0) ? quant::matrix(*gu0).N / 2 : gu0->size(0) * 8;
+  TORCH_CHECK(gu0.has_value() && gu0->defined() &&
+                  (gu0->dim() == 4 || quant::is_blob(*gu0) || compact::is_blob(*gu0)),
+              "layer 0 gate_up: expected a packed, compact or quantized weight");
+  const int64_t I = quant::is_blob(*gu0)     ? quant::matrix(*gu0).N / 2
+                    : compact::is_blob(*gu0) ? compact::matrix(*gu0).N / 2
+                                             : gu0->size(0) * 8;
   TORCH_CHECK(I % op_args::BLOCK_N == 0, "intermediate size must be a multiple of ", op_args::BLOCK_N);
   for (const at::Tensor* t : {&position, &slot})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == B && t->scalar_type() == at::kLong && t->is_contiguous(),
@@ -314,6 +333,20 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
         quant::Act a[MAX_ROWS];
         for (int64_t b = 0; b < B; ++b) a[b] = act_q.row(b);  // x is still quantized from the gate call
         quant::rows(B, a, y.gate_up.q, J + jb0, J + jb1, y.gate_up_bias, gu.data(), 2 * I);
+      } else if (y.gate_up.kind == Weight::COMPACT) {  // gate block j, then up block j (no wait for silu * up)
+        gemv::with_rows(B, [&](auto mt) {
+          constexpr int MT = decltype(mt)::value;
+          const bool one = gemv::one_stream();  // one stream at a time, or both blocks at once (gemv.h Streams)
+          for (int64_t j = jb0; j < jb1; ++j) {
+            const int64_t ids[2] = {j, J + j};
+            if (one) {
+              compact::blocks<1, MT, false>(x, H, y.gate_up.c, ids, y.gate_up_bias, gu.data(), 2 * I);
+              compact::blocks<1, MT, false>(x, H, y.gate_up.c, ids + 1, y.gate_up_bias, gu.data(), 2 * I);
+            } else {
+              compact::blocks<2, MT, true>(x, H, y.gate_up.c, ids, y.gate_up_bias, gu.data(), 2 * I);  // 4 MT acc
+            }
+          }
+        });
       } else {
         gemv::with_rows(B, [&](auto mt) {
           gate_up_pairs<decltype(mt)::value>(x, H, y.gate_up.packed, H / 2, J, jb0, jb1, y.gate_up_bias, gu.data(),

@@ -15,11 +15,11 @@ def is_native(config: ModelConfig) -> bool:
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, max_len: int,
-                quantization: str = "none") -> LlamaModel | HFCausalLM:
+                quantization: str = "none", compact: bool = True) -> LlamaModel | HFCausalLM:
     if is_native(config):
         reader = open_checkpoint(config)
         try:
-            return LlamaModel(config, reader, dtype, max_len, quantization)
+            return LlamaModel(config, reader, dtype, max_len, quantization, compact)
         finally:
             reader.close()
     return HFCausalLM(config, dtype)

@@ -37,7 +37,8 @@ class LlamaModel:
     """Plain tensors + functional ops; no nn.Module, so each layer is a short, fixed list of kernel calls."""
     native = True
 
-    def __init__(self, config: ModelConfig, reader, dtype: torch.dtype, max_len: int, quantization: str = "none"):
+    def __init__(self, config: ModelConfig, reader, dtype: torch.dtype, max_len: int, quantization: str = "none",
+                 compact: bool = True):
         if config.hidden_act not in ACTIVATIONS:
             raise ModelLoadError(f"{config.source}: hidden_act {config.hidden_act!r} is not supported "
                                  f"(supported: {', '.join(ACTIVATIONS)})")
@@ -54,6 +55,7 @@ class LlamaModel:
         self.kv_size = config.num_kv_heads * config.head_dim
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling, max_len, dtype,
                              config.rope_freq_factors)
+        self.compact = compact  # bf16 matrices held in 12 bits each where they allow it (kernels.prepare_weight)
         held = quant.Loader(reader, dtype, quantization)
         self._load(reader, held)
         self.weight_paths = held.paths.summary()  # {type in the file: {path: tensors}}, for /debug/binding
@@ -93,7 +95,10 @@ class LlamaModel:
                 return q
             w = torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
             check(names, w.shape, rows, cols)
-            return prepare_weight(w)
+            p = prepare_weight(w, compact=self.compact)
+            if kernels.is_compact(p):  # bf16 in 12 bits a weight, losslessly (kernels/compact_bf16.h)
+                held.compacted(names, w.numel() * w.element_size(), p.numel())
+            return p
 
         def fused_bias(names: list[str]) -> torch.Tensor | None:
             return prepare_bias(torch.cat([get(n) for n in names])) if names[0] in r else None
@@ -148,7 +153,8 @@ class LlamaModel:
             return None
         weights: list[torch.Tensor | None] = []
         for L in self.layers:
-            if not all(kernels.is_packed(w) or kernels.is_quantized(w) for w in (L.qkv, L.o, L.gate_up, L.down)):
+            if not all(kernels.is_packed(w) or kernels.is_quantized(w) or kernels.is_compact(w)
+                       for w in (L.qkv, L.o, L.gate_up, L.down)):
                 return None
             weights += [L.ln1.weight, L.qkv, L.qkv_bias, L.qk_norm, L.o, L.o_bias, L.ln2.weight, L.gate_up,
                         L.gate_up_bias, L.down, L.down_bias]

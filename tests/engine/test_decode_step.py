@@ -28,12 +28,12 @@ CASES["llama-all-biases-18-blocks"] = {**SHAPE, "arch": "llama", "intermediate":
 
 
 def _run(model_dir: str, fused: bool, threads: int, monkeypatch, quantization: str = "none",
-         streams: int = 8) -> tuple[list[torch.Tensor], torch.Tensor, list]:
+         streams: int = 8, compact: bool = False) -> tuple[list[torch.Tensor], torch.Tensor, list]:
     """Logits of every step, the final KV cache and (rows, block tables) of each step that took the fused path.
     The requests decode side by side first, so when the longest goes on alone its block table (block_size 8) is no
     longer one contiguous run. streams: how the bf16 GEMV reads its blocks (kernels/gemv.h Streams)."""
     core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", block_size=8, max_model_len=256,
-                                   quantization=quantization))
+                                   quantization=quantization, compact_weights=compact))
     ops = torch.ops.deploykit
     picked = int(ops.gemv_streams())
     ops.set_gemv_streams(streams)
@@ -41,6 +41,8 @@ def _run(model_dir: str, fused: bool, threads: int, monkeypatch, quantization: s
     assert model.step_weights is not None
     held = [w for w in model.step_weights if w is not None and kernels.is_quantized(w)]
     assert bool(held) == (quantization != "none"), "quantized on load, or not at all"
+    compacted = any(w is not None and kernels.is_compact(w) for w in model.step_weights)
+    assert compacted == compact if quantization == "none" else compacted <= compact
     if not fused:
         model.step_weights = None
     logits: list[torch.Tensor] = []
@@ -63,20 +65,21 @@ def _run(model_dir: str, fused: bool, threads: int, monkeypatch, quantization: s
 
 
 # Weights quantized on load run the int8 kernels in the same fused step (where the CPU has VNNI); in the 18-block case
-# down_proj's 288 columns are no whole number of 64-weight chunks, so it stays bf16 beside quantized matrices.
-QUANTIZED = ["none"] + (["q8_0", "q4_0"] if kernels.quantized_ok() else [])
+# down_proj's 288 columns are no whole number of 64-weight chunks, so it stays bf16 beside quantized matrices. bf16
+# matrices are packed, or compact (kernels/compact_bf16.h, the default), beside quantized ones too.
+HELD = [("none", False), ("none", True)] + ([("q8_0", True), ("q4_0", True)] if kernels.quantized_ok() else [])
 
 
-@pytest.mark.parametrize("quantization", QUANTIZED)
+@pytest.mark.parametrize("quantization,compact", HELD)
 @pytest.mark.parametrize("name", list(CASES))
-def test_fused_decode_step_is_bitwise_the_per_op_path(tiny_model, name, quantization, monkeypatch):
+def test_fused_decode_step_is_bitwise_the_per_op_path(tiny_model, name, quantization, compact, monkeypatch):
     kw = dict(CASES[name])
     model_dir = tiny_model(kw.pop("arch"), **kw)
-    ref_logits, ref_kv, ref_calls = _run(model_dir, False, 2, monkeypatch, quantization)
+    ref_logits, ref_kv, ref_calls = _run(model_dir, False, 2, monkeypatch, quantization, compact=compact)
     assert ref_calls == []
     # Neither the split between threads nor how the GEMV streams its blocks may change a single bit.
     for threads, streams in ((2, 8), (2, 1), (1, 1)):
-        logits, kv, calls = _run(model_dir, True, threads, monkeypatch, quantization, streams)
+        logits, kv, calls = _run(model_dir, True, threads, monkeypatch, quantization, streams, compact)
         assert len(calls) == len(logits) - 1, "every decode step should take the fused path (all but the prefill)"
         assert {rows for rows, _ in calls} == {1, 2, 3, 4}
         lone = [tables[0] for rows, tables in calls if rows == 1]

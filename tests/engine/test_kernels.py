@@ -305,7 +305,7 @@ def test_variant_follows_the_cpu_flags():
 @pytest.mark.slow
 def test_widening_build_matches_the_bf16_build(kernels):
     """The plain AVX-512F library (forced with DEPLOYKIT_KERNELS=avx512, on any AVX-512 CPU) computes what the
-    fallback computes, for the matmuls, the fused ops and decode attention."""
+    fallback computes, for the matmuls (packed, compact and plain), the fused ops and decode attention."""
     code = (
         "import torch, torch.nn.functional as F\n"
         "import engine.kernels as k\n"
@@ -313,8 +313,9 @@ def test_widening_build_matches_the_bf16_build(kernels):
         "torch.manual_seed(0)\n"
         "x = torch.randn(5, 256).bfloat16(); w = torch.randn(208, 256).bfloat16() / 16; b = torch.randn(208)\n"
         "ref = F.linear(x.float(), w.float(), b)\n"
+        "assert k.is_compact(k.prepare_weight(w, compact=True))\n"
         "for m in (1, 5):\n"
-        "    for wt in (k.prepare_weight(w), w):\n"
+        "    for wt in (k.prepare_weight(w), k.prepare_weight(w, compact=True), w):\n"
         "        y = k.linear(x[:m], wt, b.bfloat16()).float()\n"
         "        assert (y - ref[:m]).abs().max() < 0.05, (m, wt.dim(), (y - ref[:m]).abs().max())\n"
         "g = torch.randn(3, 512).bfloat16()\n"

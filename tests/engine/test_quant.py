@@ -146,8 +146,13 @@ def test_what_the_planner_counts_is_what_the_engine_holds(smollm2):
     assert core.model.weight_paths["Q8_0"] == {"quantized Q8_0": 1}  # the tied embedding / lm_head
     assert shape.held_formats("none", True) == ("Q4_1", "Q8_0")
     assert shape.weight_bytes("bfloat16", "dequantize", True) == shape.num_parameters * 2
-    held = EngineCore(EngineConfig(smollm2, dtype="bfloat16", max_model_len=256, quantization="dequantize"))
+    held = EngineCore(EngineConfig(smollm2, dtype="bfloat16", max_model_len=256, quantization="dequantize",
+                                   compact_weights=False))
     assert held.model.weight_paths["Q4_1"] == {"bfloat16": 210}
+    # Compact bf16 (the default) holds the same matrices in 12 bits a weight: the plan's 16 bits are an upper bound.
+    compact = EngineCore(EngineConfig(smollm2, dtype="bfloat16", max_model_len=256, quantization="dequantize"))
+    assert compact.model.weight_paths["Q4_1"] == {"bfloat16 compact (12-bit, lossless)": 210}
+    assert compact.model.weight_bytes < 0.85 * held.model.weight_bytes  # the tied embedding (21 %) stays 16-bit
 
 
 def test_the_rule_needs_whole_groups_and_chunks():

@@ -1,0 +1,151 @@
+"""Compact bf16 weights (engine/kernels/compact_bf16.h): every weight held in 12 bits, losslessly. Unpacking gives back
+the packed matrix bit for bit, special values and escaped weights included; the matmul agrees with the packed kernels
+(up to fp32 reassociation, the same order at every batch size); and a model loads its bf16 matrices compact by default and
+answers as it does without them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import kernels
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.sampling import SamplingParams
+from tests.engine.conftest import NATIVE
+from tests.engine.test_kernels import assert_close
+
+pytestmark = [pytest.mark.skipif(not NATIVE, reason="no native path here (a CPU without AVX-512, or DEPLOYKIT_KERNELS off)"),
+              pytest.mark.usefixtures("native_kernels")]
+
+ops = torch.ops.deploykit
+
+
+def weights(n: int, k: int, seed: int = 0, scale: float = 0.02) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) * scale).bfloat16()
+
+
+def compact(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] as a compact blob whatever its share of escapes (prepare_weight keeps a matrix with many packed)."""
+    blob = ops.compact_pack(kernels.prepare_weight(w), 1.0)
+    assert kernels.is_compact(blob)
+    return blob
+
+
+def with_specials(w: torch.Tensor) -> torch.Tensor:
+    """Values whose high byte is rare in a matrix of scale 0.02: they must come back exactly (escapes)."""
+    w = w.clone()
+    specials = [float("inf"), float("-inf"), -0.0, 0.0, 1e-40, -1e-38, 3.0e38, 65504.0, 1.0, -7.5, 2.0**-126]
+    for i, v in enumerate(specials):
+        w[i % w.shape[0], (5 * i + 3) % w.shape[1]] = v
+    return w
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (32, 64), (896, 896), (208, 4864)])
+def test_unpack_gives_back_the_packed_matrix_bit_for_bit(n, k):
+    packed = kernels.prepare_weight(with_specials(weights(n, k)))
+    blob = compact(with_specials(weights(n, k)))
+    assert torch.equal(kernels.compact_unpack(blob).view(torch.int16), packed.view(torch.int16))
+    nn, kk, escaped = kernels.compact_info(blob)
+    assert (nn, kk) == (n, k)
+    if n * k >= 100_000:  # the specials are then too rare to own a code (a small matrix gives them its spare ones)
+        assert escaped >= 9
+    # 12 bits a weight plus the header, the escapes (8 bytes each) and a 64-byte-aligned end
+    assert blob.numel() <= n * k * 1.5 + 256 + 8 * (n // 16 + 1) + 8 * escaped + 64
+
+
+def test_a_nan_weight_stays_nan():
+    w = weights(32, 64)
+    w[3, 10] = float("nan")
+    back = kernels.compact_unpack(compact(w))
+    assert torch.equal(back.view(torch.int16), kernels.prepare_weight(w).view(torch.int16))
+
+
+def test_prepare_weight_compacts_a_typical_matrix_and_keeps_one_with_many_escapes_packed():
+    assert kernels.is_compact(kernels.prepare_weight(weights(1152, 896), compact=True))
+    # Log-uniform magnitudes over 60 powers of two: the 15 commonest high bytes cover a quarter of the weights.
+    g = torch.Generator().manual_seed(1)
+    w = (torch.rand(64, 256, generator=g) * 60 - 40).exp2() * torch.randn(64, 256, generator=g).sign()
+    out = kernels.prepare_weight(w.bfloat16(), compact=True)
+    assert ops.compact_pack(kernels.prepare_weight(w.bfloat16()), 1.0).numel() > 0  # it could, at a cost
+    assert kernels.is_packed(out) and not kernels.is_compact(out)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16, 17, 70])
+@pytest.mark.parametrize("n,k", [(1152, 896), (896, 4864), (48, 64), (80, 96)])
+def test_compact_linear_is_close_to_fp32_and_row_invariant(m, n, k):
+    g = torch.Generator().manual_seed(m * 31 + n + k)
+    w = weights(n, k, seed=n + k, scale=k**-0.5)
+    w[11, 7], w[12, 9], w[13, 1], w[14, k - 1] = 3.0e3, -1e-20, 1e-30, -2.0e4  # finite, and rare high bytes
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g)
+    packed, blob = kernels.prepare_weight(w), compact(w)
+    if n * k >= 100_000:
+        assert kernels.compact_info(blob)[2] >= 4  # the rare values are escapes, patched in every path
+    got = kernels.linear(x, blob, bias)
+    assert_close(got, x, w, bias)  # two fp32 chains a block, not the packed kernels' one: close, not bitwise
+    # Every row count sums in the same order: a row's output does not depend on the batch it came in.
+    for i in {0, m // 2, m - 1}:
+        assert torch.equal(got[i:i + 1], kernels.linear(x[i:i + 1], blob, bias)), f"row {i} of {m}"
+    assert torch.equal(kernels.fallback_linear(x, blob, bias), kernels.fallback_linear(x, packed, bias))
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_streaming_and_threads_never_change_a_bit(m):
+    w, x = weights(1152, 896, seed=3), torch.randn(m, 896).bfloat16()
+    blob = kernels.prepare_weight(w, compact=True)
+    picked, threads = int(ops.gemv_streams()), torch.get_num_threads()
+    try:
+        outs = []
+        for streams, t in ((8, 2), (1, 2), (1, 1), (8, 1)):
+            ops.set_gemv_streams(streams)
+            torch.set_num_threads(t)
+            outs.append(kernels.linear(x, blob))
+    finally:
+        ops.set_gemv_streams(picked)
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_a_blob_that_is_not_compact_is_refused():
+    blob = compact(weights(32, 64)).clone()
+    blob[:4] = 0
+    with pytest.raises(RuntimeError, match="not a compact bf16 blob"):
+        kernels.linear(torch.randn(1, 64).bfloat16(), blob)
+    with pytest.raises(RuntimeError, match="x has K=32"):
+        kernels.linear(torch.randn(1, 32).bfloat16(), compact(weights(32, 64)))
+
+
+def _greedy(model_dir: str, compact: bool) -> tuple[list[list[int]], list[torch.Tensor], EngineCore]:
+    core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", max_model_len=128, compact_weights=compact))
+    logits: list[torch.Tensor] = []
+    compute = core.model.compute_logits
+    core.model.compute_logits = lambda hidden: logits.append(compute(hidden)) or logits[-1]
+    prompts = [[5, 9, 200, 31, 7], list(range(40, 60))]
+    for i, p in enumerate(prompts):
+        core.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    out: dict[str, list[int]] = {}
+    while core.has_unfinished_requests():
+        for o in core.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [out[str(i)] for i in range(len(prompts))], logits, core
+
+
+def test_a_bf16_model_loads_compact_and_answers_as_without(tiny_model):
+    model_dir = tiny_model("qwen2")
+    tokens, logits, core = _greedy(model_dir, True)
+    ref_tokens, ref_logits, ref_core = _greedy(model_dir, False)
+    model = core.model
+    held = [w for L in model.layers for w in (L.qkv, L.o, L.gate_up, L.down)] + [model.lm_head]
+    assert all(kernels.is_compact(w) for w in held)
+    assert not any(kernels.is_compact(w) for L in ref_core.model.layers for w in (L.qkv, L.o, L.gate_up, L.down))
+    compacted = sum(p.get("bfloat16 compact (12-bit, lossless)", 0) for p in model.weight_paths.values())
+    assert kernels.is_compact(model.lm_head)  # this model's head is its own matrix (a tied one stays packed)
+    assert compacted == 7 * len(model.layers) + 1  # q k v o gate up down, and the head
+    dense = sum(2 * n * k for n, k, _ in map(kernels.compact_info, held))
+    assert ref_core.model.weight_bytes - model.weight_bytes == dense - sum(w.numel() for w in held)
+    # The same weights, summed in another order: logits differ by fp32 reassociation and bf16 rounding at most.
+    assert len(logits) == len(ref_logits)
+    for a, b in zip(logits, ref_logits):
+        assert torch.allclose(a, b, rtol=0.02, atol=0.02)
+    assert tokens == ref_tokens
