@@ -1,5 +1,6 @@
-"""Decode (batch 1 and 16) and a 512-token prefill with compact bf16 weights (12 bits a weight, lossless: engine/kernels/compact_bf16.h) against the
-same model held packed in 16 bits, both loaded in one process and alternated every `--tokens` tokens.
+"""Decode (batch 1 and 16) and a 512-token prefill with compact bf16 weights (12 bits a weight, lossless:
+engine/kernels/compact_bf16.h) against the same model held packed in 16 bits, both loaded in one process, every load
+alternating between them each round.
 
 The memory bandwidth of a shared VM swings by up to 2x from minute to minute, so separate runs cannot resolve a
 10-30 % difference; pairs of runs a few hundred milliseconds apart can. The paired median is the number to quote.

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from deploykit import isa
 from engine.kernels import loader, streaming
 
-__all__ = ["LIMITS", "add_rms_norm", "argmax", "decode_attention", "decode_attention_supported", "decode_step_",
-           "decode_step_supported", "fused", "head_rms_norm_", "is_compact", "is_quantized", "linear", "logits", "prepare_bias",
-           "prepare_weight", "quant_pack", "quant_parts", "quant_rows", "quantized_ok", "rotary_", "silu_mul", "status", "tune_streams"]
+__all__ = ["LIMITS", "add_rms_norm", "argmax", "compact_info", "compact_unpack", "decode_attention",
+           "decode_attention_supported", "decode_step_", "decode_step_supported", "fused", "head_rms_norm_", "is_compact",
+           "is_quantized", "linear", "logits", "prepare_bias", "prepare_weight", "quant_pack", "quant_parts",
+           "quant_rows", "quantized_ok", "rotary_", "silu_mul", "status", "tune_streams"]
 
 _NATIVE = loader.load()
 _ops = torch.ops.deploykit if _NATIVE.loaded else None

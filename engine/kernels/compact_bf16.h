@@ -127,12 +127,12 @@ inline Matrix matrix(const at::Tensor& blob) {
 // A compact block's stream read this far ahead when several blocks are streamed at once (gemv.h Streams::MANY).
 constexpr int64_t PREFETCH_BYTES = 2048;
 
-// out[m, 16 nb[g] + j] for G blocks (any ids) and MT rows of x (2 x MT x G accumulators: MT <= 4, or 8 with G = 1). Each block sums its even lines and its odd
-// lines in two fp32 chains, added at the end: one chain (gemv::packed_blocks' order) is bound by vdpbf16ps's latency
-// at 16-17 weights/ns a core on Zen 4 once the decode is added, two reach 23-25 (benchmarks/README.md). So results
-// differ from the packed kernels' by fp32 reassociation only. Every compact path runs this code (compact_linear in
-// tiles of up to 4 rows), so the fused step and the per-op path agree bitwise, and a row's result does not depend on
-// its batch.
+// out[m, 16 nb[g] + j] for G blocks (any ids) and MT rows of x (2 x MT x G accumulators: MT <= 4, or 8 with G = 1).
+// Each block sums its even lines and its odd lines in two fp32 chains, added at the end: one chain
+// (gemv::packed_blocks' order) is bound by vdpbf16ps's latency at 16-17 weights/ns a core on Zen 4 once the decode
+// is added, two reach 23-35 (benchmarks/README.md). So results differ from the packed kernels' by fp32 reassociation
+// only. Every compact path runs this code (compact_linear in tiles of up to 8 rows), so the fused step and the per-op
+// path agree bitwise, and a row's result does not depend on its batch.
 // next: another block's stream to pull into L2 alongside, a group per group (compact_linear's many-row tiles, whose
 // compute per byte would otherwise leave the DRAM stream idle), or nullptr.
 template <int G, int MT, bool PF>
@@ -151,12 +151,14 @@ inline void blocks(const bf16* x, int64_t ldx, const Matrix& w, const int64_t nb
       for (int g = 0; g < G; ++g) acc[c][m][g] = _mm512_setzero_ps();
   for (int64_t q = 0; q < w.groups; ++q) {
     if (next)
-      for (int l = 0; l < 3; ++l) _mm_prefetch(reinterpret_cast<const char*>(next) + q * GROUP_BYTES + 64 * l, _MM_HINT_T1);
+      for (int l = 0; l < 3; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(next) + q * GROUP_BYTES + 64 * l, _MM_HINT_T1);
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
       const uint8_t* p = src[g] + q * GROUP_BYTES;
       if (PF)
-        for (int l = 0; l < 3; ++l) _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
+        for (int l = 0; l < 3; ++l)
+          _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
       __m512i lines[GROUP_PAIRS];
       decode(p, w.table, lines);
       if (__builtin_expect(e[g] != end[g] && e[g]->group == q, 0)) patch(lines, e[g], end[g], q);

@@ -1,7 +1,7 @@
-"""Compact bf16 weights (engine/kernels/compact_bf16.h): every weight held in 12 bits, losslessly. Unpacking gives back
-the packed matrix bit for bit, special values and escaped weights included; the matmul agrees with the packed kernels
-(up to fp32 reassociation, the same order at every batch size); and a model loads its bf16 matrices compact by default and
-answers as it does without them."""
+"""Compact bf16 weights (engine/kernels/compact_bf16.h): every weight held in 12 bits, losslessly. Unpacking gives
+back the packed matrix bit for bit, special values and escaped weights included; the matmul agrees with the packed
+kernels up to fp32 reassociation, in one order at every batch size; and a model loads its bf16 matrices compact by
+default and answers as it does without them."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +14,7 @@ from engine.sampling import SamplingParams
 from tests.engine.conftest import NATIVE
 from tests.engine.test_kernels import assert_close
 
-pytestmark = [pytest.mark.skipif(not NATIVE, reason="no native path here (a CPU without AVX-512, or DEPLOYKIT_KERNELS off)"),
+pytestmark = [pytest.mark.skipif(not NATIVE, reason="no native path here (a CPU without AVX-512, or kernels off)"),
               pytest.mark.usefixtures("native_kernels")]
 
 ops = torch.ops.deploykit
