@@ -196,6 +196,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 # (one write and read of the bf16 matrix) is then small against the matmul. Up to it the AVX-512 tiles decode
 # in cache (kernels/compact_bf16.cpp).
 COMPACT_AMX_MIN_M = 64
+_compact_amx_min_m = max(_amx_min_m, COMPACT_AMX_MIN_M)  # resolved once: linear is the hot path
 
 
 def _linear_compact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -204,7 +205,7 @@ def _linear_compact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if x2.shape[0] >= max(_amx_min_m, COMPACT_AMX_MIN_M):
+    if x2.shape[0] >= _compact_amx_min_m:
         y = _amx_packed(x2, _compact_unpack(w), bias)
     else:
         y = _compact_linear(x2, w, bias)

@@ -14,7 +14,6 @@
 #include <array>
 #include <cstring>
 #include <numeric>
-#include <type_traits>
 #include <vector>
 
 #include "compact_bf16.h"
@@ -34,21 +33,6 @@ inline int position(int line, int word) { return (word / 8) * 16 + (line % 2) * 
 // the block again), two blocks of 4 rows spilled registers (1.35x), and without pulling the next block into L2 the
 // 16-row step took 1.5x.
 constexpr int64_t TILE_ROWS = 8;
-
-// f(std::integral_constant<int, MT>{}) for a runtime M = 1..TILE_ROWS.
-template <class F>
-void with_tile_rows(int64_t M, F&& f) {
-  switch (M) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;
-  }
-}
 
 }  // namespace
 
@@ -170,7 +154,7 @@ at::Tensor compact_linear(const at::Tensor& x, const at::Tensor& blob, const std
         const int64_t ids[1] = {b};
         // The first tile pulls the next block into L2 (the later tiles find this one there).
         const uint8_t* next = t == 0 && b + 1 < b1 ? w.data + (b + 1) * w.groups * GROUP_BYTES : nullptr;
-        with_tile_rows(rows_t, [&](auto mt) {
+        gemv::with_rows<TILE_ROWS>(rows_t, [&](auto mt) {
           blocks<1, decltype(mt)::value, false>(xp + m * ldx, ldx, w, ids, args.b, args.o + m * N, N, next);
         });
         m += rows_t;

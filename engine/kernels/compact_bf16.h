@@ -124,9 +124,6 @@ inline Matrix matrix(const at::Tensor& blob) {
   }
 }
 
-// A compact block's stream read this far ahead when several blocks are streamed at once (gemv.h Streams::MANY).
-constexpr int64_t PREFETCH_BYTES = 2048;
-
 // out[m, 16 nb[g] + j] for G blocks (any ids) and MT rows of x (2 x MT x G accumulators: MT <= 4, or 8 with G = 1).
 // Each block sums its even lines and its odd lines in two fp32 chains, added at the end: one chain
 // (gemv::packed_blocks' order) is bound by vdpbf16ps's latency at 16-17 weights/ns a core on Zen 4 once the decode
@@ -158,7 +155,7 @@ inline void blocks(const bf16* x, int64_t ldx, const Matrix& w, const int64_t nb
       const uint8_t* p = src[g] + q * GROUP_BYTES;
       if (PF)
         for (int l = 0; l < 3; ++l)
-          _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(p) + gemv::PACKED_PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
       __m512i lines[GROUP_PAIRS];
       decode(p, w.table, lines);
       if (__builtin_expect(e[g] != end[g] && e[g]->group == q, 0)) patch(lines, e[g], end[g], q);

@@ -102,16 +102,14 @@ inline void packed_range(const bf16* x, int64_t ldx, const bf16* wp, int64_t Kh,
   for (; nb < b1; ++nb) packed_block<1, MT>(x, ldx, wp, Kh, nb, bias, out, ldo);
 }
 
-// Runs f(std::integral_constant<int, MT>{}) for the row count M = 1..4, so a kernel templated on MT is picked once
-// per call from a runtime M.
-template <class F>
+// Runs f(std::integral_constant<int, MT>{}) for the row count M = 1..MAX (MAX for any other M), so a kernel templated
+// on MT is picked once per call from a runtime M.
+template <int MAX = 4, int MT = 1, class F>
 inline void with_rows(int64_t M, F&& f) {
-  switch (M) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 4>{}); break;
+  if constexpr (MT < MAX) {
+    if (M != MT) return with_rows<MAX, MT + 1>(M, f);
   }
+  f(std::integral_constant<int, MT>{});
 }
 
 // packed_range for a runtime M <= 4.
