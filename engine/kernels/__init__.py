@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from deploykit import isa
 from engine.kernels import loader, streaming
 
-__all__ = ["LIMITS", "add_rms_norm", "argmax", "compact_info", "compact_unpack", "decode_attention",
-           "decode_attention_supported", "decode_step_", "decode_step_supported", "fused", "head_rms_norm_", "is_compact",
+__all__ = ["LIMITS", "add_rms_norm", "argmax", "compact_info", "compact_rows", "compact_unpack",
+           "decode_attention", "decode_attention_supported", "decode_step_", "decode_step_supported", "fused",
+           "head_rms_norm_", "is_compact",
            "is_quantized", "linear", "logits", "prepare_bias", "prepare_weight", "quant_pack", "quant_parts",
            "quant_rows", "quantized_ok", "rotary_", "silu_mul", "status", "tune_streams"]
 
@@ -117,6 +118,11 @@ def is_compact(w: torch.Tensor) -> bool:
 def compact_unpack(w: torch.Tensor) -> torch.Tensor:
     """A compact matrix -> the packed bf16 matrix it holds, bit for bit."""
     return _compact_unpack(w)
+
+
+def compact_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [n] of a compact matrix -> [n, K] bf16, bit for bit (the lookup of an embedding tied to it)."""
+    return _ops.compact_rows(w, ids)
 
 
 def compact_info(w: torch.Tensor) -> tuple[int, int, int]:

@@ -2,16 +2,18 @@
 //
 // Up to 4 rows stream the compact lines straight into the GEMV (the batch-1 decode path, bound by bytes read); more
 // rows do so up to 8 at a time, block by block, each tile decoding the block again from L2 while the first pulls the
-// next block in. Measured on the benchmark model (benchmarks/compact.py, Zen 4): a 16-row decode step 0.98x the
-// packed kernels' time, a 512-token prefill 1.05-1.14x. Decoding once into a packed tile in L2 and running 16-bit
-// tiles over it was slower at every M from 5 to 64 (1.15-1.6x: storing and reloading the tile cost more than decoding
-// again). Every path sums in the same order (compact_bf16.h), so a row's output never depends on the rows beside it.
+// next block in (a 16-row decode step: 0.98x the packed kernels' time, benchmarks/compact.py, Zen 4). From
+// decode_min_m rows on (prefill) each pair of blocks is decoded once into a buffer that 7-row tiles read, which pays
+// only when many tiles share it (below 64 rows, decoding again in every tile was faster). Every path sums in the same
+// order (compact_bf16.h), so a row's output never depends on the rows beside it or on the path.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <vector>
@@ -33,6 +35,66 @@ inline int position(int line, int word) { return (word / 8) * 16 + (line % 2) * 
 // the block again), two blocks of 4 rows spilled registers (1.35x), and without pulling the next block into L2 the
 // 16-row step took 1.5x.
 constexpr int64_t TILE_ROWS = 8;
+
+// From this many rows on (prefill), each pair of blocks is decoded once into a per-thread buffer in L2 and tiles of 7
+// rows read its 16-bit lines: 2 chains x 7 rows x 2 blocks = 28 accumulators, one x broadcast per 2 dot products.
+// The 8-row tiles decode every line again for each tile and need a broadcast per dot product. Measured over the
+// benchmark model's 4 matrix shapes (Zen 4, 2 threads, paired in one process): 0.93x the tiles' time at 512 rows
+// (0.438 against 0.425 TFLOP/s; packed 16-bit 0.450), even at 64, 1.10x at 16. Other shapes, slower at 512 rows: 4
+// blocks x 3 rows (1.14x: each k-pair reads 4 lines from L2 for 12 dot products), 2 x 6 (0.98x), 1 x 8 (1.09x).
+// Runtime-settable, so both paths can be compared (and tested bitwise) in one process.
+std::atomic<int64_t> decode_min_m{96};
+constexpr int DECODED_BLOCKS = 2;
+constexpr int DECODED_ROWS = 7;
+
+// out[m, 16 (nb0 + g) + j] for G blocks decoded block after block at `lines` (unpack_block's layout) and MT rows,
+// summed as blocks<> sums (even and odd k-pairs in two chains, added at the end): bitwise blocks<>'s result.
+// next/per: `per` lines of the next group's compact bytes to request into L2 per k-pair (or next = nullptr).
+template <int G, int MT>
+inline void decoded_blocks(const bf16* x, int64_t ldx, const bf16* lines, int64_t Kh, int64_t nb0, const float* bias,
+                           bf16* out, int64_t ldo, const char* next, int per) {
+  __m512 acc[2][MT][G];
+  for (int c = 0; c < 2; ++c)
+    for (int m = 0; m < MT; ++m)
+      for (int g = 0; g < G; ++g) acc[c][m][g] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < Kh; kp += 2) {
+    if (next)
+      for (int i = 0; i < 2 * per; ++i) _mm_prefetch(next + (kp * per + i) * 64, _MM_HINT_T1);
+#pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) {
+      __m512i w[G];
+      for (int g = 0; g < G; ++g) w[g] = _mm512_load_si512(lines + (g * Kh + kp + c) * 32);
+      for (int m = 0; m < MT; ++m) {
+        const __m512i xb = _mm512_set1_epi32(gemv::load_pair(x + m * ldx + 2 * (kp + c)));
+        for (int g = 0; g < G; ++g) acc[c][m][g] = vec::dot2(acc[c][m][g], w[g], xb);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int g = 0; g < G; ++g) {
+      __m512 v = _mm512_add_ps(acc[0][m][g], acc[1][m][g]);
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + (nb0 + g) * 16));
+      const __m256i h = vec::to_bf16(v);
+      std::memcpy(out + m * ldo + (nb0 + g) * 16, &h, sizeof(h));
+    }
+}
+
+// Blocks [nb0, nb0 + G) for all M rows: decode them into `buf` (G x K x 32 bytes, 64-byte aligned), then tiles of
+// DECODED_ROWS rows; the first tile requests the next group's compact bytes (`next`, `next_bytes`) into L2.
+template <int G>
+inline void decoded_group(int64_t M, const bf16* x, int64_t ldx, const Matrix& w, int64_t nb0, const float* bias,
+                          bf16* out, int64_t ldo, bf16* buf, const uint8_t* next, int64_t next_bytes) {
+  const int64_t Kh = w.K / 2;
+  for (int g = 0; g < G; ++g) unpack_block(w, nb0 + g, buf + g * Kh * 32);
+  // Lines of the next group per k-pair of the first tile: its G x Kh x 48 bytes over Kh k-pairs.
+  const int per = next ? static_cast<int>((next_bytes + Kh * 64 - 1) / (Kh * 64)) : 0;
+  for (int64_t m = 0; m < M; m += DECODED_ROWS) {
+    const char* pf = m == 0 ? reinterpret_cast<const char*>(next) : nullptr;
+    gemv::with_rows<DECODED_ROWS>(std::min<int64_t>(DECODED_ROWS, M - m), [&](auto mt) {
+      decoded_blocks<G, decltype(mt)::value>(x + m * ldx, ldx, buf, Kh, nb0, bias, out + m * ldo, ldo, pf, per);
+    });
+  }
+}
 
 }  // namespace
 
@@ -125,6 +187,44 @@ at::Tensor compact_unpack(const at::Tensor& blob) {
   return out;
 }
 
+// Rows ids [n] of the [N, K] matrix a compact blob holds -> [n, K] bf16, bit for bit (the lookup of an embedding tied
+// to a compact lm_head). Row r is column r % 16 of block r / 16: words 2 (r % 16) and 2 (r % 16) + 1 of every line.
+at::Tensor compact_rows(const at::Tensor& blob, const at::Tensor& ids) {
+  const Matrix w = matrix(blob);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "compact_rows needs int64 ids [n]");
+  const at::Tensor idc = ids.contiguous();
+  const int64_t n = idc.numel(), K = w.K, *id = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < w.N, "token id ", id[i], " is outside the vocabulary [0, ", w.N, ")");
+  uint8_t table[16];
+  std::memcpy(table, reinterpret_cast<const uint8_t*>(blob.data_ptr<int8_t>()) + 16, sizeof(table));
+  at::Tensor out = at::empty({n, K}, blob.options().dtype(at::kBFloat16));
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<bf16>());
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = id[i] / 16, col = id[i] % 16;
+      const uint8_t* src = w.data + b * w.groups * GROUP_BYTES;
+      uint16_t* row = o + i * K;
+      for (int64_t q = 0; q < w.groups; ++q) {
+        const uint8_t* g = src + q * GROUP_BYTES;
+        for (int line = 0; line < GROUP_PAIRS; ++line)
+          for (int parity = 0; parity < 2; ++parity) {
+            const int p = position(line, 2 * (int)col + parity), half = line / 2;
+            const uint8_t code = (g[128 + p] >> (4 * half)) & 0x0F;
+            // An escape reads as +0 here, as in decode(), and gets its bits below.
+            row[2 * (GROUP_PAIRS * q + line) + parity] =
+                code == ESCAPE ? 0 : (uint16_t)(table[code] << 8 | g[half * 64 + p]);
+          }
+      }
+      for (int64_t e = w.index[b]; e < w.index[b + 1]; ++e) {
+        const Exception& x = w.exceptions[e];
+        if (x.word / 2 == col) row[2 * (GROUP_PAIRS * x.group + x.line) + x.word % 2] = x.bits;
+      }
+    }
+  });
+  return out;
+}
+
 // [N, K, exceptions] of a compact blob.
 std::vector<int64_t> compact_info(const at::Tensor& blob) {
   const Matrix w = matrix(blob);
@@ -141,6 +241,25 @@ at::Tensor compact_linear(const at::Tensor& x, const at::Tensor& blob, const std
   const int64_t ldx = args.ldx;
   if (M <= 4) {
     at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) { rows(M, xp, ldx, w, b0, b1, args.b, args.o, N); });
+    return args.out;
+  }
+  if (M >= decode_min_m.load(std::memory_order_relaxed)) {
+    // Groups of DECODED_BLOCKS blocks (the last may be shorter), each decoded once into this thread's buffer.
+    const int64_t Kh = w.K / 2, groups = (NB + DECODED_BLOCKS - 1) / DECODED_BLOCKS;
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      bf16* buf = static_cast<bf16*>(std::aligned_alloc(64, DECODED_BLOCKS * Kh * 64));
+      TORCH_CHECK(buf, "compact_linear: out of memory for a decode buffer");
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t nb0 = g * DECODED_BLOCKS, n = std::min<int64_t>(DECODED_BLOCKS, NB - nb0);
+        const uint8_t* next = g + 1 < g1 ? w.data + (nb0 + DECODED_BLOCKS) * w.groups * GROUP_BYTES : nullptr;
+        const int64_t next_bytes =
+            next ? std::min<int64_t>(DECODED_BLOCKS, NB - nb0 - DECODED_BLOCKS) * w.groups * GROUP_BYTES : 0;
+        gemv::with_rows<DECODED_BLOCKS>(n, [&](auto gt) {
+          decoded_group<decltype(gt)::value>(M, xp, ldx, w, nb0, args.b, args.o, N, buf, next, next_bytes);
+        });
+      }
+      std::free(buf);
+    });
     return args.out;
   }
   // Block by block, every tile of up to 8 rows streams the block's compact lines (from L2 after the first tile): 8
@@ -163,10 +282,21 @@ at::Tensor compact_linear(const at::Tensor& x, const at::Tensor& blob, const std
   return args.out;
 }
 
+// From how many rows compact_linear decodes each group of blocks once (prefill) instead of per 8-row tile.
+void set_compact_decode_min_m(int64_t m) {
+  TORCH_CHECK(m >= 5, "the decode-once path starts at 5 rows or more, not ", m);
+  decode_min_m.store(m);
+}
+
+int64_t compact_decode_min_m() { return decode_min_m.load(); }
+
 TORCH_LIBRARY_FRAGMENT(deploykit, m) {
+  m.def("set_compact_decode_min_m(int m) -> ()", &set_compact_decode_min_m);
+  m.def("compact_decode_min_m() -> int", &compact_decode_min_m);
   m.def("compact_pack(Tensor packed, float max_escapes) -> Tensor", &compact_pack);
   m.def("compact_unpack(Tensor blob) -> Tensor", &compact_unpack);
   m.def("compact_info(Tensor blob) -> int[]", &compact_info);
+  m.def("compact_rows(Tensor blob, Tensor ids) -> Tensor", &compact_rows);
   m.def("compact_linear(Tensor x, Tensor blob, Tensor? bias) -> Tensor");
 }
 

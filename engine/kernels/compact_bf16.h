@@ -128,8 +128,9 @@ inline Matrix matrix(const at::Tensor& blob) {
 // Each block sums its even lines and its odd lines in two fp32 chains, added at the end: one chain
 // (gemv::packed_blocks' order) is bound by vdpbf16ps's latency at 16-17 weights/ns a core on Zen 4 once the decode
 // is added, two reach 23-35 (benchmarks/README.md). So results differ from the packed kernels' by fp32 reassociation
-// only. Every compact path runs this code (compact_linear in tiles of up to 8 rows), so the fused step and the per-op
-// path agree bitwise, and a row's result does not depend on its batch.
+// only. Every compact path runs this code (compact_linear in tiles of up to 8 rows) or sums in its order (the decoded
+// prefill tiles of compact_bf16.cpp), so the fused step and the per-op path agree bitwise, and a row's result does not
+// depend on its batch.
 // next: another block's stream to pull into L2 alongside, a group per group (compact_linear's many-row tiles, whose
 // compute per byte would otherwise leave the DRAM stream idle), or nullptr.
 template <int G, int MT, bool PF>

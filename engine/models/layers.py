@@ -14,10 +14,12 @@ from engine import kernels
 
 
 def embed_rows(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Embedding lookup [N] -> [N, H] from a plain [V, H] matrix, a kernel-packed one [V/16, H/2, 16, 2] (tied
-    embeddings keep only the packed lm_head copy) or a quantized one (rows dequantized to `dtype`)."""
+    """Embedding lookup [N] -> [N, H] from a plain [V, H] matrix, a kernel-packed one [V/16, H/2, 16, 2] or a compact
+    one (tied embeddings keep only the lm_head's copy), or a quantized one (rows dequantized to `dtype`)."""
     if kernels.is_quantized(weight):
         return kernels.quant_rows(weight, ids, dtype)
+    if kernels.is_compact(weight):
+        return kernels.compact_rows(weight, ids)
     if weight.dim() == 2:
         return F.embedding(ids, weight)
     b = kernels.LIMITS["block_n"]  # packed weights exist only where the extension is loaded

@@ -136,7 +136,12 @@ class LlamaModel:
             self.lm_head = fused(["lm_head.weight"], s.vocab_size, hidden)
         else:
             used.add("lm_head.weight")
-            self.lm_head = self.embed if kernels.is_quantized(self.embed) else prepare_weight(self.embed)
+            if kernels.is_quantized(self.embed):
+                self.lm_head = self.embed
+            else:  # packed or compact like any matrix: rows are looked up in that copy (layers.embed_rows)
+                self.lm_head = prepare_weight(self.embed, compact=self.compact)
+                if kernels.is_compact(self.lm_head):
+                    held.compacted(embed, self.embed.numel() * self.embed.element_size(), self.lm_head.numel())
             if self.lm_head is not self.embed:  # the kernel relaid the tied matrix out; look rows up in that copy
                 self.embed = None
         unknown = sorted(n for n in r.names() if n not in used and not n.endswith("rotary_emb.inv_freq"))
