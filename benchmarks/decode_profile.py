@@ -13,8 +13,12 @@ decodes greedily at batch 1 (a 16-token prompt, then --tokens tokens), rounds al
 The JSON also names the streaming the start-up measurement (engine/kernels/streaming.py) picked on this host.
 
 `--gguf FILE` profiles a (quantized) GGUF file instead, its roofline counted from the file's weight bytes.
+`--compact` alternates instead between the model held packed in 16 bits and compact in 12 (kernels/compact_bf16.h),
+both with the streaming picked at start-up, and reports each one's share of the roofline counted on the file's bytes
+and on the bytes it holds.
 
     flock /tmp/deploykit-heavy.lock python benchmarks/decode_profile.py [--rounds 5] [--tokens 64] [--gguf FILE]
+                                                                        [--compact]
 """
 
 from __future__ import annotations
@@ -82,13 +86,25 @@ def decode_round(core, timers: Timers, ops, vocab: int, tokens: int) -> dict:
             "barriers_per_token": float(phases[0, len(names)]) / native_steps, "native_steps": native_steps}
 
 
-def summarize(rounds: list[dict], read_bytes: int, roofline_gbps: float) -> dict:
+def held_read(model, w: dict) -> int:
+    """The bytes a decode step reads from the weights the model holds: all of them but an untied embedding table
+    (a row gather, held as in the file)."""
+    return model.weight_bytes - (w["bytes"] - w["decode_read_bytes"])
+
+
+def summarize(rounds: list[dict], read_bytes: int, roofline_gbps: float, held_bytes: int | None = None) -> dict:
+    """held_bytes: the bytes a step reads where the engine holds fewer than the file (compact); read_bytes: the
+    file's."""
     best = max(rounds, key=lambda r: r["tok_s"])
     mid = sorted(rounds, key=lambda r: r["tok_s"])[len(rounds) // 2]
     nat = mid["split_ms"]["native_forward"]
+    held = {} if held_bytes is None else {
+        "held_read_bytes": held_bytes,
+        "pct_roofline_of_held_bytes_best": round(100 * best["tok_s"] * held_bytes / 1e9 / roofline_gbps, 1),
+        "native_forward_gbps_of_held_bytes": round(held_bytes / (nat / 1e3) / 1e9, 1)}
     return {"tok_s": {"best": round(best["tok_s"], 1), "median": round(median(r["tok_s"] for r in rounds), 1),
                       "samples": [round(r["tok_s"], 1) for r in rounds]},
-            "pct_roofline_best": round(100 * best["tok_s"] * read_bytes / 1e9 / roofline_gbps, 1),
+            "pct_roofline_best": round(100 * best["tok_s"] * read_bytes / 1e9 / roofline_gbps, 1), **held,
             "median_round": {"ms_per_token": round(mid["ms_per_token"], 2),
                              "split_ms": {k: round(v, 3) for k, v in mid["split_ms"].items()},
                              "native_phases_ms": {k: round(v, 3) for k, v in mid["native_phases_ms"].items()},
@@ -104,6 +120,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--gguf", type=Path, default=None,
                     help="profile this (quantized) GGUF file instead; the roofline then counts its weight bytes")
+    ap.add_argument("--compact", action="store_true",
+                    help="alternate between the model held packed (16 bits) and compact (12 bits) instead of between "
+                         "the two streamings")
     a = ap.parse_args()
 
     from deploykit import cpulist
@@ -123,22 +142,33 @@ def main() -> None:
         raise SystemExit(f"the native kernels are not loaded ({kernels.status()['reason']}): nothing to profile")
     ops = torch.ops.deploykit
     src = str(a.gguf or a.model_dir)
-    core = EngineCore(EngineConfig(src, dtype="bfloat16", max_model_len=1024, max_num_seqs=4))
+    def load(compact: bool) -> EngineCore:
+        return EngineCore(EngineConfig(src, dtype="bfloat16", max_model_len=1024, max_num_seqs=4,
+                                       compact_weights=compact))
+
+    core = load(True)
     picked = kernels.tune_streams()
     timers = Timers()
     timers.wrap(kernels, "decode_step_", "native_step")  # the model calls kernels.decode_step_ by attribute
-    timers.wrap(core.runner.model, "forward", "forward")
-    timers.wrap(core.runner.model, "compute_logits", "logits")
-    timers.wrap(core, "sampler", "sampler")
+    # The variants a round alternates between: (core, GEMV streaming) by name.
+    if a.compact:
+        variants = {"packed 16-bit": (load(False), picked.streams), "compact 12-bit": (core, picked.streams)}
+    else:
+        variants = {STREAMINGS[s]: (core, s) for s in STREAMINGS}
+    for c in {id(c): c for c, _ in variants.values()}.values():
+        timers.wrap(c.runner.model, "forward", "forward")
+        timers.wrap(c.runner.model, "compute_logits", "logits")
+        timers.wrap(c, "sampler", "sampler")
     w = gguf_weight_stats(src) if a.gguf else weight_stats(a.model_dir)
     vocab = core.model_config.vocab_size
     bw_before = read_bandwidth(3)
-    decode_round(core, timers, ops, vocab, 8)  # warm-up
-    rounds: dict[int, list[dict]] = {s: [] for s in STREAMINGS}
+    for c, _ in variants.values():
+        decode_round(c, timers, ops, vocab, 8)  # warm-up
+    rounds: dict[str, list[dict]] = {name: [] for name in variants}
     for _ in range(a.rounds):
-        for s in STREAMINGS:
+        for name, (c, s) in variants.items():
             ops.set_gemv_streams(s)
-            rounds[s].append(decode_round(core, timers, ops, vocab, a.tokens))
+            rounds[name].append(decode_round(c, timers, ops, vocab, a.tokens))
     ops.set_gemv_streams(picked.streams)
     bw_after = read_bandwidth(3)
     roof = max(bw_before["best_gbps"], bw_after["best_gbps"])
@@ -153,7 +183,10 @@ def main() -> None:
         "picked_at_startup": {"streams": picked.streams, "how": picked.describe()},
         "roofline": {"before": bw_before, "after": bw_after, "best_gbps": roof,
                      "tok_s": round(roof * 1e9 / w["decode_read_bytes"], 1)},
-        "by_streaming": {STREAMINGS[s]: summarize(r, w["decode_read_bytes"], roof) for s, r in rounds.items()},
+        "by_variant" if a.compact else "by_streaming": {
+            name: summarize(r, w["decode_read_bytes"], roof,
+                            held_read(variants[name][0].model, w) if a.compact else None)
+            for name, r in rounds.items()},
         "method": "ms per generated token; the step split is wall time of the wrapped calls, the native phases are "
                   "the mean over threads of kernels/step_profile.h's timers (compute per phase, barrier = waiting)",
     }, indent=1))
