@@ -4,8 +4,8 @@
 // rows do so up to 8 at a time, block by block, each tile decoding the block again from L2 while the first pulls the
 // next block in (a 16-row decode step: 0.98x the packed kernels' time, benchmarks/compact.py, Zen 4). From
 // decode_min_m rows on (prefill) each pair of blocks is decoded once into a buffer that 7-row tiles read, which pays
-// only when many tiles share it (below 64 rows, decoding again in every tile was faster). Every path sums in the same
-// order (compact_bf16.h), so a row's output never depends on the rows beside it or on the path.
+// only when many tiles share it (below 96 rows, decoding again in every tile was as fast or faster). Every path sums
+// in the same order (compact_bf16.h), so a row's output never depends on the rows beside it or on the path.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -39,10 +39,11 @@ constexpr int64_t TILE_ROWS = 8;
 // From this many rows on (prefill), each pair of blocks is decoded once into a per-thread buffer in L2 and tiles of 7
 // rows read its 16-bit lines: 2 chains x 7 rows x 2 blocks = 28 accumulators, one x broadcast per 2 dot products.
 // The 8-row tiles decode every line again for each tile and need a broadcast per dot product. Measured over the
-// benchmark model's 4 matrix shapes (Zen 4, 2 threads, paired in one process): 0.93x the tiles' time at 512 rows
-// (0.438 against 0.425 TFLOP/s; packed 16-bit 0.450), even at 64, 1.10x at 16. Other shapes, slower at 512 rows: 4
-// blocks x 3 rows (1.14x: each k-pair reads 4 lines from L2 for 12 dot products), 2 x 6 (0.98x), 1 x 8 (1.09x).
-// Runtime-settable, so both paths can be compared (and tested bitwise) in one process.
+// benchmark model's 4 matrix shapes (Zen 4, 2 threads, paired in one process): 0.925x the tiles' time at 512 rows
+// (0.443 against 0.431 TFLOP/s; packed 16-bit 0.445), 0.93x at 128, even at 96, 1.01x at 64, 1.06x at 32. Other
+// shapes against the tiles at 512 rows: 4 blocks x 3 rows 1.14x (each k-pair reads 4 lines from L2 for 12 dot
+// products), 1 x 8 1.09x, 2 x 6 0.98x, this one 0.93x. Runtime-settable, so both paths can be compared (and tested
+// bitwise) in one process.
 std::atomic<int64_t> decode_min_m{96};
 constexpr int DECODED_BLOCKS = 2;
 constexpr int DECODED_ROWS = 7;
