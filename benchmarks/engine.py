@@ -41,7 +41,7 @@ SHAPE = {"arch": "qwen2", "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 
 DEFAULT_MODEL_DIR = Path.home() / ".cache/deploykit/bench/qwen2-350m-bf16"
 PREFILL, BATCH, PROMPT, MAX_LEN = 512, 16, 16, 1024
 SMALL_BATCH = 4  # ours and llama.cpp: the largest decode step the fused native step (kernels.STEP_MAX_ROWS) takes
-FOREIGN_MAX, RETRIES, CLK_TCK = 0.1, 3, os.sysconf("SC_CLK_TCK")
+FOREIGN_MAX, RETRIES = 0.1, 3
 TARGETS = {"b1_pct_roofline": 80.0, "b1_vs_llamacpp": 1.25, "b16_vs_transformers_b16": 3.0, "prefill_pct_peak": 50.0,
            "b16_vs_b1": 2.0}
 
@@ -153,9 +153,9 @@ WORKERS = {"ours": Ours, "transformers": Transformers, "llamacpp": llamacpp_work
 def rss() -> dict:
     """This process's resident memory by kind (bytes): anonymous (weights, KV cache, runtime) and file-backed
     (mapped libraries; a checkpoint left mapped would show here)."""
-    with open("/proc/self/status") as f:
-        kv = dict(ln.split(":", 1) for ln in f)
-    return {k: int(kv[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "RssFile")}
+    from deploykit import procfs
+    status = procfs.read_status()
+    return {k: procfs.status_bytes(status, k) for k in ("VmRSS", "RssAnon", "RssFile")}
 
 
 def best_time(fn, reps: int) -> float:
@@ -266,19 +266,13 @@ def jobs_for(kinds: list[str], vocab: int, tokens: int) -> list[tuple[str, str, 
             + [("matmul_peak", "ours", "matmul_peak", {})])
 
 
-def busy_seconds(cpus: tuple[int, ...]) -> float:
-    """Non-idle time of these CPUs since boot (/proc/stat columns: user nice system idle iowait irq ...)."""
-    with open("/proc/stat") as f:
-        rows = {ln.split()[0]: ln.split()[1:] for ln in f if ln.startswith("cpu")}
-    return sum(int(v) for c in cpus for i, v in enumerate(rows[f"cpu{c}"]) if i not in (3, 4)) / CLK_TCK
-
-
 def measure(worker: Worker, cpus: tuple[int, ...], op: str, kw: dict) -> dict:
     """One measurement, retried while other processes used > FOREIGN_MAX of our CPUs (the host is shared)."""
+    from deploykit import procfs
     for attempt in range(RETRIES + 1):
-        busy, t0 = busy_seconds(cpus), time.perf_counter()
+        busy, t0 = procfs.busy_seconds(cpus), time.perf_counter()
         res = worker.call(op, **kw)
-        res["foreign_load"] = round((busy_seconds(cpus) - busy - res.pop("cpu_s", 0.0))
+        res["foreign_load"] = round((procfs.busy_seconds(cpus) - busy - res.pop("cpu_s", 0.0))
                                     / (len(cpus) * (time.perf_counter() - t0)), 3)
         if "error" in res or res["foreign_load"] <= FOREIGN_MAX or attempt == RETRIES:
             return {**res, "retries": attempt}
@@ -406,6 +400,8 @@ def main() -> None:
         ap.add_argument(flag, action="store_true")
     ap.add_argument("--no-compact", action="store_true",
                     help="ours holds bf16 matrices in 16 bits, not compact (12 bits, lossless; the default)")
+    ap.add_argument("--allow-fallback", action="store_true",
+                    help="measure ours on the PyTorch path when the native kernels are not loaded (default: stop)")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "Q8_0", "Q4_0", "Q4_K_M"],
                     help="bf16: the safetensors; else ours and llama.cpp on the same llama.cpp-quantized GGUF")
     for hidden in ("--worker", "--cpus", "--gguf"):
@@ -439,6 +435,10 @@ def main() -> None:
     workers = {k: Worker(k, a, cpulist.format(b.cpus), b.threads) for k in kinds}
     try:
         infos = {k: wk.call() for k, wk in workers.items()}  # the ready line: each worker has loaded its model
+        kern = infos["ours"]["kernels"]
+        if kern["path"] == "fallback" and not a.allow_fallback:  # minutes of rounds that would measure the wrong path
+            raise SystemExit(f"ours runs on the PyTorch fallback ({kern['reason']}): build the kernels with "
+                             "`python -m engine.kernels build`, or pass --allow-fallback to measure that path")
         jobs = jobs_for(kinds, cfg["vocab_size"], a.tokens)
         samples = run_rounds(workers, jobs, a.rounds, b.cpus, notes)
         print("batch against single sequences ...", file=sys.stderr)
@@ -454,7 +454,6 @@ def main() -> None:
         # Against the bytes ours reads (compact bf16 reads 3/4 of the file's): how close the kernels run to memory.
         roof_held = s["roofline_tok_s"] * w["decode_read_bytes"] / held
         derived["b1_pct_roofline_of_bytes_read"] = {m: round(100 * b1[m] / roof_held, 2) for m in ("best", "median")}
-    kern = infos["ours"]["kernels"]
     if kern["path"] == "fallback":
         notes.append(f"engine kernels are NOT native ({kern['reason']}); build: python -m engine.kernels build")
     print(json.dumps({

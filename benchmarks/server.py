@@ -26,6 +26,7 @@ from statistics import median
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from deploykit import procfs  # noqa: E402  (after the path: run as a script from anywhere)
 
 DIRECT = """
 import json, sys, time
@@ -109,18 +110,6 @@ async def http_round(port: int, prompts: list[list[int]], max_tokens: int) -> di
     return {"wall_s": wall, "tokens": sum(r.tokens for r in results), "events": sum(r.events for r in results),
             "ttft_p50_s": ttfts[len(ttfts) // 2], "itl_p50_s": gaps[len(gaps) // 2],
             "itl_p99_s": gaps[int(len(gaps) * 0.99)], "itl_max_s": gaps[-1]}
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(x) for x in f.read().split()]
 
 
 def clean_env() -> dict:
@@ -214,10 +203,11 @@ def main() -> None:
             rounds["direct"].append(direct_round())
             for name, port in ports.items():
                 front = servers[name].proc.pid
-                engine = children(front)[0]
-                cpu = cpu_seconds(front), cpu_seconds(engine)
+                engine = procfs.children(front)[0]
+                cpu = procfs.read_stat(front).cpu_seconds, procfs.read_stat(engine).cpu_seconds
                 r = asyncio.run(http_round(port, prompts, a.max_tokens))
-                r["frontend_cpu_s"], r["engine_cpu_s"] = cpu_seconds(front) - cpu[0], cpu_seconds(engine) - cpu[1]
+                r["frontend_cpu_s"] = procfs.read_stat(front).cpu_seconds - cpu[0]
+                r["engine_cpu_s"] = procfs.read_stat(engine).cpu_seconds - cpu[1]
                 rounds[name].append(r)
     finally:
         for s in servers.values():

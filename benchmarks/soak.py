@@ -30,6 +30,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from deploykit import procfs  # noqa: E402  (after the path: run as a script from anywhere)
 
 WORDS = ("the cache of a CPU keeps recently used data close to the cores so that loads do not wait for memory "
          "while threads pinned to physical cores decode tokens one step at a time").split()
@@ -44,10 +45,10 @@ def free_port() -> int:
 
 def rss_mb(pid: int) -> float | None:
     try:
-        m = re.search(r"^VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M)
-        return round(int(m.group(1)) / 1024, 1) if m else None
+        n = procfs.status_bytes(procfs.read_status(pid), "VmRSS")
     except OSError:
         return None
+    return None if n is None else round(n / 2**20, 1)
 
 
 def gauges(text: str) -> dict:

@@ -9,7 +9,6 @@ Files another user's process keeps private (environ, maps, numa_maps need ptrace
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -19,7 +18,6 @@ from . import cpulist, hostsettings, procfs
 from .errors import TargetError
 
 PROC = Path("/proc")
-_TICK_NS = 1e9 / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +166,7 @@ def _threads(pid: int, proc: Path) -> list[Thread]:
             schedstat = (proc / str(pid) / "task" / str(tid) / "schedstat").read_text()
             cpu_ns, wait_ns = (int(x) for x in schedstat.split()[:2])
         except (OSError, ValueError):
-            cpu_ns, wait_ns = int((stat.utime + stat.stime) * _TICK_NS), 0
+            cpu_ns, wait_ns = int(stat.cpu_seconds * 1e9), 0
         out.append(Thread(tid, stat.comm, procfs.status_list(status, "Cpus_allowed_list") or (), stat.processor,
                           cpu_ns, wait_ns))
     return out

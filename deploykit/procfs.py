@@ -1,10 +1,10 @@
 """/proc and /sys read in one place: files under a sysroot (`Reader`), a process's `status` fields, its `stat` line as
-a typed `Stat`, the files it mapped (/proc/PID/maps), its threads, and the patterns that name OpenMP runtimes and
-fast allocators among those files.
+a typed `Stat`, the files it mapped (/proc/PID/maps), its threads and children, the CPUs' busy time (/proc/stat),
+and the patterns that name OpenMP runtimes and fast allocators among those files.
 
-Everything above (topology, cgroups, hostsettings, doctor, the local runtime, the engine's binding) parses /proc
-through these functions, so a field is split one way everywhere. The readers raise OSError as `open` does (a process
-may exit, or keep its files private); callers decide what that means.
+Everything above (topology, cgroups, hostsettings, doctor, the local runtime, the engine's binding, benchmarks/)
+parses /proc through these functions, so a field is split one way everywhere. The readers raise OSError as `open`
+does (a process may exit, or keep its files private); callers decide what that means.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from . import cpulist
 from .errors import TopologyError
 
 PROC = Path("/proc")
+CLK_TCK = os.sysconf("SC_CLK_TCK")  # the unit of stat's utime/stime and of /proc/stat's CPU columns
 # Basenames of OpenMP runtimes as they appear in /proc/PID/maps or LD_PRELOAD: GNU (libgomp, also PyTorch's bundled
 # copy), Intel (libiomp5) and LLVM (libomp); and of the allocators that replace glibc malloc.
 OMP_RUNTIME = re.compile(r"(?:^|/)(libgomp[^/]*\.so[^/]*|libiomp5[^/]*\.so[^/]*|libomp[^/]*\.so[^/]*)$")
@@ -36,6 +37,11 @@ class Stat:
     stime: int  # clock ticks in kernel mode
     start_time: int  # clock ticks after boot when the process started: with the pid, its identity
     processor: int  # the CPU it last ran on
+
+    @property
+    def cpu_seconds(self) -> float:
+        """CPU time used so far, user + kernel."""
+        return (self.utime + self.stime) / CLK_TCK
 
 
 def parse_stat(text: str) -> Stat:
@@ -61,6 +67,12 @@ def status_fields(text: str) -> dict[str, str]:
 
 def read_status(pid: int | str = "self", proc: Path = PROC, tid: int | None = None) -> dict[str, str]:
     return status_fields(_path(proc, pid, tid, "status").read_text())
+
+
+def status_bytes(status: dict[str, str], key: str) -> int | None:
+    """A memory field ('VmRSS:\t 1234 kB') in bytes; None when absent or malformed."""
+    n = int_field(status.get(key, "").removesuffix("kB"))
+    return None if n is None else n * 1024
 
 
 def status_list(status: dict[str, str], key: str) -> tuple[int, ...] | None:
@@ -108,6 +120,21 @@ def omp_runtimes(files) -> tuple[str, ...]:
 def tids(pid: int | str = "self", proc: Path = PROC) -> list[int]:
     """The thread ids of a process, sorted."""
     return sorted(int(t) for t in os.listdir(_path(proc, pid, None, "task")))
+
+
+def children(pid: int | str = "self", proc: Path = PROC) -> list[int]:
+    """The direct children of a process's main thread (those its other threads started are not listed)."""
+    pid = os.getpid() if pid == "self" else pid
+    return [int(c) for c in _path(proc, pid, int(pid), "children").read_text().split()]
+
+
+def busy_seconds(cpus, text: str | None = None) -> float:
+    """Non-idle time of these CPUs since boot, summed, from /proc/stat (or its `text`): every column of a `cpuN`
+    row but idle and iowait (proc(5): user nice system idle iowait irq softirq steal guest guest_nice; guest time
+    is already inside user, so the last two are left out too)."""
+    text = (PROC / "stat").read_text() if text is None else text
+    rows = {f[0]: f[1:] for f in (line.split() for line in text.splitlines()) if f and f[0].startswith("cpu")}
+    return sum(int(v) for c in cpus for i, v in enumerate(rows[f"cpu{c}"][:8]) if i not in (3, 4)) / CLK_TCK
 
 
 def proc_dir(pid: int | None) -> str:

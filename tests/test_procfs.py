@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -52,6 +54,41 @@ def test_status_threads_and_maps_of_this_process():
         t.join()
     files = procfs.read_mapped_files()
     assert os.path.realpath(sys.executable) in files and len(files) == len(set(files))
+
+
+def test_what_the_benchmarks_read_of_a_process(tmp_path):
+    """CPU time, resident memory and children: how benchmarks/ split the engine's CPU use and memory."""
+    me = procfs.read_stat()
+    spin = time.process_time() + 0.3
+    while time.process_time() < spin:
+        pass
+    assert procfs.read_stat().cpu_seconds - me.cpu_seconds >= 0.2  # clock ticks, not seconds, would be 100x larger
+    status = procfs.read_status()
+    assert 10 * 2**20 < procfs.status_bytes(status, "VmRSS") == int(status["VmRSS"].split()[0]) * 1024
+    assert procfs.status_bytes(status, "Name") is None and procfs.status_bytes(status, "Missing") is None
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in procfs.children() and procfs.children(os.getpid()) == procfs.children()
+    finally:
+        child.kill()
+        child.wait()
+    assert child.pid not in procfs.children()
+
+
+def test_busy_seconds_leaves_idle_iowait_and_guest_out():
+    tck = procfs.CLK_TCK
+    text = ("cpu  99 99 99 99 99 99 99 99 99 99\n"
+            "cpu0 10 1 2 1000 50 3 4 6 700 80\n"  # user nice system idle iowait irq softirq steal guest guest_nice
+            "cpu1 20 0 0 2000 0 0 0 0 0 0\nintr 5 6\n")
+    assert procfs.busy_seconds([0], text) == pytest.approx(26 / tck)
+    assert procfs.busy_seconds((0, 1), text) == pytest.approx(46 / tck)
+    with pytest.raises(KeyError):
+        procfs.busy_seconds([7], text)  # a CPU the kernel does not list is a caller's mistake, not zero
+    cpus = sorted(os.sched_getaffinity(0))
+    before, spin = procfs.busy_seconds(cpus), time.process_time() + 0.3
+    while time.process_time() < spin:
+        pass
+    assert procfs.busy_seconds(cpus) - before >= 0.2
 
 
 def test_stat_splits_at_the_last_parenthesis(tmp_path):
