@@ -39,6 +39,8 @@ def test_plan_replica_then_engine_death_gives_503_and_a_nonzero_exit(tiny_model,
         assert [t["allowed_cpus"] for t in rep["engine"]["threads"] if t["omp_thread"] is not None] == ["0"]
         assert rep["frontend"]["allowed_cpus"] == "1"
         assert "binding (plan): inference CPUs 0 (1 OpenMP threads)" in s.log()
+        # the engine extra's C event loop and HTTP parser, not uvicorn's pure-Python fallbacks (launch.py says why)
+        assert "(uvloop event loop, httptools HTTP parser)" in s.log()
 
         body = {"prompt": "Hello", "max_tokens": 990, "ignore_eos": True, "stream": True}
         engine_pid = s.engine_pid()
