@@ -56,13 +56,13 @@ def test_status_threads_and_maps_of_this_process():
     assert os.path.realpath(sys.executable) in files and len(files) == len(set(files))
 
 
-def test_what_the_benchmarks_read_of_a_process(tmp_path):
+def test_what_the_benchmarks_read_of_a_process():
     """CPU time, resident memory and children: how benchmarks/ split the engine's CPU use and memory."""
     me = procfs.read_stat()
     spin = time.process_time() + 0.3
     while time.process_time() < spin:
         pass
-    assert procfs.read_stat().cpu_seconds - me.cpu_seconds >= 0.2  # clock ticks, not seconds, would be 100x larger
+    assert 0.2 <= procfs.read_stat().cpu_seconds - me.cpu_seconds < 5  # seconds: clock ticks would be ~100x more
     status = procfs.read_status()
     assert 10 * 2**20 < procfs.status_bytes(status, "VmRSS") == int(status["VmRSS"].split()[0]) * 1024
     assert procfs.status_bytes(status, "Name") is None and procfs.status_bytes(status, "Missing") is None
