@@ -15,10 +15,11 @@ The JSON also names the streaming the start-up measurement (engine/kernels/strea
 `--gguf FILE` profiles a (quantized) GGUF file instead, its roofline counted from the file's weight bytes.
 `--compact` alternates instead between the model held packed in 16 bits and compact in 12 (kernels/compact_bf16.h),
 both with the streaming picked at start-up, and reports each one's share of the roofline counted on the file's bytes
-and on the bytes it holds.
+and on the bytes it holds. `--gguf FILE --stream-ahead 4096,8192` alternates between prefetch distances of the
+quantized GEMV (kernels/quant_gemv.h).
 
     flock /tmp/deploykit-heavy.lock python benchmarks/decode_profile.py [--rounds 5] [--tokens 64] [--gguf FILE]
-                                                                        [--compact]
+                                                                        [--compact] [--stream-ahead B,B]
 """
 
 from __future__ import annotations
@@ -123,7 +124,12 @@ def main() -> None:
     ap.add_argument("--compact", action="store_true",
                     help="alternate between the model held packed (16 bits) and compact (12 bits) instead of between "
                          "the two streamings")
+    ap.add_argument("--stream-ahead", default=None, metavar="BYTES,BYTES,...",
+                    help="with --gguf: alternate between these prefetch distances of the quantized GEMV "
+                         "(kernels/quant_gemv.h; 0 = off) instead of between the two streamings")
     a = ap.parse_args()
+    if a.stream_ahead and not a.gguf:
+        raise SystemExit("--stream-ahead measures the quantized GEMV: give a quantized file with --gguf")
 
     from deploykit import cpulist
     from deploykit.isa import cpu_model
@@ -150,26 +156,34 @@ def main() -> None:
     picked = kernels.tune_streams()
     timers = Timers()
     timers.wrap(kernels, "decode_step_", "native_step")  # the model calls kernels.decode_step_ by attribute
-    # The variants a round alternates between: (core, GEMV streaming) by name.
+    # The variants a round alternates between: (core, GEMV streaming, quantized prefetch distance) by name.
+    ahead = int(ops.quant_stream_ahead())
     if a.compact:
-        variants = {"packed 16-bit": (load(False), picked.streams), "compact 12-bit": (core, picked.streams)}
+        variants = {"packed 16-bit": (load(False), picked.streams, ahead),
+                    "compact 12-bit": (core, picked.streams, ahead)}
+    elif a.stream_ahead:
+        variants = {f"{n} bytes ahead": (core, picked.streams, n) for n in map(int, a.stream_ahead.split(","))}
     else:
-        variants = {STREAMINGS[s]: (core, s) for s in STREAMINGS}
-    for c in {id(c): c for c, _ in variants.values()}.values():
+        variants = {STREAMINGS[s]: (core, s, ahead) for s in STREAMINGS}
+    for c in {id(c): c for c, _, _ in variants.values()}.values():
         timers.wrap(c.runner.model, "forward", "forward")
         timers.wrap(c.runner.model, "compute_logits", "logits")
         timers.wrap(c, "sampler", "sampler")
     w = gguf_weight_stats(src) if a.gguf else weight_stats(a.model_dir)
     vocab = core.model_config.vocab_size
     bw_before = read_bandwidth(3)
-    for c, _ in variants.values():
+    for c, _, _ in variants.values():
         decode_round(c, timers, ops, vocab, 8)  # warm-up
     rounds: dict[str, list[dict]] = {name: [] for name in variants}
-    for _ in range(a.rounds):
-        for name, (c, s) in variants.items():
+    order = list(variants)
+    for r in range(a.rounds):  # each round starts one variant later, so no variant always follows the same one
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            c, s, n = variants[name]
             ops.set_gemv_streams(s)
+            ops.set_quant_stream_ahead(n)
             rounds[name].append(decode_round(c, timers, ops, vocab, a.tokens))
     ops.set_gemv_streams(picked.streams)
+    ops.set_quant_stream_ahead(ahead)
     bw_after = read_bandwidth(3)
     roof = max(bw_before["best_gbps"], bw_after["best_gbps"])
     flags = kernels.status()["isa"]
@@ -183,9 +197,13 @@ def main() -> None:
         "picked_at_startup": {"streams": picked.streams, "how": picked.describe()},
         "roofline": {"before": bw_before, "after": bw_after, "best_gbps": roof,
                      "tok_s": round(roof * 1e9 / w["decode_read_bytes"], 1)},
-        "by_variant" if a.compact else "by_streaming": {
+        "by_variant" if a.compact or a.stream_ahead else "by_streaming": {
             name: summarize(r, w["decode_read_bytes"], roof,
                             held_read(variants[name][0].model, w) if a.compact else None)
+            for name, r in rounds.items()},
+        # rounds paired by index: each variant's time a token over the first variant's in the same round
+        f"paired_median_time_vs_{order[0]}": {
+            name: round(median(f["tok_s"] / x["tok_s"] for f, x in zip(rounds[order[0]], r)), 3)
             for name, r in rounds.items()},
         "method": "ms per generated token; the step split is wall time of the wrapped calls, the native phases are "
                   "the mean over threads of kernels/step_profile.h's timers (compute per phase, barrier = waiting)",

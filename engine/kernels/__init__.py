@@ -343,4 +343,5 @@ def status() -> dict:
         "plain_amx_max_m": PLAIN_AMX_MAX_M,
         "quantized": _QUANT,
         "gemv_streams": int(_ops.gemv_streams()) if _ops is not None else None,
+        "quant_stream_ahead": int(_ops.quant_stream_ahead()) if _ops is not None else None,  # bytes; 0: off
     }

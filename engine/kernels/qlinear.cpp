@@ -75,7 +75,19 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blob, const std::
   return out;
 }
 
-TORCH_LIBRARY_FRAGMENT(deploykit, m) { m.def("quant_linear(Tensor x, Tensor blob, Tensor? bias, bool float_out) -> Tensor"); }
+void set_quant_stream_ahead(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0 && bytes <= 65536 && bytes % 64 == 0,
+              "the quantized GEMV's prefetch distance is 0 (off) or a multiple of 64 bytes up to 65536, not ", bytes);
+  quant::stream_ahead.store(bytes);
+}
+
+int64_t quant_stream_ahead() { return quant::stream_ahead.load(); }
+
+TORCH_LIBRARY_FRAGMENT(deploykit, m) {
+  m.def("quant_linear(Tensor x, Tensor blob, Tensor? bias, bool float_out) -> Tensor");
+  m.def("set_quant_stream_ahead(int bytes) -> ()", &set_quant_stream_ahead);
+  m.def("quant_stream_ahead() -> int", &quant_stream_ahead);
+}
 
 TORCH_LIBRARY_IMPL(deploykit, CPU, m) { m.impl("quant_linear", &quant_linear); }
 

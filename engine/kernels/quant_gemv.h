@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -40,14 +41,15 @@ constexpr int groups_for() {
 }
 
 // Streaming ahead (the GEMV of up to 4 rows, whose weights are read once): each unit requests its share of the lines
-// STREAM_AHEAD bytes further down its group's stream with PREFETCHNTA, a few lines per unit rather than a chunk's
+// stream_ahead bytes further down its group's stream with PREFETCHNTA, a few lines per unit rather than a chunk's
 // worth at once. Measured on Zen 4 in the batch-1 engine step (benchmarks/decode_profile.py --gguf, variants
 // alternated in one process): 3-12 % less time a token on Q4_0, Q8_0 and Q4_K_M at 3-4 KiB ahead, from both the
 // GEMV and the work between steps, which finds more of its own lines still cached when the weights went through
 // as non-temporal. Whole chunks requested at once instead cost Q4_K_M 5-8 % (37 lines in one burst), and T0/T1/T2
 // prefetches 1-4 KiB ahead were erratic (-5 to +28 %). Tiles of a wider call re-read a group pair from L1/L2 after
 // the first tile, so they do not stream ahead: non-temporal lines would be gone by then.
-constexpr int64_t STREAM_AHEAD = 4096;
+// Settable at run time (set_quant_stream_ahead; 0 turns it off) so distances can be compared in one process.
+inline std::atomic<int64_t> stream_ahead{4096};
 
 inline __m512 halves(const uint8_t* p) {  // 16 fp16 -> fp32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -63,7 +65,7 @@ inline void store16(at::BFloat16* p, __m512 v) { vec::store16(p, v); }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 
 // out[m, col[g] .. col[g] + 16) for MT activation rows and G groups (local indices gl[] of part p). Ahead: stream
-// the weights ahead non-temporally (above).
+// the weights ahead non-temporally (above); an ahead of 0 turns that off.
 template <int F, int MT, int G, bool Ahead, class Out>
 inline void groups(const Act* act, const Part& p, const int64_t gl[G], int64_t K, const float* bias, Out* out,
                    int64_t ldo) {
@@ -76,13 +78,14 @@ inline void groups(const Act* act, const Part& p, const int64_t gl[G], int64_t K
     for (int g = 0; g < G; ++g) accf[m][g] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F), bit5 = _mm512_set1_epi8(0x10), top2 = _mm512_set1_epi8(0x30);
   const int64_t chunks = K / (32 * inf.units);
+  const int64_t ahead = Ahead ? stream_ahead.load(std::memory_order_relaxed) : 0;
   for (int64_t c = 0; c < chunks; ++c) {
     for (int u = 0; u < inf.units; ++u) {
-      if constexpr (Ahead) {  // this unit's share of the lines of chunk c, STREAM_AHEAD bytes on
+      if (ahead) {  // this unit's share of the lines of chunk c, `ahead` bytes on
         constexpr int lines = inf.chunk_bytes / 64, per = (lines + inf.units - 1) / inf.units;
         for (int g = 0; g < G; ++g)
           for (int i = u * per; i < std::min(lines, (u + 1) * per); ++i)
-            _mm_prefetch(reinterpret_cast<const char*>(base[g] + c * inf.chunk_bytes + STREAM_AHEAD + i * 64),
+            _mm_prefetch(reinterpret_cast<const char*>(base[g] + c * inf.chunk_bytes + ahead + i * 64),
                          _MM_HINT_NTA);
       }
       const int64_t unit = c * inf.units + u;
@@ -237,7 +240,7 @@ inline void part_rows(bool ahead, const Act* act, const Part& p, int64_t g0, int
 
 // out[m, 16 b0 .. 16 b1) for M <= 4 activation rows: the 16-row groups [b0, b1) of the whole matrix, split where
 // parts of different formats meet. ahead: these rows are all the call has, so the weights stream once and ahead
-// (STREAM_AHEAD); a tile of a wider call passes false.
+// (stream_ahead); a tile of a wider call passes false.
 template <class Out>
 inline void rows(int64_t M, const Act* act, const Matrix& w, int64_t b0, int64_t b1, const float* bias, Out* out,
                  int64_t ldo, bool ahead = true) {

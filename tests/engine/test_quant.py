@@ -132,6 +132,29 @@ def test_rows_are_bitwise_the_same_in_any_batch():
         assert torch.equal(kernels.linear(x[:m], blob), alone[:m])
 
 
+def test_the_prefetch_distance_never_changes_a_result():
+    """The GEMV's non-temporal prefetch distance (a run-time setting, for measuring) moves bytes earlier, never the
+    result; out-of-range distances are refused with the allowed range."""
+    ops = torch.ops.deploykit
+    default = int(ops.quant_stream_ahead())
+    assert default == kernels.status()["quant_stream_ahead"] > 0
+    raw = random_raw("Q4_0", 256, 2048)  # 16 groups of 16 rows, each a 18 KiB stream: every distance lands inside
+    blob = quant.pack([raw])
+    x = torch.randn(4, 2048).bfloat16()
+    want = [kernels.linear(x[:m], blob) for m in (1, 4)]
+    try:
+        for ahead in (0, 64, 8192, 65536):
+            ops.set_quant_stream_ahead(ahead)
+            assert int(ops.quant_stream_ahead()) == ahead
+            assert all(torch.equal(kernels.linear(x[:m], blob), w) for m, w in zip((1, 4), want))
+        for bad in (-64, 100, 65536 + 64):
+            with pytest.raises(RuntimeError, match="multiple of 64 bytes up to 65536"):
+                ops.set_quant_stream_ahead(bad)
+    finally:
+        ops.set_quant_stream_ahead(default)
+    assert int(ops.quant_stream_ahead()) == default
+
+
 def test_what_the_planner_counts_is_what_the_engine_holds(smollm2):
     """SmolLM2's Q4_1 file: the plan's weight bytes are the bytes the loaded model holds, and both say which
     tensors took which path."""
