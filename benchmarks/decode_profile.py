@@ -121,12 +121,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--gguf", type=Path, default=None,
                     help="profile this (quantized) GGUF file instead; the roofline then counts its weight bytes")
-    ap.add_argument("--compact", action="store_true",
-                    help="alternate between the model held packed (16 bits) and compact (12 bits) instead of between "
-                         "the two streamings")
-    ap.add_argument("--stream-ahead", default=None, metavar="BYTES,BYTES,...",
-                    help="with --gguf: alternate between these prefetch distances of the quantized GEMV "
-                         "(kernels/quant_gemv.h; 0 = off) instead of between the two streamings")
+    variant = ap.add_mutually_exclusive_group()  # what the rounds alternate between: one choice
+    variant.add_argument("--compact", action="store_true",
+                         help="alternate between the model held packed (16 bits) and compact (12 bits) instead of "
+                              "between the two streamings")
+    variant.add_argument("--stream-ahead", default=None, metavar="BYTES,BYTES,...",
+                         help="with --gguf: alternate between these prefetch distances of the quantized GEMV "
+                              "(kernels/quant_gemv.h; 0 = off) instead of between the two streamings")
     a = ap.parse_args()
     if a.stream_ahead and not a.gguf:
         raise SystemExit("--stream-ahead measures the quantized GEMV: give a quantized file with --gguf")
