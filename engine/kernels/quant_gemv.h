@@ -30,15 +30,11 @@
 namespace deploykit {
 namespace quant {
 
-// One 16-row group at a time per core, for every format and row count: measured on Zen 4 (quant_linear at
-// the model's shapes, M = 1, 2, 4), G = 1 read 38.9 GB/s on Q8_0 and Q4_0 9728x896 against 33-36 for G = 8 and 20-25
-// for G = 2 or 4; a single sequential stream per core is what the hardware prefetcher follows best, and the two
-// accumulator chains per group already hide vpdpbusd's latency. (G stays a parameter for CPUs where more streams
-// in flight pay, e.g. more memory channels per core.)
-template <int F, int MT>
-constexpr int groups_for() {
-  return 1;
-}
+// One 16-row group at a time per core, for every format and row count, one sequential stream that the hardware
+// prefetcher follows. Measured on Zen 4 at M = 1: an older kernel taking 2-8 neighbouring groups at once read DRAM
+// at 20-36 against 38.9 GB/s for one; splitting a core's groups into 4 or 8 runs read side by side was 1.15x faster
+// from L3 but tied from DRAM (Q4_0, the model's shapes) and made the batch-1 engine step 1.13-1.14x slower
+// (benchmarks/decode_profile.py --gguf, Q4_0, the three alternated in one process, gate_up 4.0 against 3.1 ms).
 
 // Streaming ahead (the GEMV of up to 4 rows, whose weights are read once): each unit requests its share of the lines
 // stream_ahead bytes further down its group's stream with PREFETCHNTA, a few lines per unit rather than a chunk's
@@ -71,6 +67,10 @@ inline void groups(const Act* act, const Part& p, const int64_t gl[G], int64_t K
                    int64_t ldo) {
   constexpr Info inf = info_of(F);
   constexpr bool nibbles = F != Q8_0, five = F == Q5_0 || F == Q5_1, offset = F == Q4_1 || F == Q5_1;
+  // 4-bit codes without a fifth or sixth bit: the high nibble is dotted where it lies (16 x its value, one ANDN
+  // instead of a shift and an AND per line) and the unit's sum shifted back once, exactly (a multiple of 16, at most
+  // 4 x 4 x 240 x 128 per lane). In-cache (L3) Q4_0 at M = 1 ran 1.05-1.10x faster on Zen 4, bitwise the same.
+  constexpr bool hi16 = F == Q4_0 || F == Q4_1 || F == Q4_K;
   const uint8_t* base[G];
   for (int g = 0; g < G; ++g) base[g] = p.data + gl[g] * p.group_bytes;
   __m512 accf[MT][G];
@@ -117,7 +117,8 @@ inline void groups(const Act* act, const Part& p, const int64_t gl[G], int64_t K
           for (int g = 0; g < G; ++g) {
             const uint8_t* lines = base[g] + c * inf.chunk_bytes + u * unit_bytes;
             const __m512i v = _mm512_loadu_si512(lines + l * 64);
-            __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            __m512i lo = _mm512_and_si512(v, low4);
+            __m512i hi = hi16 ? _mm512_andnot_si512(low4, v) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
             if constexpr (five) {
               uint64_t ml, mh;
               const uint8_t* masks = base[g] + c * inf.chunk_bytes + 512 + u * 64;
@@ -144,7 +145,8 @@ inline void groups(const Act* act, const Part& p, const int64_t gl[G], int64_t K
       // acc (+ accb) = sum over the unit of code * q; scale it into accf.
       if constexpr (F != Q6_K)
         for (int m = 0; m < MT; ++m)
-          for (int g = 0; g < G; ++g) acc[m][g] = _mm512_add_epi32(acc[m][g], accb[m][g]);
+          for (int g = 0; g < G; ++g)
+            acc[m][g] = _mm512_add_epi32(acc[m][g], hi16 ? _mm512_srai_epi32(accb[m][g], 4) : accb[m][g]);
       for (int g = 0; g < G; ++g) {
         const uint8_t* ch = base[g] + c * inf.chunk_bytes;
         if constexpr (F == Q8_0 || F == Q4_0 || F == Q5_0) {
@@ -196,23 +198,10 @@ inline void groups(const Act* act, const Part& p, const int64_t gl[G], int64_t K
   }
 }
 
-// Groups [g, g1) of part p, G at a time while G fit, then in halves: a range's tail still streams several groups at
-// once instead of one by one.
-template <int F, int MT, int G, bool Ahead, class Out>
-inline void batches(const Act* act, const Part& p, int64_t g, int64_t g1, int64_t K, const float* bias, Out* out,
-                    int64_t ldo) {
-  for (; g + G <= g1; g += G) {
-    int64_t gl[G];
-    for (int i = 0; i < G; ++i) gl[i] = g + i;
-    groups<F, MT, G, Ahead>(act, p, gl, K, bias, out, ldo);
-  }
-  if constexpr (G > 1) batches<F, MT, G / 2, Ahead>(act, p, g, g1, K, bias, out, ldo);
-}
-
 template <int F, int MT, bool Ahead, class Out>
 inline void part_range(const Act* act, const Part& p, int64_t g0, int64_t g1, int64_t K, const float* bias, Out* out,
                        int64_t ldo) {
-  batches<F, MT, groups_for<F, MT>(), Ahead>(act, p, g0, g1, K, bias, out, ldo);
+  for (int64_t g = g0; g < g1; ++g) groups<F, MT, 1, Ahead>(act, p, &g, K, bias, out, ldo);
 }
 
 template <int MT, bool Ahead, class Out>
