@@ -33,8 +33,9 @@ namespace quant {
 // One 16-row group at a time per core, for every format and row count, one sequential stream that the hardware
 // prefetcher follows. Measured on Zen 4 at M = 1: an older kernel taking 2-8 neighbouring groups at once read DRAM
 // at 20-36 against 38.9 GB/s for one; splitting a core's groups into 4 or 8 runs read side by side was 1.15x faster
-// from L3 but tied from DRAM (Q4_0, the model's shapes) and made the batch-1 engine step 1.13-1.14x slower
-// (benchmarks/decode_profile.py --gguf, Q4_0, the three alternated in one process, gate_up 4.0 against 3.1 ms).
+// from L3 but tied from DRAM (Q4_0, the model's shapes) and made the batch-1 engine step slower, with the prefetch
+// below or without it (benchmarks/decode_profile.py --gguf, Q4_0, variants alternated in one process, time a token
+// over one stream 4 KiB ahead: 8 runs 1.14-1.22x, 4 runs 1.12-1.13x, 2 runs 1.05x; probe 29-52 GB/s).
 
 // Streaming ahead (the GEMV of up to 4 rows, whose weights are read once): each unit requests its share of the lines
 // stream_ahead bytes further down its group's stream with PREFETCHNTA, a few lines per unit rather than a chunk's
