@@ -1,0 +1,34 @@
+"""benchmarks/engine.py's roofline percentages on a host whose memory bandwidth changes regime mid-run: each round's
+decode is held to that round's own probe, and the run says when its probes disagree."""
+
+from __future__ import annotations
+
+from benchmarks.engine import paired_pct_roofline, regime_note
+
+
+def summary(by_round: list[float], bytes_per_token: float = 0.5e9) -> dict:
+    best = max(by_round)
+    return {"bandwidth_gbps": {"best": best, "by_round": by_round}, "roofline_tok_s": best * 1e9 / bytes_per_token}
+
+
+def test_a_round_is_held_to_its_own_probe():
+    # Round 1 in fast DRAM (60 GB/s, roofline 120 tok/s), round 2 in slow (30 GB/s, 60 tok/s). Best-of would say
+    # 60 / 120 = 50 %; per round it is 50 % and 55 / 60 = 91.7 %, median 70.83 %.
+    s = summary([60.0, 30.0])
+    assert paired_pct_roofline(s, {"samples": [60.0, 55.0]}) == 70.83
+    # Steady bandwidth: the paired figure is the plain one.
+    assert paired_pct_roofline(summary([40.0, 40.0, 40.0]), {"samples": [64.0, 60.0, 56.0]}) == 75.0
+
+
+def test_rounds_that_do_not_pair_give_no_figure():
+    s = summary([60.0, 30.0, 45.0])
+    assert paired_pct_roofline(s, {"samples": [60.0, 55.0]}) is None  # a decode round failed and was skipped
+    assert paired_pct_roofline(s, None) is None
+    assert paired_pct_roofline({"decode_tok_s": {}}, {"samples": [1.0]}) is None  # no probe ran
+
+
+def test_a_regime_change_is_reported_and_steady_runs_are_not():
+    assert regime_note(summary([52.0, 55.9, 53.3])) is None
+    note = regime_note(summary([57.3, 34.1, 35.3]))
+    assert note is not None and "34.1-57.3 GB/s" in note and "paired_median" in note
+    assert regime_note(summary([40.0])) is None
