@@ -306,12 +306,14 @@ def run_rounds(workers: dict[str, Worker], jobs: list, rounds: int, cpus: tuple[
 def summarize(samples: dict[str, list[dict]], w: dict, tokens: int) -> dict:
     out: dict = {"decode_tok_s": {}, "prefill_512": {}}
     if bw := samples.get("bandwidth"):
-        best = max(max(s["stream_read_gbps"], s["fp32_gemv_gbps"]) for s in bw)
+        by_round = [max(s["stream_read_gbps"], s["fp32_gemv_gbps"]) for s in bw]
+        best = max(by_round)
         out["bandwidth_gbps"] = {"best": round(best, 1), "stream_read": stats([s["stream_read_gbps"] for s in bw], 1),
                                  "fp32_gemv": stats([s["fp32_gemv_gbps"] for s in bw], 1),
-                                 "by_round": [round(max(s["stream_read_gbps"], s["fp32_gemv_gbps"]), 1) for s in bw],
+                                 "by_round": [round(g, 1) for g in by_round],
                                  "stream_probe": bw[0]["stream_read_probe"]}
         out["roofline_tok_s"] = round(best * 1e9 / w["decode_read_bytes"], 2)
+        out["roofline_tok_s_by_round"] = [round(g * 1e9 / w["decode_read_bytes"], 2) for g in by_round]
     if mm := [s["shapes"] for s in samples.get("matmul_peak", ())]:
         flop = {shape: r["flop"] for shape, r in mm[0].items()}
         sec = {shape: {i: min(s[shape]["seconds"][i] for s in mm) for i in r["seconds"]} for shape, r in mm[0].items()}
@@ -369,11 +371,10 @@ def ratios(s: dict) -> tuple[dict, dict]:
 def paired_pct_roofline(s: dict, decode: dict | None) -> float | None:
     """Median over rounds of a decode's tok/s as a % of the roofline from the same round's bandwidth probe; None
     when a round is missing (a failed or skipped job), since rounds would then pair wrongly."""
-    by_round = s.get("bandwidth_gbps", {}).get("by_round")
-    if not decode or not by_round or len(by_round) != len(decode["samples"]):
+    roofs = s.get("roofline_tok_s_by_round")
+    if not decode or not roofs or len(roofs) != len(decode["samples"]):
         return None
-    per_gbps = s["roofline_tok_s"] / s["bandwidth_gbps"]["best"]  # roofline tok/s per GB/s of probe
-    return round(median(100 * t / (g * per_gbps) for t, g in zip(decode["samples"], by_round)), 2)
+    return round(median(100 * t / r for t, r in zip(decode["samples"], roofs)), 2)
 
 
 def regime_note(s: dict, spread: float = 1.2) -> str | None:

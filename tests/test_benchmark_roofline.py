@@ -8,7 +8,8 @@ from benchmarks.engine import paired_pct_roofline, regime_note
 
 def summary(by_round: list[float], bytes_per_token: float = 0.5e9) -> dict:
     best = max(by_round)
-    return {"bandwidth_gbps": {"best": best, "by_round": by_round}, "roofline_tok_s": best * 1e9 / bytes_per_token}
+    return {"bandwidth_gbps": {"best": best, "by_round": by_round}, "roofline_tok_s": best * 1e9 / bytes_per_token,
+            "roofline_tok_s_by_round": [g * 1e9 / bytes_per_token for g in by_round]}
 
 
 def test_a_round_is_held_to_its_own_probe():
