@@ -4,8 +4,8 @@
 // give bitwise the same outputs: every output column is summed over k in the same order whatever the grouping,
 // the row count or the thread split.
 //
-// Registers (AVX-512 has 32): MT rows x G column groups of 16 need 2 MT*G int32 accumulators (two chains) and MT*G
-// fp32 ones plus 2 MT broadcast activations.
+// Registers (AVX-512 has 32): MT rows of one 16-column group need 2 MT int32 accumulators (two chains), MT fp32 ones
+// and 2 MT broadcast activations.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -61,22 +61,19 @@ inline __m512 cvt(__m512i v) { return _mm512_cvtepi32_ps(v); }
 inline void store16(at::BFloat16* p, __m512 v) { vec::store16(p, v); }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 
-// out[m, col[g] .. col[g] + 16) for MT activation rows and G groups (local indices gl[] of part p). Ahead: stream
-// the weights ahead non-temporally (above); an ahead of 0 turns that off.
-template <int F, int MT, int G, bool Ahead, class Out>
-inline void groups(const Act* act, const Part& p, const int64_t gl[G], int64_t K, const float* bias, Out* out,
-                   int64_t ldo) {
+// out[m, 16 gl .. 16 gl + 16) of part p for MT activation rows: one 16-row group. Ahead: stream the weights ahead
+// non-temporally (above); an ahead of 0 turns that off.
+template <int F, int MT, bool Ahead, class Out>
+inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const float* bias, Out* out, int64_t ldo) {
   constexpr Info inf = info_of(F);
   constexpr bool nibbles = F != Q8_0, five = F == Q5_0 || F == Q5_1, offset = F == Q4_1 || F == Q5_1;
   // 4-bit codes without a fifth or sixth bit: the high nibble is dotted where it lies (16 x its value, one ANDN
   // instead of a shift and an AND per line) and the unit's sum shifted back once, exactly (a multiple of 16, at most
   // 4 x 4 x 240 x 128 per lane). In-cache (L3) Q4_0 at M = 1 ran 1.05-1.10x faster on Zen 4, bitwise the same.
   constexpr bool hi16 = F == Q4_0 || F == Q4_1 || F == Q4_K;
-  const uint8_t* base[G];
-  for (int g = 0; g < G; ++g) base[g] = p.data + gl[g] * p.group_bytes;
-  __m512 accf[MT][G];
-  for (int m = 0; m < MT; ++m)
-    for (int g = 0; g < G; ++g) accf[m][g] = _mm512_setzero_ps();
+  const uint8_t* base = p.data + gl * p.group_bytes;
+  __m512 accf[MT];
+  for (int m = 0; m < MT; ++m) accf[m] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F), bit5 = _mm512_set1_epi8(0x10), top2 = _mm512_set1_epi8(0x30);
   const int64_t chunks = K / (32 * inf.units);
   const int64_t ahead = Ahead ? stream_ahead.load(std::memory_order_relaxed) : 0;
@@ -84,27 +81,22 @@ inline void groups(const Act* act, const Part& p, const int64_t gl[G], int64_t K
     for (int u = 0; u < inf.units; ++u) {
       if (ahead) {  // this unit's share of the lines of chunk c, `ahead` bytes on
         constexpr int lines = inf.chunk_bytes / 64, per = (lines + inf.units - 1) / inf.units;
-        for (int g = 0; g < G; ++g)
-          for (int i = u * per; i < std::min(lines, (u + 1) * per); ++i)
-            _mm_prefetch(reinterpret_cast<const char*>(base[g] + c * inf.chunk_bytes + ahead + i * 64),
-                         _MM_HINT_NTA);
+        for (int i = u * per; i < std::min(lines, (u + 1) * per); ++i)
+          _mm_prefetch(reinterpret_cast<const char*>(base + c * inf.chunk_bytes + ahead + i * 64), _MM_HINT_NTA);
       }
       const int64_t unit = c * inf.units + u;
-      __m512i acc[MT][G], accb[MT][G];  // two chains; Q6_K: accb is the unit's second 16 k (its own scale)
-      for (int m = 0; m < MT; ++m)
-        for (int g = 0; g < G; ++g) acc[m][g] = accb[m][g] = _mm512_setzero_si512();
+      __m512i acc[MT], accb[MT];  // two chains; Q6_K: accb is the unit's second 16 k (its own scale)
+      for (int m = 0; m < MT; ++m) acc[m] = accb[m] = _mm512_setzero_si512();
       if constexpr (!nibbles) {
         for (int e = 0; e < 8; ++e) {
           __m512i bx[MT];
           for (int m = 0; m < MT; ++m) bx[m] = bcast4(act[m].q + unit * 32 + 4 * e);
-          for (int g = 0; g < G; ++g) {
-            const __m512i w = _mm512_loadu_si512(base[g] + c * inf.chunk_bytes + u * 512 + e * 64);
-            for (int m = 0; m < MT; ++m) {  // even and odd lines on two chains: half the dependency latency
-              if (e % 2 == 0)
-                acc[m][g] = _mm512_dpbusd_epi32(acc[m][g], w, bx[m]);
-              else
-                accb[m][g] = _mm512_dpbusd_epi32(accb[m][g], w, bx[m]);
-            }
+          const __m512i w = _mm512_loadu_si512(base + c * inf.chunk_bytes + u * 512 + e * 64);
+          for (int m = 0; m < MT; ++m) {  // even and odd lines on two chains: half the dependency latency
+            if (e % 2 == 0)
+              acc[m] = _mm512_dpbusd_epi32(acc[m], w, bx[m]);
+            else
+              accb[m] = _mm512_dpbusd_epi32(accb[m], w, bx[m]);
           }
         }
       } else {
@@ -115,94 +107,87 @@ inline void groups(const Act* act, const Part& p, const int64_t gl[G], int64_t K
             bl[m] = bcast4(act[m].q + unit * 32 + 4 * l);
             bh[m] = bcast4(act[m].q + unit * 32 + 16 + 4 * l);
           }
-          for (int g = 0; g < G; ++g) {
-            const uint8_t* lines = base[g] + c * inf.chunk_bytes + u * unit_bytes;
-            const __m512i v = _mm512_loadu_si512(lines + l * 64);
-            __m512i lo = _mm512_and_si512(v, low4);
-            __m512i hi = hi16 ? _mm512_andnot_si512(low4, v) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-            if constexpr (five) {
-              uint64_t ml, mh;
-              const uint8_t* masks = base[g] + c * inf.chunk_bytes + 512 + u * 64;
-              std::memcpy(&ml, masks + 8 * l, 8);
-              std::memcpy(&mh, masks + 8 * (l + 4), 8);
-              lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(ml, bit5));
-              hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(mh, bit5));
-            }
-            if constexpr (F == Q6_K) {  // top 2 bits of k-group l in h-line 0, of l + 4 in h-line 1, bits 2l..2l+1
-              const __m512i h0 = _mm512_loadu_si512(lines + 256), h1 = _mm512_loadu_si512(lines + 320);
-              const int s = 4 - 2 * l;  // move bits 2l..2l+1 to 4..5
-              const __m512i t0 = s >= 0 ? _mm512_slli_epi16(h0, s) : _mm512_srli_epi16(h0, -s);
-              const __m512i t1 = s >= 0 ? _mm512_slli_epi16(h1, s) : _mm512_srli_epi16(h1, -s);
-              lo = _mm512_or_si512(lo, _mm512_and_si512(t0, top2));
-              hi = _mm512_or_si512(hi, _mm512_and_si512(t1, top2));
-            }
-            for (int m = 0; m < MT; ++m) {  // low and high nibbles on two chains (Q6_K: its two 16-k scales)
-              acc[m][g] = _mm512_dpbusd_epi32(acc[m][g], lo, bl[m]);
-              accb[m][g] = _mm512_dpbusd_epi32(accb[m][g], hi, bh[m]);
-            }
+          const uint8_t* lines = base + c * inf.chunk_bytes + u * unit_bytes;
+          const __m512i v = _mm512_loadu_si512(lines + l * 64);
+          __m512i lo = _mm512_and_si512(v, low4);
+          __m512i hi = hi16 ? _mm512_andnot_si512(low4, v) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          if constexpr (five) {
+            uint64_t ml, mh;
+            const uint8_t* masks = base + c * inf.chunk_bytes + 512 + u * 64;
+            std::memcpy(&ml, masks + 8 * l, 8);
+            std::memcpy(&mh, masks + 8 * (l + 4), 8);
+            lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(ml, bit5));
+            hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(mh, bit5));
+          }
+          if constexpr (F == Q6_K) {  // top 2 bits of k-group l in h-line 0, of l + 4 in h-line 1, bits 2l..2l+1
+            const __m512i h0 = _mm512_loadu_si512(lines + 256), h1 = _mm512_loadu_si512(lines + 320);
+            const int s = 4 - 2 * l;  // move bits 2l..2l+1 to 4..5
+            const __m512i t0 = s >= 0 ? _mm512_slli_epi16(h0, s) : _mm512_srli_epi16(h0, -s);
+            const __m512i t1 = s >= 0 ? _mm512_slli_epi16(h1, s) : _mm512_srli_epi16(h1, -s);
+            lo = _mm512_or_si512(lo, _mm512_and_si512(t0, top2));
+            hi = _mm512_or_si512(hi, _mm512_and_si512(t1, top2));
+          }
+          for (int m = 0; m < MT; ++m) {  // low and high nibbles on two chains (Q6_K: its two 16-k scales)
+            acc[m] = _mm512_dpbusd_epi32(acc[m], lo, bl[m]);
+            accb[m] = _mm512_dpbusd_epi32(accb[m], hi, bh[m]);
           }
         }
       }
       // acc (+ accb) = sum over the unit of code * q; scale it into accf.
       if constexpr (F != Q6_K)
         for (int m = 0; m < MT; ++m)
-          for (int g = 0; g < G; ++g)
-            acc[m][g] = _mm512_add_epi32(acc[m][g], hi16 ? _mm512_srai_epi32(accb[m][g], 4) : accb[m][g]);
-      for (int g = 0; g < G; ++g) {
-        const uint8_t* ch = base[g] + c * inf.chunk_bytes;
-        if constexpr (F == Q8_0 || F == Q4_0 || F == Q5_0) {
-          constexpr int zero = F == Q8_0 ? 128 : F == Q4_0 ? 8 : 16;
-          const __m512 dw = halves(ch + (F == Q8_0 ? 1024 : F == Q4_0 ? 512 : 640) + u * 32);
-          for (int m = 0; m < MT; ++m) {
-            const __m512i t = _mm512_sub_epi32(acc[m][g], _mm512_set1_epi32(zero * act[m].s32[unit]));
-            accf[m][g] = _mm512_fmadd_ps(cvt(t), _mm512_mul_ps(dw, _mm512_set1_ps(act[m].dh[unit])), accf[m][g]);
-          }
-        } else if constexpr (offset) {  // d_w dh sum c q + m_w s, s = fp16(d sum q): Q8_1's terms
-          const uint8_t* sc = ch + (five ? 640 : 512);
-          const __m512 dw = halves(sc + u * 32), mw = halves(sc + 64 + u * 32);
-          for (int m = 0; m < MT; ++m) {
-            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(act[m].dh[unit]));
-            accf[m][g] = _mm512_fmadd_ps(cvt(acc[m][g]), scale, accf[m][g]);
-            accf[m][g] = _mm512_fmadd_ps(mw, _mm512_set1_ps(act[m].ms[unit]), accf[m][g]);
-          }
-        } else if constexpr (F == Q4_K) {
-          const auto u8s = [&](int64_t at) {
-            return cvt(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + at))));
-          };
-          const __m512 scale = _mm512_mul_ps(halves(ch + 2048), u8s(2048 + 64 + u * 16));
-          const __m512 mins = _mm512_mul_ps(halves(ch + 2048 + 32), u8s(2048 + 192 + u * 16));
-          for (int m = 0; m < MT; ++m) {
-            const float dx = act[m].d[unit];
-            accf[m][g] = _mm512_fmadd_ps(cvt(acc[m][g]), _mm512_mul_ps(scale, _mm512_set1_ps(dx)), accf[m][g]);
-            accf[m][g] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(dx * (float)act[m].s32[unit]), accf[m][g]);
-          }
-        } else {  // Q6_K: d * (sc_a * (dot_a - 32 sum_a) + sc_b * (dot_b - 32 sum_b)) per 16 k
-          const auto s8s = [&](int64_t at) {
-            return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + at)));
-          };
-          const __m512i sa = s8s(3072 + 2 * u * 16), sb = s8s(3072 + (2 * u + 1) * 16);
-          const __m512 dw = halves(ch + 3072 + 256);
-          for (int m = 0; m < MT; ++m) {
-            const __m512i ta = _mm512_sub_epi32(acc[m][g], _mm512_set1_epi32(32 * act[m].s16[2 * unit]));
-            const __m512i tb = _mm512_sub_epi32(accb[m][g], _mm512_set1_epi32(32 * act[m].s16[2 * unit + 1]));
-            const __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(ta, sa), _mm512_mullo_epi32(tb, sb));
-            accf[m][g] = _mm512_fmadd_ps(cvt(t), _mm512_mul_ps(dw, _mm512_set1_ps(act[m].d[unit])), accf[m][g]);
-          }
+          acc[m] = _mm512_add_epi32(acc[m], hi16 ? _mm512_srai_epi32(accb[m], 4) : accb[m]);
+      const uint8_t* ch = base + c * inf.chunk_bytes;
+      if constexpr (F == Q8_0 || F == Q4_0 || F == Q5_0) {
+        constexpr int zero = F == Q8_0 ? 128 : F == Q4_0 ? 8 : 16;
+        const __m512 dw = halves(ch + (F == Q8_0 ? 1024 : F == Q4_0 ? 512 : 640) + u * 32);
+        for (int m = 0; m < MT; ++m) {
+          const __m512i t = _mm512_sub_epi32(acc[m], _mm512_set1_epi32(zero * act[m].s32[unit]));
+          accf[m] = _mm512_fmadd_ps(cvt(t), _mm512_mul_ps(dw, _mm512_set1_ps(act[m].dh[unit])), accf[m]);
+        }
+      } else if constexpr (offset) {  // d_w dh sum c q + m_w s, s = fp16(d sum q): Q8_1's terms
+        const uint8_t* sc = ch + (five ? 640 : 512);
+        const __m512 dw = halves(sc + u * 32), mw = halves(sc + 64 + u * 32);
+        for (int m = 0; m < MT; ++m) {
+          const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(act[m].dh[unit]));
+          accf[m] = _mm512_fmadd_ps(cvt(acc[m]), scale, accf[m]);
+          accf[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(act[m].ms[unit]), accf[m]);
+        }
+      } else if constexpr (F == Q4_K) {
+        const auto u8s = [&](int64_t at) {
+          return cvt(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + at))));
+        };
+        const __m512 scale = _mm512_mul_ps(halves(ch + 2048), u8s(2048 + 64 + u * 16));
+        const __m512 mins = _mm512_mul_ps(halves(ch + 2048 + 32), u8s(2048 + 192 + u * 16));
+        for (int m = 0; m < MT; ++m) {
+          const float dx = act[m].d[unit];
+          accf[m] = _mm512_fmadd_ps(cvt(acc[m]), _mm512_mul_ps(scale, _mm512_set1_ps(dx)), accf[m]);
+          accf[m] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(dx * (float)act[m].s32[unit]), accf[m]);
+        }
+      } else {  // Q6_K: d * (sc_a * (dot_a - 32 sum_a) + sc_b * (dot_b - 32 sum_b)) per 16 k
+        const auto s8s = [&](int64_t at) {
+          return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + at)));
+        };
+        const __m512i sa = s8s(3072 + 2 * u * 16), sb = s8s(3072 + (2 * u + 1) * 16);
+        const __m512 dw = halves(ch + 3072 + 256);
+        for (int m = 0; m < MT; ++m) {
+          const __m512i ta = _mm512_sub_epi32(acc[m], _mm512_set1_epi32(32 * act[m].s16[2 * unit]));
+          const __m512i tb = _mm512_sub_epi32(accb[m], _mm512_set1_epi32(32 * act[m].s16[2 * unit + 1]));
+          const __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(ta, sa), _mm512_mullo_epi32(tb, sb));
+          accf[m] = _mm512_fmadd_ps(cvt(t), _mm512_mul_ps(dw, _mm512_set1_ps(act[m].d[unit])), accf[m]);
         }
       }
     }
   }
-  for (int g = 0; g < G; ++g) {
-    const int64_t col = p.row0 + 16 * gl[g];
-    const __m512 b = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
-    for (int m = 0; m < MT; ++m) store16(out + m * ldo + col, _mm512_add_ps(accf[m][g], b));
-  }
+  const int64_t col = p.row0 + 16 * gl;
+  const __m512 b = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) store16(out + m * ldo + col, _mm512_add_ps(accf[m], b));
 }
 
 template <int F, int MT, bool Ahead, class Out>
 inline void part_range(const Act* act, const Part& p, int64_t g0, int64_t g1, int64_t K, const float* bias, Out* out,
                        int64_t ldo) {
-  for (int64_t g = g0; g < g1; ++g) groups<F, MT, 1, Ahead>(act, p, &g, K, bias, out, ldo);
+  for (int64_t g = g0; g < g1; ++g) group<F, MT, Ahead>(act, p, g, K, bias, out, ldo);
 }
 
 template <int MT, bool Ahead, class Out>
