@@ -16,10 +16,11 @@ The JSON also names the streaming the start-up measurement (engine/kernels/strea
 `--compact` alternates instead between the model held packed in 16 bits and compact in 12 (kernels/compact_bf16.h),
 both with the streaming picked at start-up, and reports each one's share of the roofline counted on the file's bytes
 and on the bytes it holds. `--gguf FILE --stream-ahead 4096,8192` alternates between prefetch distances of the
-quantized GEMV (kernels/quant_gemv.h).
+quantized GEMV (kernels/quant_gemv.h). `--pages` alternates between the weights on 2 MiB pages (engine/hugepages.py, the
+default) and on 4 KiB pages (EngineConfig(huge_pages=False)), the same model loaded twice.
 
     flock /tmp/deploykit-heavy.lock python benchmarks/decode_profile.py [--rounds 5] [--tokens 64] [--gguf FILE]
-                                                                        [--compact] [--stream-ahead B,B]
+                                                                        [--compact | --stream-ahead B,B | --pages]
 """
 
 from __future__ import annotations
@@ -128,6 +129,9 @@ def main() -> None:
     variant.add_argument("--stream-ahead", default=None, metavar="BYTES,BYTES,...",
                          help="with --gguf: alternate between these prefetch distances of the quantized GEMV "
                               "(kernels/quant_gemv.h; 0 = off) instead of between the two streamings")
+    variant.add_argument("--pages", action="store_true",
+                         help="alternate between the weights on 2 MiB pages and on 4 KiB pages instead of between the "
+                              "two streamings")
     a = ap.parse_args()
     if a.stream_ahead and not a.gguf:
         raise SystemExit("--stream-ahead measures the quantized GEMV: give a quantized file with --gguf")
@@ -149,9 +153,9 @@ def main() -> None:
         raise SystemExit(f"the native kernels are not loaded ({kernels.status()['reason']}): nothing to profile")
     ops = torch.ops.deploykit
     src = str(a.gguf or a.model_dir)
-    def load(compact: bool) -> EngineCore:
+    def load(compact: bool, huge_pages: bool = True) -> EngineCore:
         return EngineCore(EngineConfig(src, dtype="bfloat16", max_model_len=1024, max_num_seqs=4,
-                                       compact_weights=compact))
+                                       compact_weights=compact, huge_pages=huge_pages))
 
     core = load(True)
     picked = kernels.tune_streams()
@@ -162,6 +166,9 @@ def main() -> None:
     if a.compact:
         variants = {"packed 16-bit": (load(False), picked.streams, ahead),
                     "compact 12-bit": (core, picked.streams, ahead)}
+    elif a.pages:
+        variants = {"2 MiB pages": (core, picked.streams, ahead),
+                    "4 KiB pages": (load(True, huge_pages=False), picked.streams, ahead)}
     elif a.stream_ahead:
         variants = {f"{n} bytes ahead": (core, picked.streams, n) for n in map(int, a.stream_ahead.split(","))}
     else:
@@ -198,7 +205,8 @@ def main() -> None:
         "picked_at_startup": {"streams": picked.streams, "how": picked.describe()},
         "roofline": {"before": bw_before, "after": bw_after, "best_gbps": roof,
                      "tok_s": round(roof * 1e9 / w["decode_read_bytes"], 1)},
-        "by_variant" if a.compact or a.stream_ahead else "by_streaming": {
+        "weight_pages": {name: c.model.pages.text() for name, (c, _, _) in variants.items()},
+        "by_variant" if a.compact or a.stream_ahead or a.pages else "by_streaming": {
             name: summarize(r, w["decode_read_bytes"], roof,
                             held_read(variants[name][0].model, w) if a.compact else None)
             for name, r in rounds.items()},

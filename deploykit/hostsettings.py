@@ -141,6 +141,11 @@ def read_with_sources(sysroot: str | Path = "/") -> tuple[HostSettings, tuple[st
     return settings, tuple(sorted(r.seen))
 
 
+def thp_mode(sysroot: str | Path = "/") -> str | None:
+    """transparent_hugepage/enabled's selected word (always | madvise | never); None where the kernel has none."""
+    return _bracketed(Reader(Path(sysroot)).text(THP_ENABLED))
+
+
 def _bracketed(text: str | None) -> str | None:
     """The selected word of a sysfs choice file: 'always [madvise] never' -> 'madvise'."""
     m = re.search(r"\[(\w[\w+]*)\]", text or "")

@@ -49,9 +49,10 @@ class EngineCore:
             log.warning("KV cache holds %d tokens, less than max_model_len %d; lowering max_model_len",
                         num_blocks * config.block_size, self.max_model_len)
             self.max_model_len = num_blocks * config.block_size
-        self.model = build_model(mc, self.dtype, self.max_model_len, config.quantization, config.compact_weights)
+        self.model = build_model(mc, self.dtype, self.max_model_len, config.quantization, config.compact_weights,
+                                 config.huge_pages)
         kv = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-                     self.dtype) if is_native(mc) else None
+                     self.dtype, config.huge_pages) if is_native(mc) else None
         # Prefix caching shares blocks of the paged pool; the transformers fallback keeps its own caches.
         self.allocator = BlockAllocator(num_blocks, config.block_size, config.prefix_caching and is_native(mc))
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)

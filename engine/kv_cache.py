@@ -8,6 +8,7 @@ from collections import OrderedDict
 
 import torch
 
+from engine import hugepages
 from engine.sequence import SeqStatus
 
 # The hash chain's root. Within one engine a block's K/V are a function of every token up to its end (weights, dtype
@@ -199,10 +200,12 @@ class KVCache:
     adjacent, so one copy writes both and one row per block gathers both."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, huge_pages: bool = True):
         shape = (num_layers, num_blocks, block_size, 2, num_kv_heads, head_dim)
-        # Zeroed, not empty: padded attention reads unused blocks under a mask, and 0 * NaN garbage would be NaN.
-        self._pool = torch.zeros(shape, dtype=dtype)
+        # On 2 MiB pages like the weights (engine/hugepages.py). Zeroed, not empty: padded attention reads unused
+        # blocks under a mask, and 0 * NaN garbage would be NaN; zeroed now, so the whole pool is resident from the
+        # start and a memory limit too small for it fails at start, not under load.
+        self._pool = hugepages.empty(shape, dtype, huge_pages).zero_()
         self.layers = list(self._pool.unbind(0))
         self.block_size = block_size
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import hugepages
+
 log = logging.getLogger("engine.kernels")
 
 ENV = "DEPLOYKIT_GEMV_STREAMS"  # 8 or 1 skips the measurement
@@ -62,8 +64,9 @@ def calibrate(ops) -> Choice:
             raise ValueError(f"{ENV}={forced!r}: expected {MANY} or {ONE} (or unset, to measure)")
         ops.set_gemv_streams(int(forced))
         return Choice(int(forced), {}, ENV)
-    # Packed [N/16, K/2, 16, 2] bf16; the values do not matter to the timing (a small normal number, no denormals).
-    weights = [torch.full((n // 16, k // 2, 16, 2), 0.01, dtype=torch.bfloat16) for _ in range(LAYERS)
+    # Packed [N/16, K/2, 16, 2] bf16 on 2 MiB pages like the model's (engine/hugepages.py); the values do not matter
+    # to the timing (a small normal number, no denormals).
+    weights = [hugepages.empty((n // 16, k // 2, 16, 2), torch.bfloat16).fill_(0.01) for _ in range(LAYERS)
                for n, k in LAYER]
     x = torch.full((1, max(k for _, k in LAYER)), 0.5, dtype=torch.bfloat16)
     linear = ops.linear_packed_avx512.default

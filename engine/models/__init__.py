@@ -15,11 +15,11 @@ def is_native(config: ModelConfig) -> bool:
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, max_len: int,
-                quantization: str = "none", compact: bool = True) -> LlamaModel | HFCausalLM:
+                quantization: str = "none", compact: bool = True, huge_pages: bool = True) -> LlamaModel | HFCausalLM:
     if is_native(config):
         reader = open_checkpoint(config)
         try:
-            return LlamaModel(config, reader, dtype, max_len, quantization, compact)
+            return LlamaModel(config, reader, dtype, max_len, quantization, compact, huge_pages)
         finally:
             reader.close()
     return HFCausalLM(config, dtype)

@@ -5,7 +5,7 @@ import logging
 
 import torch
 
-from engine import kernels, quant
+from engine import hugepages, kernels, quant
 from engine.errors import ModelLoadError
 from engine.kernels import linear, prepare_bias, prepare_weight
 from engine.kv_cache import KVCache
@@ -38,7 +38,7 @@ class LlamaModel:
     native = True
 
     def __init__(self, config: ModelConfig, reader, dtype: torch.dtype, max_len: int, quantization: str = "none",
-                 compact: bool = True):
+                 compact: bool = True, huge_pages: bool = True):
         if config.hidden_act not in ACTIVATIONS:
             raise ModelLoadError(f"{config.source}: hidden_act {config.hidden_act!r} is not supported "
                                  f"(supported: {', '.join(ACTIVATIONS)})")
@@ -61,6 +61,8 @@ class LlamaModel:
         self.weight_paths = held.paths.summary()  # {type in the file: {path: tensors}}, for /debug/binding
         self.weight_bytes = held.paths.bytes
         log.info("weights: %.1f MiB held; by type in the file: %s", held.paths.bytes / 2**20, held.paths.text())
+        self.pages = self._place(huge_pages)
+        log.info("weight arena: %s", self.pages.text())
         self.step_weights = self._step_weights()  # None: small decode steps take the per-op path as well
 
     def _load(self, r, held: quant.Loader) -> None:
@@ -148,6 +150,24 @@ class LlamaModel:
         if unknown:
             raise ModelLoadError(f"{s.source}: the checkpoint has tensors this {s.architecture} implementation does "
                                  f"not use (e.g. {', '.join(unknown[:3])}); it is an unsupported variant")
+
+    def _place(self, huge: bool) -> hugepages.Placement:
+        """Every weight moved into one arena on 2 MiB pages (engine/hugepages.py) in the order a decode step reads
+        them, each original freed as its copy takes its place."""
+        refs = []
+        for L in self.layers:
+            refs += [(L.ln1, "weight"), *((L, a) for a in ("qkv", "qkv_bias", "qk_norm", "o", "o_bias")),
+                     (L.ln2, "weight"), *((L, a) for a in ("gate_up", "gate_up_bias", "down", "down_bias"))]
+        tied = self.embed is self.lm_head
+        refs += [(self.norm, "weight"), (self, "lm_head")] + ([] if tied else [(self, "embed")])  # rows looked up
+        arena = hugepages.Arena(hugepages.Arena.size(getattr(o, a) for o, a in refs if getattr(o, a) is not None),
+                                huge)
+        for o, a in refs:
+            if getattr(o, a) is not None:
+                setattr(o, a, arena.take(getattr(o, a)))
+        if tied:
+            self.embed = self.lm_head
+        return arena.placement()
 
     def _step_weights(self) -> list[torch.Tensor | None] | None:
         """kernels.decode_step_'s flat weight list, or None where it cannot run: no native kernels or not bf16,

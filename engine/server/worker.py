@@ -107,8 +107,10 @@ class _Loop:
         """The binding report, and how the weights are held (by type in the file: quantized or in the dtype), so a
         scraper sees which kernels this replica runs."""
         model = self.core.model
+        pages = getattr(model, "pages", None)
         return dataclasses.replace(self.report(), weights={"bytes": getattr(model, "weight_bytes", None),
-                                                           "by_type": getattr(model, "weight_paths", {})})
+                                                           "by_type": getattr(model, "weight_paths", {}),
+                                                           "pages": pages.as_dict() if pages else None})
 
     def _apply(self, op: Op, rejected: list[Rejected], replies: list[Reply]) -> None:
         """One operation; whatever it raises stays with it (the loop and the other requests keep going)."""

@@ -6,7 +6,7 @@ import os
 import httpx
 import pytest
 
-from deploykit import cpulist
+from deploykit import cpulist, hostsettings
 from deploykit.binding_report import BindingReport
 from tests.server.conftest import MAX_MODEL_LEN
 
@@ -211,5 +211,11 @@ def test_debug_binding_reports_the_engine_process(server):
     # each OpenMP thread's L3 group, from the host's cache files (this host: one L3 shared by its CPUs)
     groups = {g["id"]: set(cpulist.parse(g["cpus"])) for g in engine["topology"]["l3_groups"]}
     assert groups and all(int(cpulist.parse(t["allowed_cpus"])[0]) in groups[t["l3"]] for t in omp)
+    # where the weights sit: one arena, and how much of it the kernel put on 2 MiB pages (engine/hugepages.py)
+    pages = engine["weights"]["pages"]
+    assert pages["asked"] and pages["bytes"] > 0 and 0 <= pages["huge_bytes"] <= pages["bytes"]
+    assert pages["thp"] == (hostsettings.thp_mode() or "unknown")
+    if pages["thp"] in ("always", "madvise"):
+        assert pages["huge_bytes"] > 0
     # the JSON form reads back as deploykit's own type, the one doctor, status and `helm test` read
     assert BindingReport.from_dict(rep).to_dict() == rep

@@ -1,0 +1,130 @@
+"""Weights and the KV cache on 2 MiB pages (engine/hugepages.py): where the host's transparent hugepages allow it, the
+engine's weights get huge pages without THP_MEM_ALLOC_ENABLE, every weight is moved there in the order a decode step
+reads it, and moving them changes no result (fp32 and bf16, plain and quantized)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deploykit import hostsettings
+from engine import hugepages, kernels
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.sampling import SamplingParams
+from tests.engine.conftest import NATIVE
+
+HUGE = hugepages.HUGE
+THP = hostsettings.thp_mode()
+needs_thp = pytest.mark.skipif(THP not in ("always", "madvise"), reason=f"transparent hugepages are {THP} here")
+
+
+def test_an_allocation_is_2mib_aligned_zeroed_and_exactly_sized():
+    t = hugepages.allocate(5 * HUGE + 100)
+    assert t.dtype == torch.uint8 and t.numel() == 5 * HUGE + 100
+    assert t.data_ptr() % HUGE == 0
+    assert int(t.max()) == 0  # anonymous memory: the KV cache relies on it for masked reads of unused blocks
+    t[-1] = 7
+    assert int(t[-1]) == 7
+    e = hugepages.empty((3, 4, 5), torch.bfloat16)
+    assert e.shape == (3, 4, 5) and e.dtype == torch.bfloat16 and e.is_contiguous()
+
+
+@needs_thp
+def test_memory_that_asks_gets_2mib_pages_and_memory_that_does_not_stays_on_4kib():
+    asked = hugepages.allocate(16 * HUGE)
+    asked.fill_(1)
+    # Most of it: a host short of free 2 MiB blocks may hand out a few 4 KiB pages instead.
+    assert hugepages.huge_bytes(asked) >= 8 * HUGE
+    if THP == "madvise":  # under "always" every aligned mapping may get them, asked or not
+        plain = hugepages.allocate(16 * HUGE, huge=False)
+        plain.fill_(1)
+        assert hugepages.huge_bytes(plain) == 0
+
+
+def test_the_arena_keeps_values_shapes_and_cache_line_alignment_and_refuses_overflow():
+    tensors = [torch.randn(3, 5).bfloat16(), torch.arange(7, dtype=torch.uint8), torch.randn(2, 2),
+               torch.randn(4, 6).t()]  # a transposed view: copied as its values, contiguous
+    arena = hugepages.Arena(hugepages.Arena.size(tensors))
+    for t in tensors:
+        m = arena.take(t)
+        assert m.dtype == t.dtype and m.shape == t.shape and m.is_contiguous() and torch.equal(m, t)
+        assert m.data_ptr() % hugepages.ALIGN == 0
+    with pytest.raises(ValueError, match="the arena holds"):
+        arena.take(torch.zeros(1))
+
+
+def test_a_placement_names_its_share_and_why_it_is_low():
+    assert "100 % of it on 2 MiB pages" in hugepages.Placement(4 * HUGE, 4 * HUGE, "madvise", True).text()
+    never = hugepages.Placement(4 * HUGE, 0, "never", True).text()
+    assert "0 % of it" in never and "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled" in never
+    assert "turned off" in hugepages.Placement(4 * HUGE, 0, "madvise", False).text()
+
+
+def _greedy(model_dir: str, dtype: str, huge: bool) -> tuple[list[list[int]], EngineCore]:
+    core = EngineCore(EngineConfig(model_dir, dtype=dtype, max_model_len=128, huge_pages=huge))
+    prompts = [[5, 9, 200, 31, 7], list(range(40, 60))]
+    for i, p in enumerate(prompts):
+        core.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    out: dict[str, list[int]] = {}
+    while core.has_unfinished_requests():
+        for o in core.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [out[str(i)] for i in range(len(prompts))], core
+
+
+def _arena_tensors(model) -> list[torch.Tensor]:
+    return [t for L in model.layers for t in (L.ln1.weight, L.qkv, L.qkv_bias, L.o, L.ln2.weight, L.gate_up, L.down)
+            if t is not None] + [model.norm.weight, model.lm_head]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_model_on_2mib_pages_answers_token_for_token_as_on_4kib(tiny_model, dtype):
+    if dtype == "bfloat16" and not NATIVE:
+        pytest.skip("bf16 runs only where the CPU has the native kernels")
+    model_dir = tiny_model("qwen2")
+    tokens, core = _greedy(model_dir, dtype, True)
+    ref_tokens, ref_core = _greedy(model_dir, dtype, False)
+    assert tokens == ref_tokens
+    pages, model = core.model.pages, core.model
+    assert pages.asked and not ref_core.model.pages.asked
+    # Every weight the decode step reads sits in the arena, one after another in the order it reads them.
+    ptrs = [t.data_ptr() for t in _arena_tensors(model)]
+    assert ptrs == sorted(ptrs) and ptrs[-1] - ptrs[0] < pages.bytes
+    if THP in ("always", "madvise"):
+        assert pages.share > 0.5, pages.text()
+        assert hugepages.huge_bytes(core.runner.kv._pool) > 0  # the KV cache asked as well
+    if THP == "madvise":
+        assert ref_core.model.pages.huge_bytes == 0
+
+
+@pytest.mark.skipif(not NATIVE, reason="quantized blobs run only where the CPU has the native kernels")
+def test_a_quantized_model_on_2mib_pages_answers_as_on_4kib(tiny_model):
+    model_dir = tiny_model("llama")
+    for quantization in ("q4_0", "q8_0"):
+        cores = [EngineCore(EngineConfig(model_dir, dtype="bfloat16", max_model_len=128, quantization=quantization,
+                                         huge_pages=huge)) for huge in (True, False)]
+        assert all(kernels.is_quantized(c.model.layers[0].qkv) for c in cores)
+        x = torch.randn(3, cores[0].model_config.hidden_size).bfloat16()
+        got, want = (kernels.linear(x, c.model.layers[0].gate_up) for c in cores)
+        assert torch.equal(got, want)
+        outs = []
+        for c in cores:
+            c.add_request("a", [3, 14, 15, 92, 65], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+            toks: list[int] = []
+            while c.has_unfinished_requests():
+                for o in c.step():
+                    toks += o.new_token_ids
+            outs.append(toks)
+        assert outs[0] == outs[1]
+
+
+def test_a_tied_embedding_stays_one_tensor_in_the_arena(tiny_model):
+    model_dir = tiny_model("qwen2", tie_word_embeddings=True)
+    tokens, core = _greedy(model_dir, "float32", True)
+    assert tokens == _greedy(model_dir, "float32", False)[0]
+    m = core.model
+    table = m.embed if m.embed is not None else m.lm_head
+    lo, hi = m.layers[0].ln1.weight.data_ptr(), m.layers[0].ln1.weight.data_ptr() + m.pages.bytes
+    assert lo <= m.lm_head.data_ptr() < hi and lo <= table.data_ptr() < hi
+    if m.embed is not None:
+        assert m.embed is m.lm_head  # looked up and multiplied from the same copy, not two
