@@ -40,9 +40,12 @@ def allocate(nbytes: int, huge: bool = True) -> torch.Tensor:
     m = mmap.mmap(-1, nbytes + 2 * HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     t = torch.frombuffer(m, dtype=torch.uint8)  # holds the mapping
     start = -t.data_ptr() % HUGE
-    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:  # whole 2 MiB pages only, so the tail's page is in the advised range too
-            m.madvise(mmap.MADV_HUGEPAGE, start, -(-nbytes // HUGE) * HUGE)
+    # Whole 2 MiB pages inside the tensor only: a last page the tensor fills in part stays on 4 KiB pages. Asked for,
+    # it could first get 4 KiB pages (no free 2 MiB block at that moment) and khugepaged would later fill it out to
+    # 2 MiB (max_ptes_none is 511 by default), so the resident memory would grow under load.
+    if huge and nbytes >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE * HUGE)
         except OSError as e:  # a kernel without THP: 4 KiB pages, as without asking
             log.debug("madvise(MADV_HUGEPAGE) failed: %s", e)
     return t[start:start + nbytes]
@@ -89,13 +92,17 @@ class Placement:
         return min(1.0, self.huge_bytes / self.bytes) if self.bytes else 0.0
 
     def text(self) -> str:
+        size = f"{self.bytes / 2**20:.1f} MiB"
         if not self.asked:
-            return f"{self.bytes / 2**20:.1f} MiB on 4 KiB pages (huge pages turned off)"
-        why = "" if self.share >= 0.9 else (
+            return f"{size} on 4 KiB pages (huge pages turned off)"
+        whole = self.bytes // HUGE * HUGE  # what asked: the whole 2 MiB pages (allocate)
+        if whole == 0:
+            return f"{size} on 4 KiB pages (less than one 2 MiB page)"
+        why = "" if self.huge_bytes >= 0.9 * whole else (
             "; transparent hugepages are 'never' on this host: echo madvise > "
             "/sys/kernel/mm/transparent_hugepage/enabled" if self.thp == "never" else
             f"; the kernel gave fewer (transparent_hugepage/enabled: {self.thp}; memory may be fragmented)")
-        return f"{self.bytes / 2**20:.1f} MiB, {100 * self.share:.0f} % of it on 2 MiB pages{why}"
+        return f"{size}, {100 * self.share:.0f} % of it on 2 MiB pages{why}"
 
     def as_dict(self) -> dict:
         return {"bytes": self.bytes, "huge_bytes": self.huge_bytes, "thp": self.thp, "asked": self.asked}
