@@ -1,9 +1,10 @@
 """Weights and the KV cache on 2 MiB pages: memory that asks for transparent huge pages before it is first touched.
 
-At batch 1 a decode step streams every weight once. On 4 KiB pages the core takes a TLB miss every 4 KiB and its
-hardware prefetcher stops at every page boundary, so one core cannot keep enough lines in flight. Measured on a
-2-vCPU Zen 4 (benchmarks/README.md, "Weights on 2 MiB pages"): the same Q4_0 model decoded 1.48x faster at batch 1
-with its weights here than on 4 KiB pages, bf16 1.16x faster, and the streaming probe read 1.1-1.5x faster.
+At batch 1 a decode step streams every weight once, and one core streams faster from 2 MiB pages. Measured on a
+2-vCPU Zen 4 (benchmarks/README.md, "Weights on 2 MiB pages"), variants alternated in one process: the same Q4_0 model
+decoded 1.17-1.48x faster at batch 1 with its weights here than on 4 KiB pages, bf16 1.16x faster, and the streaming
+probe read 1.1-1.5x faster. The likely reasons, not measured one by one: a TLB miss every 4 KiB, and a hardware
+prefetcher that stops at page boundaries.
 
 Most distributions set THP to `madvise`: only memory that asks gets 2 MiB pages. PyTorch's allocator asks only with
 THP_MEM_ALLOC_ENABLE=1, and then per allocation of 2 MiB or more, while most matrices of a small quantized model are
@@ -76,7 +77,7 @@ def huge_bytes(t: torch.Tensor) -> int:
             inside = a < hi and b > lo
         elif inside and line.startswith("AnonHugePages:"):
             total += int(line.split()[1]) * 1024
-    return min(total, hi - lo)  # the last 2 MiB page may reach past t
+    return min(total, hi - lo)  # under THP 'always', pages of the mapping around t may count too
 
 
 @dataclass(frozen=True, slots=True)
