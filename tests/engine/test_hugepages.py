@@ -11,7 +11,7 @@ from engine import hugepages, kernels
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.sampling import SamplingParams
-from tests.engine.conftest import NATIVE
+from tests.engine.conftest import NATIVE, _run_core
 
 HUGE = hugepages.HUGE
 THP = hostsettings.thp_mode()
@@ -66,14 +66,9 @@ def test_a_placement_names_its_share_and_why_it_is_low():
 
 def _greedy(model_dir: str, dtype: str, huge: bool) -> tuple[list[list[int]], EngineCore]:
     core = EngineCore(EngineConfig(model_dir, dtype=dtype, max_model_len=128, huge_pages=huge))
-    prompts = [[5, 9, 200, 31, 7], list(range(40, 60))]
-    for i, p in enumerate(prompts):
-        core.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    out: dict[str, list[int]] = {}
-    while core.has_unfinished_requests():
-        for o in core.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return [out[str(i)] for i in range(len(prompts))], core
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    out = _run_core(core, [("0", [5, 9, 200, 31, 7], greedy), ("1", list(range(40, 60)), greedy)])
+    return [out["0"], out["1"]], core
 
 
 def _arena_tensors(model) -> list[torch.Tensor]:
@@ -111,15 +106,9 @@ def test_a_quantized_model_on_2mib_pages_answers_as_on_4kib(tiny_model):
         x = torch.randn(3, cores[0].model_config.hidden_size).bfloat16()
         got, want = (kernels.linear(x, c.model.layers[0].gate_up) for c in cores)
         assert torch.equal(got, want)
-        outs = []
-        for c in cores:
-            c.add_request("a", [3, 14, 15, 92, 65], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
-            toks: list[int] = []
-            while c.has_unfinished_requests():
-                for o in c.step():
-                    toks += o.new_token_ids
-            outs.append(toks)
-        assert outs[0] == outs[1]
+        greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        got, want = (_run_core(c, [("a", [3, 14, 15, 92, 65], greedy)]) for c in cores)
+        assert got == want
 
 
 def test_a_tied_embedding_stays_one_tensor_in_the_arena(tiny_model):
