@@ -9,8 +9,10 @@ prefetcher that stops at page boundaries.
 Most distributions set THP to `madvise`: only memory that asks gets 2 MiB pages. PyTorch's allocator asks only with
 THP_MEM_ALLOC_ENABLE=1, and then per allocation of 2 MiB or more, while most matrices of a small quantized model are
 smaller. So the engine asks itself: one anonymous mapping per model, aligned to 2 MiB, madvise(MADV_HUGEPAGE) before
-the first touch, the weights copied in in the order a decode step reads them (one sequential stream) and the
-originals freed. Where THP is `never` the same arena sits on 4 KiB pages and the report says so.
+the first touch, each weight copied in as the loader finishes it, in the order a decode step reads them (one
+sequential stream), and the loader's copy freed at once: loading peaks near the weights' size, not at twice it (the
+container's memory limit is sized from the weights). Where THP is `never` the same arena sits on 4 KiB pages and the
+report says so.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def huge_bytes(t: torch.Tensor) -> int:
 @dataclass(frozen=True, slots=True)
 class Placement:
     """Where the arena's weights sit, for the start-up log and /debug/binding."""
-    bytes: int  # the weights moved into the arena
+    bytes: int  # the weights copied into the arena
     huge_bytes: int  # of the arena's memory, on 2 MiB pages
     thp: str  # the host's transparent_hugepage/enabled: always | madvise | never | unknown
     asked: bool  # False: turned off (EngineConfig.huge_pages)
@@ -110,13 +112,17 @@ class Placement:
 
 
 class Arena:
-    """Tensors copied one after another (ALIGN apart) into one allocate()d buffer: take() as the model replaces each
-    weight, so the original is freed before the next is copied and the peak stays one tensor above the weights."""
+    """Tensors copied one after another (ALIGN apart) into allocate()d mappings: the loader take()s each weight as
+    soon as it has its final form and drops its own copy, so the next weight is read into the freed memory and the
+    load's peak stays one layer above the weights (not twice them, as moving a loaded model would). The first mapping
+    is sized at the loader's estimate; a weight that does not fit starts another (untouched tails cost no memory)."""
 
-    def __init__(self, nbytes: int, huge: bool = True):
-        self.buf = allocate(nbytes, huge)
+    def __init__(self, estimate: int, huge: bool = True):
+        self.estimate = estimate
         self.huge = huge
-        self.used = 0
+        self.chunks: list[torch.Tensor] = []  # the mappings, in order; the last one is being filled
+        self.filled: list[int] = []           # bytes taken in each (ALIGN-rounded)
+        self.used = 0                         # bytes taken in all
 
     @staticmethod
     def size(tensors) -> int:
@@ -125,16 +131,44 @@ class Arena:
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """t's values in the arena, same dtype and shape (contiguous)."""
         n = t.numel() * t.element_size()
-        if self.used + n > self.buf.numel():
-            raise ValueError(f"the arena holds {self.buf.numel()} bytes; {self.used + n} needed")
-        v = self.buf[self.used:self.used + n].view(t.dtype).view(t.shape)
+        if not self.chunks or self.filled[-1] + n > self.chunks[-1].numel():
+            # The estimate first; past it, room for this tensor and more (the rest of a model seldom exceeds it).
+            size = self.estimate if not self.chunks else max(n, self.estimate // 8, HUGE)
+            self.chunks.append(allocate(max(size, n), self.huge))
+            self.filled.append(0)
+        at = self.filled[-1]
+        v = self.chunks[-1][at:at + n].view(t.dtype).view(t.shape)
         v.copy_(t)
-        self.used += -(-n // ALIGN) * ALIGN
+        step = -(-n // ALIGN) * ALIGN
+        self.filled[-1] += step
+        self.used += step
         return v
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether t's memory is in this arena."""
+        p = t.data_ptr()
+        return any(c.data_ptr() <= p < c.data_ptr() + f for c, f in zip(self.chunks, self.filled))
+
     def placement(self) -> Placement:
+        """Closes the arena: the partly filled last 2 MiB page of each mapping and the untouched rest stop asking
+        (see allocate: khugepaged would otherwise fill such a page out later), the heap is trimmed, and the report
+        says how much sits on 2 MiB pages."""
+        if self.huge:
+            for c, f in zip(self.chunks, self.filled):
+                _advise(c.data_ptr() + f // HUGE * HUGE, c.numel() - f // HUGE * HUGE, "MADV_NOHUGEPAGE")
         trim()
-        return Placement(self.used, huge_bytes(self.buf[:self.used]), hostsettings.thp_mode() or "unknown", self.huge)
+        huge = sum(huge_bytes(c[:f]) for c, f in zip(self.chunks, self.filled) if f)
+        return Placement(self.used, huge, hostsettings.thp_mode() or "unknown", self.huge)
+
+
+def _advise(addr: int, length: int, advice: str) -> None:
+    """madvise on a range of a mapping this module made (addr on a page boundary); a kernel without it: nothing."""
+    if length <= 0 or not hasattr(mmap, advice):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if libc.madvise(addr, length, getattr(mmap, advice)) != 0:
+        log.debug("madvise(%s) failed: errno %d", advice, ctypes.get_errno())
 
 
 def trim() -> None:

@@ -5,6 +5,7 @@ sizes memory with; `WeightPaths` records what happened to each tensor type for t
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -136,6 +137,18 @@ class Loader:
             self.paths.add(type_name, f"quantized {fmt}" if type_name == fmt else f"quantized on load to {fmt}",
                            rule.KEPT[fmt].bytes(*shape))
         return pack(raws)
+
+    def estimate(self) -> int:
+        """Bytes of weights the model will hold, from the checkpoint's tensor table before any is read: quantized
+        bytes where deploykit.quant keeps a matrix quantized, the model's dtype otherwise (compact bf16 and the
+        small fp32 biases and norms make the real figure a little lower or higher; hugepages.Arena takes either)."""
+        itemsize = torch.empty(0, dtype=getattr(torch, self.dtype_name)).element_size()
+        total = 0
+        for n in self.reader.names():
+            type_name, shape = self.reader.info(n)
+            fmt = rule.held_as(type_name, shape, self.on_load, self.native)
+            total += rule.KEPT[fmt].bytes(*shape) if fmt else math.prod(shape) * itemsize
+        return total
 
     def compacted(self, names: list[str], dense_bytes: int, held_bytes: int) -> None:
         """Tensors `names`, recorded by `dense`, are held as one compact bf16 matrix of `held_bytes`."""

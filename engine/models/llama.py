@@ -57,16 +57,25 @@ class LlamaModel:
                              config.rope_freq_factors)
         self.compact = compact  # bf16 matrices held in 12 bits each where they allow it (kernels.prepare_weight)
         held = quant.Loader(reader, dtype, quantization)
-        self._load(reader, held)
+        # Every weight goes into one arena on 2 MiB pages (engine/hugepages.py) as soon as it is ready, in the order
+        # a decode step reads them; the loader's copy is dropped at once, so the load peaks one layer above the
+        # weights, not at twice them.
+        self.arena = hugepages.Arena(held.estimate(), huge_pages)
+        self._load(reader, held, self.arena.take)
         self.weight_paths = held.paths.summary()  # {type in the file: {path: tensors}}, for /debug/binding
         self.weight_bytes = held.paths.bytes
         log.info("weights: %.1f MiB held; by type in the file: %s", held.paths.bytes / 2**20, held.paths.text())
-        self.pages = self._place(huge_pages)
+        self.pages = self.arena.placement()
         log.info("weight arena: %s", self.pages.text())
         self.step_weights = self._step_weights()  # None: small decode steps take the per-op path as well
 
-    def _load(self, r, held: quant.Loader) -> None:
+    def _load(self, r, held: quant.Loader, take) -> None:
+        """take(t) -> the arena's copy of t; each weight is taken once it has its final form."""
         s, dt = self.config, self.dtype
+
+        def place(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else take(t)
+
         used: set[str] = set()
 
         def get(name: str) -> torch.Tensor:
@@ -108,66 +117,54 @@ class LlamaModel:
         hidden, inter = s.hidden_size, s.intermediate_size
         embed = ["model.embed_tokens.weight"]
         # A quantized table is looked up row by row (kernels.quant_rows) and, when tied, is the lm_head as well.
+        tied = not ("lm_head.weight" in r and not s.tie_word_embeddings)
         self.embed = quantized(embed, s.vocab_size, hidden)
         if self.embed is None:
             self.embed = get(embed[0])
             check(embed, self.embed.shape, s.vocab_size, hidden)
+        if not tied or kernels.is_quantized(self.embed):  # read first (its rows); a tied float table waits below
+            self.embed = place(self.embed)
         self.layers: list[_Layer] = []
         for i in range(s.num_layers):
             p = f"model.layers.{i}."
             qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
             gate_up = [p + "mlp.gate_proj", p + "mlp.up_proj"]
             L = _Layer()
-            L.ln1 = RMSNorm(get(p + "input_layernorm.weight"), s.rms_norm_eps)
-            L.ln2 = RMSNorm(get(p + "post_attention_layernorm.weight"), s.rms_norm_eps)
-            L.qkv = fused([n + ".weight" for n in qkv], self.q_size + 2 * self.kv_size, hidden)
-            L.qkv_bias = fused_bias([n + ".bias" for n in qkv])
-            L.o = fused([p + "self_attn.o_proj.weight"], hidden, self.q_size)
-            L.o_bias = prepare_bias(opt(p + "self_attn.o_proj.bias"))
+            # In the order the decode step reads them (hugepages.Arena: one sequential stream).
+            L.ln1 = RMSNorm(place(get(p + "input_layernorm.weight")), s.rms_norm_eps)
+            L.qkv = place(fused([n + ".weight" for n in qkv], self.q_size + 2 * self.kv_size, hidden))
+            L.qkv_bias = place(fused_bias([n + ".bias" for n in qkv]))
             # Qwen3 normalises each q and k head before rotary; one [Hq + Hkv, D] weight does both at once.
             qn, kn = opt(p + "self_attn.q_norm.weight"), opt(p + "self_attn.k_norm.weight")
-            L.qk_norm = None if qn is None else torch.cat([qn.expand(s.num_heads, -1),
-                                                           kn.expand(s.num_kv_heads, -1)])
-            L.gate_up = fused([n + ".weight" for n in gate_up], 2 * inter, hidden)
-            L.gate_up_bias = fused_bias([n + ".bias" for n in gate_up])
-            L.down = fused([p + "mlp.down_proj.weight"], hidden, inter)
-            L.down_bias = prepare_bias(opt(p + "mlp.down_proj.bias"))
+            L.qk_norm = place(None if qn is None else torch.cat([qn.expand(s.num_heads, -1),
+                                                                 kn.expand(s.num_kv_heads, -1)]))
+            L.o = place(fused([p + "self_attn.o_proj.weight"], hidden, self.q_size))
+            L.o_bias = place(prepare_bias(opt(p + "self_attn.o_proj.bias")))
+            L.ln2 = RMSNorm(place(get(p + "post_attention_layernorm.weight")), s.rms_norm_eps)
+            L.gate_up = place(fused([n + ".weight" for n in gate_up], 2 * inter, hidden))
+            L.gate_up_bias = place(fused_bias([n + ".bias" for n in gate_up]))
+            L.down = place(fused([p + "mlp.down_proj.weight"], hidden, inter))
+            L.down_bias = place(prepare_bias(opt(p + "mlp.down_proj.bias")))
             self.layers.append(L)
-        self.norm = RMSNorm(get("model.norm.weight"), s.rms_norm_eps)
-        if "lm_head.weight" in r and not s.tie_word_embeddings:
-            self.lm_head = fused(["lm_head.weight"], s.vocab_size, hidden)
+            hugepages.trim()  # the loader's copies of this layer, freed onto the heap, go back to the system now
+        self.norm = RMSNorm(place(get("model.norm.weight")), s.rms_norm_eps)
+        if not tied:
+            self.lm_head = place(fused(["lm_head.weight"], s.vocab_size, hidden))
         else:
             used.add("lm_head.weight")
             if kernels.is_quantized(self.embed):
                 self.lm_head = self.embed
             else:  # packed or compact like any matrix: rows are looked up in that copy (layers.embed_rows)
-                self.lm_head = prepare_weight(self.embed, compact=self.compact)
-                if kernels.is_compact(self.lm_head):
-                    held.compacted(embed, self.embed.numel() * self.embed.element_size(), self.lm_head.numel())
-            if self.lm_head is not self.embed:  # the kernel relaid the tied matrix out; look rows up in that copy
-                self.embed = None
+                lm_head = prepare_weight(self.embed, compact=self.compact)
+                if kernels.is_compact(lm_head):
+                    held.compacted(embed, self.embed.numel() * self.embed.element_size(), lm_head.numel())
+                relaid = lm_head is not self.embed  # the kernel relaid the tied matrix out: rows come from that copy
+                self.lm_head = place(lm_head)
+                self.embed = None if relaid else self.lm_head
         unknown = sorted(n for n in r.names() if n not in used and not n.endswith("rotary_emb.inv_freq"))
         if unknown:
             raise ModelLoadError(f"{s.source}: the checkpoint has tensors this {s.architecture} implementation does "
                                  f"not use (e.g. {', '.join(unknown[:3])}); it is an unsupported variant")
-
-    def _place(self, huge: bool) -> hugepages.Placement:
-        """Every weight moved into one arena on 2 MiB pages (engine/hugepages.py) in the order a decode step reads
-        them, each original freed as its copy takes its place."""
-        refs = []
-        for L in self.layers:
-            refs += [(L.ln1, "weight"), *((L, a) for a in ("qkv", "qkv_bias", "qk_norm", "o", "o_bias")),
-                     (L.ln2, "weight"), *((L, a) for a in ("gate_up", "gate_up_bias", "down", "down_bias"))]
-        tied = self.embed is self.lm_head
-        refs += [(self.norm, "weight"), (self, "lm_head")] + ([] if tied else [(self, "embed")])  # rows looked up
-        arena = hugepages.Arena(hugepages.Arena.size(getattr(o, a) for o, a in refs if getattr(o, a) is not None),
-                                huge)
-        for o, a in refs:
-            if getattr(o, a) is not None:
-                setattr(o, a, arena.take(getattr(o, a)))
-        if tied:
-            self.embed = self.lm_head
-        return arena.placement()
 
     def _step_weights(self) -> list[torch.Tensor | None] | None:
         """kernels.decode_step_'s flat weight list, or None where it cannot run: no native kernels or not bf16,
