@@ -18,7 +18,6 @@ report says so.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import mmap
 import re
@@ -151,8 +150,8 @@ class Arena:
 
     def placement(self) -> Placement:
         """Closes the arena: the partly filled last 2 MiB page of each mapping and the untouched rest stop asking
-        (see allocate: khugepaged would otherwise fill such a page out later), the heap is trimmed, and the report
-        says how much sits on 2 MiB pages."""
+        (see allocate: khugepaged would otherwise fill such a page out later; one the first touch already made huge
+        stays so, at most 2 MiB), the heap is trimmed, and the report says how much sits on 2 MiB pages."""
         if self.huge:
             for c, f in zip(self.chunks, self.filled):
                 _advise(c.data_ptr() + f // HUGE * HUGE, c.numel() - f // HUGE * HUGE, "MADV_NOHUGEPAGE")
@@ -172,10 +171,12 @@ def _advise(addr: int, length: int, advice: str) -> None:
 
 
 def trim() -> None:
-    """Give the heap pages the moved originals left free back to the system (glibc malloc_trim), so the resident
-    memory is the arena, not the arena plus a free heap."""
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc: nothing to trim, or it trims by itself
-        pass
+    """Give the memory the loader's copies left free back to the system, so what stays resident is the arena, not the
+    arena plus a free heap: glibc's malloc_trim, or tcmalloc's ReleaseFreeMemory where it is preloaded (the engine
+    image does; it keeps freed spans resident, and malloc_trim does not reach them)."""
+    libc = ctypes.CDLL(None)  # the process's own symbols: glibc, and an LD_PRELOADed allocator's
+    for name, args in (("malloc_trim", (0,)), ("MallocExtension_ReleaseFreeMemory", ())):
+        try:
+            getattr(libc, name)(*args)
+        except AttributeError:  # not this allocator
+            pass

@@ -122,8 +122,22 @@ class LlamaModel:
         if self.embed is None:
             self.embed = get(embed[0])
             check(embed, self.embed.shape, s.vocab_size, hidden)
-        if not tied or kernels.is_quantized(self.embed):  # read first (its rows); a tied float table waits below
+        if tied and not kernels.is_quantized(self.embed):
+            # Also the lm_head, packed or compact like any matrix; rows are then looked up in that copy
+            # (layers.embed_rows). Made now, so the loader's copies are gone before the layers are read.
+            used.add("lm_head.weight")
+            lm_head = prepare_weight(self.embed, compact=self.compact)
+            if kernels.is_compact(lm_head):
+                held.compacted(embed, self.embed.numel() * self.embed.element_size(), lm_head.numel())
+            relaid = lm_head is not self.embed  # the kernel relaid the table out: rows come from that copy
+            self.lm_head = place(lm_head)
+            self.embed = None if relaid else self.lm_head
+            del lm_head
+        else:  # looked up first in a step (its rows); a quantized tied table is the lm_head as well
             self.embed = place(self.embed)
+            if tied:
+                used.add("lm_head.weight")
+                self.lm_head = self.embed
         self.layers: list[_Layer] = []
         for i in range(s.num_layers):
             p = f"model.layers.{i}."
@@ -150,17 +164,6 @@ class LlamaModel:
         self.norm = RMSNorm(place(get("model.norm.weight")), s.rms_norm_eps)
         if not tied:
             self.lm_head = place(fused(["lm_head.weight"], s.vocab_size, hidden))
-        else:
-            used.add("lm_head.weight")
-            if kernels.is_quantized(self.embed):
-                self.lm_head = self.embed
-            else:  # packed or compact like any matrix: rows are looked up in that copy (layers.embed_rows)
-                lm_head = prepare_weight(self.embed, compact=self.compact)
-                if kernels.is_compact(lm_head):
-                    held.compacted(embed, self.embed.numel() * self.embed.element_size(), lm_head.numel())
-                relaid = lm_head is not self.embed  # the kernel relaid the tied matrix out: rows come from that copy
-                self.lm_head = place(lm_head)
-                self.embed = None if relaid else self.lm_head
         unknown = sorted(n for n in r.names() if n not in used and not n.endswith("rotary_emb.inv_freq"))
         if unknown:
             raise ModelLoadError(f"{s.source}: the checkpoint has tensors this {s.architecture} implementation does "
