@@ -149,12 +149,16 @@ class Arena:
         return any(c.data_ptr() <= p < c.data_ptr() + f for c, f in zip(self.chunks, self.filled))
 
     def placement(self) -> Placement:
-        """Closes the arena: the partly filled last 2 MiB page of each mapping and the untouched rest stop asking
-        (see allocate: khugepaged would otherwise fill such a page out later; one the first touch already made huge
-        stays so, at most 2 MiB), the heap is trimmed, and the report says how much sits on 2 MiB pages."""
-        if self.huge:
-            for c, f in zip(self.chunks, self.filled):
+        """Closes the arena, so that only whole 2 MiB pages of weights sit on huge pages, as allocate() keeps it: the
+        partly filled last one of each mapping and the rest stop asking (khugepaged would otherwise fill such a page
+        out later), and the memory past the weights is given back (MADV_DONTNEED: a huge page the first touch gave
+        the last weights is split, and its unused 4 KiB pages freed). Then the heap is trimmed, and the report says
+        how much sits on 2 MiB pages."""
+        for c, f in zip(self.chunks, self.filled):
+            if self.huge:
                 _advise(c.data_ptr() + f // HUGE * HUGE, c.numel() - f // HUGE * HUGE, "MADV_NOHUGEPAGE")
+            end = -(-f // mmap.PAGESIZE) * mmap.PAGESIZE
+            _advise(c.data_ptr() + end, c.numel() - end, "MADV_DONTNEED")
         trim()
         huge = sum(huge_bytes(c[:f]) for c, f in zip(self.chunks, self.filled) if f)
         return Placement(self.used, huge, hostsettings.thp_mode() or "unknown", self.huge)
