@@ -33,6 +33,8 @@ log = logging.getLogger("engine")
 HUGE = 2 << 20
 ALIGN = 64  # every tensor starts on a cache line (the kernels' blobs require it: quant_layout.h, compact_bf16.h)
 SMAPS = Path("/proc/self/smaps")
+_LIBC = ctypes.CDLL(None, use_errno=True)  # the process's own symbols: glibc, and an LD_PRELOADed allocator's
+_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 def allocate(nbytes: int, huge: bool = True) -> torch.Tensor:
@@ -45,11 +47,8 @@ def allocate(nbytes: int, huge: bool = True) -> torch.Tensor:
     # Whole 2 MiB pages inside the tensor only: a last page the tensor fills in part stays on 4 KiB pages. Asked for,
     # it could first get 4 KiB pages (no free 2 MiB block at that moment) and khugepaged would later fill it out to
     # 2 MiB (max_ptes_none is 511 by default), so the resident memory would grow under load.
-    if huge and nbytes >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            m.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE * HUGE)
-        except OSError as e:  # a kernel without THP: 4 KiB pages, as without asking
-            log.debug("madvise(MADV_HUGEPAGE) failed: %s", e)
+    if huge:  # a kernel without THP refuses: 4 KiB pages, as without asking
+        _advise(t.data_ptr() + start, nbytes // HUGE * HUGE, "MADV_HUGEPAGE")
     return t[start:start + nbytes]
 
 
@@ -168,9 +167,7 @@ def _advise(addr: int, length: int, advice: str) -> None:
     """madvise on a range of a mapping this module made (addr on a page boundary); a kernel without it: nothing."""
     if length <= 0 or not hasattr(mmap, advice):
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    if libc.madvise(addr, length, getattr(mmap, advice)) != 0:
+    if _LIBC.madvise(addr, length, getattr(mmap, advice)) != 0:
         log.debug("madvise(%s) failed: errno %d", advice, ctypes.get_errno())
 
 
@@ -178,9 +175,8 @@ def trim() -> None:
     """Give the memory the loader's copies left free back to the system, so what stays resident is the arena, not the
     arena plus a free heap: glibc's malloc_trim, or tcmalloc's ReleaseFreeMemory where it is preloaded (the engine
     image does; it keeps freed spans resident, and malloc_trim does not reach them)."""
-    libc = ctypes.CDLL(None)  # the process's own symbols: glibc, and an LD_PRELOADed allocator's
     for name, args in (("malloc_trim", (0,)), ("MallocExtension_ReleaseFreeMemory", ())):
         try:
-            getattr(libc, name)(*args)
+            getattr(_LIBC, name)(*args)
         except AttributeError:  # not this allocator
             pass

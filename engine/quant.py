@@ -16,7 +16,6 @@ from engine import kernels
 
 GGML_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 GGML_NAMES = {v: k for k, v in GGML_IDS.items()}
-BLOB_HEADER = 256  # bytes before a packed blob's first group (kernels/quant_layout.h HEADER_BYTES)
 FILE_BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
               "Q4_K": (256, 144), "Q6_K": (256, 210)}  # weights and bytes per block in a GGUF file
 
@@ -142,19 +141,19 @@ class Loader:
     def estimate(self) -> int:
         """At least the bytes of weights the model will hold, from the checkpoint's tensor table before any is read,
         so hugepages.Arena reserves one mapping (address space; untouched pages cost nothing). Quantized bytes where
-        deploykit.quant keeps a matrix quantized, plus the blob's header and a cache line each; the model's dtype
-        otherwise (compact bf16 is smaller); 1-D tensors at 4 bytes (biases become fp32); and slack for what the model
-        derives (Qwen3's q/k norm, one row per head)."""
+        deploykit.quant keeps a matrix quantized, the model's dtype otherwise (compact bf16 is smaller), 1-D tensors
+        at 4 bytes (biases become fp32); 4 KiB a tensor for a packed blob's header and the arena's 64-byte rounding;
+        and slack for what the model derives (Qwen3's q/k norm, one row per head)."""
         itemsize = torch.empty(0, dtype=getattr(torch, self.dtype_name)).element_size()
         total = 0
         for n in self.reader.names():
             type_name, shape = self.reader.info(n)
             fmt = rule.held_as(type_name, shape, self.on_load, self.native)
             if fmt:
-                total += rule.KEPT[fmt].bytes(*shape) + BLOB_HEADER
+                total += rule.KEPT[fmt].bytes(*shape)
             else:
                 total += math.prod(shape) * (itemsize if len(shape) > 1 else max(itemsize, 4))
-            total += 64
+            total += 4096
         return total + total // 64 + (8 << 20)
 
     def compacted(self, names: list[str], dense_bytes: int, held_bytes: int) -> None:
