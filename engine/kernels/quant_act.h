@@ -7,7 +7,7 @@
 // SmolLM2-135M Q4_1 (tests/engine/test_smollm2.py), this is what brings our argmax to llama.cpp's on the same file.
 // The K formats use the fp32 d (llama.cpp pairs them with Q8_K, whose scale is fp32 per 256; ours is finer).
 // Also the sums of q per 16 and per 32, which turn the unsigned weight codes back into signed values
-// (sum (c - 128) q = sum c q - 128 sum q) and carry the Q4_K offsets. A row of K values takes 1.75 K bytes.
+// (sum (c - 128) q = sum c q - 128 sum q) and carry the Q4_K offsets. A row of K values takes 1.875 K bytes.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -30,6 +30,7 @@ struct Act {  // one row
   float* ms;     // [K / 32] fp16(d * sum q) (Q8_1's s)
   int32_t* s16;  // [K / 16] sums of q
   int32_t* s32;  // [K / 32]
+  int32_t* z128;  // [K / 32] -128 s32: where a chain summing Q8_0's codes c q starts, so it ends at sum (c - 128) q
 };
 
 inline __m512 load_f32(const at::BFloat16* p) { return vec::load16(p); }
@@ -62,6 +63,7 @@ inline void quantize(const T* x, int64_t K, const Act& a) {
     a.s16[2 * b] = _mm512_reduce_add_epi32(qlo);
     a.s16[2 * b + 1] = _mm512_reduce_add_epi32(qhi);
     a.s32[b] = a.s16[2 * b] + a.s16[2 * b + 1];
+    a.z128[b] = -128 * a.s32[b];
     a.dh[b] = fp16(d);
     a.ms[b] = fp16(d * (float)a.s32[b]);
   }
@@ -85,11 +87,12 @@ class ActBuffer {
     const int64_t f = K_ / 8;  // bytes of one float or int32 per 32 values
     return Act{reinterpret_cast<int8_t*>(base), reinterpret_cast<float*>(base + K_),
                reinterpret_cast<float*>(base + K_ + f), reinterpret_cast<float*>(base + K_ + 2 * f),
-               reinterpret_cast<int32_t*>(base + K_ + 3 * f), reinterpret_cast<int32_t*>(base + K_ + 5 * f)};
+               reinterpret_cast<int32_t*>(base + K_ + 3 * f), reinterpret_cast<int32_t*>(base + K_ + 5 * f),
+               reinterpret_cast<int32_t*>(base + K_ + 6 * f)};
   }
 
  private:
-  int64_t row_bytes() const { return (K_ + 6 * (K_ / 8) + 63) / 64 * 64; }  // q, d, dh, ms, s16 (2 per 32), s32
+  int64_t row_bytes() const { return (K_ + 7 * (K_ / 8) + 63) / 64 * 64; }  // q, d, dh, ms, s16 (2 per 32), s32, z128
   uint8_t* aligned() {
     return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(bytes_.data()) + 63) & ~uintptr_t{63});
   }
