@@ -15,9 +15,10 @@ The JSON also names the streaming the start-up measurement (engine/kernels/strea
 `--gguf FILE` profiles a (quantized) GGUF file instead, its roofline counted from the file's weight bytes.
 `--compact` alternates instead between the model held packed in 16 bits and compact in 12 (kernels/compact_bf16.h),
 both with the streaming picked at start-up, and reports each one's share of the roofline counted on the file's bytes
-and on the bytes it holds. `--gguf FILE --stream-ahead 4096,8192` alternates between prefetch distances of the
-quantized GEMV (kernels/quant_gemv.h). `--pages` alternates between the weights on 2 MiB pages (engine/hugepages.py, the
-default) and on 4 KiB pages (EngineConfig(huge_pages=False)), the same model loaded twice.
+and on the bytes it holds. `--gguf FILE --stream-ahead 0,4096,default` alternates between prefetch distances of the
+quantized GEMV for every format (kernels/quant_gemv.h; `default`: each format's own). `--pages` alternates between
+the weights on 2 MiB pages (engine/hugepages.py, the default) and on 4 KiB pages (EngineConfig(huge_pages=False)),
+the same model loaded twice.
 
     flock /tmp/deploykit-heavy.lock python benchmarks/decode_profile.py [--rounds 5] [--tokens 64] [--gguf FILE]
                                                                         [--compact | --stream-ahead B,B | --pages]
@@ -128,7 +129,8 @@ def main() -> None:
                               "between the two streamings")
     variant.add_argument("--stream-ahead", default=None, metavar="BYTES,BYTES,...",
                          help="with --gguf: alternate between these prefetch distances of the quantized GEMV "
-                              "(kernels/quant_gemv.h; 0 = off) instead of between the two streamings")
+                              "(kernels/quant_gemv.h; 0 = off, default = each format's own) instead of between the "
+                              "two streamings")
     variant.add_argument("--pages", action="store_true",
                          help="alternate between the weights on 2 MiB pages and on 4 KiB pages instead of between the "
                               "two streamings")
@@ -161,8 +163,9 @@ def main() -> None:
     picked = kernels.tune_streams()
     timers = Timers()
     timers.wrap(kernels, "decode_step_", "native_step")  # the model calls kernels.decode_step_ by attribute
-    # The variants a round alternates between: (core, GEMV streaming, quantized prefetch distance) by name.
-    ahead = int(ops.quant_stream_ahead())
+    # The variants a round alternates between: (core, GEMV streaming, quantized prefetch distance in bytes for every
+    # format, or None: each format's default) by name.
+    ahead = None
     if a.compact:
         variants = {"packed 16-bit": (load(False), picked.streams, ahead),
                     "compact 12-bit": (core, picked.streams, ahead)}
@@ -170,7 +173,8 @@ def main() -> None:
         variants = {"2 MiB pages": (core, picked.streams, ahead),
                     "4 KiB pages": (load(True, huge_pages=False), picked.streams, ahead)}
     elif a.stream_ahead:
-        variants = {f"{n} bytes ahead": (core, picked.streams, n) for n in map(int, a.stream_ahead.split(","))}
+        variants = {("each format's default" if n == "default" else f"{n} bytes ahead"):
+                    (core, picked.streams, None if n == "default" else int(n)) for n in a.stream_ahead.split(",")}
     else:
         variants = {STREAMINGS[s]: (core, s, ahead) for s in STREAMINGS}
     for c in {id(c): c for c, _, _ in variants.values()}.values():
@@ -188,10 +192,13 @@ def main() -> None:
         for name in order[r % len(order):] + order[:r % len(order)]:
             c, s, n = variants[name]
             ops.set_gemv_streams(s)
-            ops.set_quant_stream_ahead(n)
+            if n is None:
+                ops.reset_quant_stream_ahead()
+            else:
+                ops.set_quant_stream_ahead(n)
             rounds[name].append(decode_round(c, timers, ops, vocab, a.tokens))
     ops.set_gemv_streams(picked.streams)
-    ops.set_quant_stream_ahead(ahead)
+    ops.reset_quant_stream_ahead()
     bw_after = read_bandwidth(3)
     roof = max(bw_before["best_gbps"], bw_after["best_gbps"])
     flags = kernels.status()["isa"]

@@ -326,6 +326,15 @@ def tune_streams() -> streaming.Choice | None:
     return _streams
 
 
+def quant_stream_ahead() -> dict[str, int] | None:
+    """How far ahead the quantized GEMV streams each format's weights, in bytes (0: not at all; kernels/quant_gemv.h);
+    None where the int8 kernels do not run."""
+    if not _QUANT:
+        return None
+    from engine.quant import GGML_IDS  # engine.quant imports this module
+    return {name: int(_ops.quant_stream_ahead(i)) for name, i in GGML_IDS.items()}
+
+
 def status() -> dict:
     """Which matmul path is active and why, for the engine's start-up log."""
     path = ("native-amx" if _NATIVE.amx else f"native-{_NATIVE.variant}") if _NATIVE.loaded else "fallback"
@@ -343,5 +352,5 @@ def status() -> dict:
         "plain_amx_max_m": PLAIN_AMX_MAX_M,
         "quantized": _QUANT,
         "gemv_streams": int(_ops.gemv_streams()) if _ops is not None else None,
-        "quant_stream_ahead": int(_ops.quant_stream_ahead()) if _ops is not None else None,  # bytes; 0: off
+        "quant_stream_ahead": quant_stream_ahead(),
     }

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <vector>
 
 #include "op_args.h"
@@ -75,18 +76,28 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blob, const std::
   return out;
 }
 
-void set_quant_stream_ahead(int64_t bytes) {
+// format: a ggml type id (quant_layout.h), or none for every format.
+void set_quant_stream_ahead(int64_t bytes, std::optional<int64_t> format) {
   TORCH_CHECK(bytes >= 0 && bytes <= 65536 && bytes % 64 == 0,
               "the quantized GEMV's prefetch distance is 0 (off) or a multiple of 64 bytes up to 65536, not ", bytes);
-  quant::stream_ahead.store(bytes);
+  TORCH_CHECK(!format || quant::known(static_cast<int32_t>(*format)), "not a quantized format's ggml type id: ",
+              *format);
+  for (int32_t f = 0; f < 16; ++f)
+    if (!format || f == *format) quant::stream_ahead.bytes[f].store(bytes);
 }
 
-int64_t quant_stream_ahead() { return quant::stream_ahead.load(); }
+void reset_quant_stream_ahead() { quant::stream_ahead.reset(); }
+
+int64_t quant_stream_ahead(int64_t format) {
+  TORCH_CHECK(quant::known(static_cast<int32_t>(format)), "not a quantized format's ggml type id: ", format);
+  return quant::stream_ahead.bytes[format].load();
+}
 
 TORCH_LIBRARY_FRAGMENT(deploykit, m) {
   m.def("quant_linear(Tensor x, Tensor blob, Tensor? bias, bool float_out) -> Tensor");
-  m.def("set_quant_stream_ahead(int bytes) -> ()", &set_quant_stream_ahead);
-  m.def("quant_stream_ahead() -> int", &quant_stream_ahead);
+  m.def("set_quant_stream_ahead(int bytes, int? format=None) -> ()", &set_quant_stream_ahead);
+  m.def("reset_quant_stream_ahead() -> ()", &reset_quant_stream_ahead);
+  m.def("quant_stream_ahead(int format) -> int", &quant_stream_ahead);
 }
 
 TORCH_LIBRARY_IMPL(deploykit, CPU, m) { m.impl("quant_linear", &quant_linear); }

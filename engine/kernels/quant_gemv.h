@@ -45,8 +45,22 @@ namespace quant {
 // as non-temporal. Whole chunks requested at once instead cost Q4_K_M 5-8 % (37 lines in one burst), and T0/T1/T2
 // prefetches 1-4 KiB ahead were erratic (-5 to +28 %). Tiles of a wider call re-read a group pair from L1/L2 after
 // the first tile, so they do not stream ahead: non-temporal lines would be gone by then.
-// Settable at run time (set_quant_stream_ahead; 0 turns it off) so distances can be compared in one process.
-inline std::atomic<int64_t> stream_ahead{4096};
+// Per format: Q8_0 and Q4_0 stream without it. Across sessions 10 and 12 (decode_profile.py --gguf --stream-ahead
+// 0,4096) their step was faster without it in 6 of 7 runs (2-8 %) and tied in one more, and through quant_linear
+// Q8_0 was faster without it in 17 of 18 runs; Q4_K_M was faster with it in all 3 of its runs (7-16 %). The formats
+// not measured (Q4_1, Q5_0, Q5_1) keep it.
+// Settable at run time (set_quant_stream_ahead, for all formats or one; 0 turns it off) so distances can be compared
+// in one process; reset_quant_stream_ahead restores these defaults.
+constexpr int64_t STREAM_AHEAD = 4096;
+constexpr int64_t default_stream_ahead(int32_t format) { return format == Q8_0 || format == Q4_0 ? 0 : STREAM_AHEAD; }
+struct StreamAhead {
+  std::atomic<int64_t> bytes[16];  // by ggml type id (quant_layout.h Format)
+  StreamAhead() { reset(); }
+  void reset() {
+    for (int32_t f = 0; f < 16; ++f) bytes[f].store(default_stream_ahead(f));
+  }
+};
+inline StreamAhead stream_ahead;
 
 inline __m512 halves(const uint8_t* p) {  // 16 fp16 -> fp32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -83,7 +97,7 @@ inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const fl
   for (int m = 0; m < MT; ++m) accf[m] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F), bit5 = _mm512_set1_epi8(0x10), top2 = _mm512_set1_epi8(0x30);
   const int64_t chunks = K / (32 * inf.units);
-  const int64_t ahead = Ahead ? stream_ahead.load(std::memory_order_relaxed) : 0;
+  const int64_t ahead = Ahead ? stream_ahead.bytes[F].load(std::memory_order_relaxed) : 0;
   for (int64_t c = 0; c < chunks; ++c) {
     for (int u = 0; u < inf.units; ++u) {
       if (ahead) {  // this unit's share of the lines of chunk c, `ahead` bytes on

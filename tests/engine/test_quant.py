@@ -133,27 +133,43 @@ def test_rows_are_bitwise_the_same_in_any_batch():
 
 
 def test_the_prefetch_distance_never_changes_a_result():
-    """The GEMV's non-temporal prefetch distance (a run-time setting, for measuring) moves bytes earlier, never the
-    result; out-of-range distances are refused with the allowed range."""
+    """The GEMV's non-temporal prefetch distance (per format, settable at run time for measuring) moves bytes
+    earlier, never the result; out-of-range distances and unknown formats are refused with what is allowed, and a
+    reset restores each format's default: none for Q8_0 and Q4_0, which measured faster without it, 4 KiB for the
+    K formats, which measured faster with it."""
     ops = torch.ops.deploykit
-    default = int(ops.quant_stream_ahead())
-    assert default == kernels.status()["quant_stream_ahead"] > 0
-    raw = random_raw("Q4_0", 256, 2048)  # 16 groups of 16 rows, 18 KiB each; 64 KiB ahead runs past the blob
-    # (a prefetch never faults), shorter distances land in the next groups
-    blob = quant.pack([raw])
+    ids = quant.GGML_IDS
+    defaults = kernels.quant_stream_ahead()
+    assert defaults == kernels.status()["quant_stream_ahead"]
+    assert defaults == {f: int(ops.quant_stream_ahead(i)) for f, i in ids.items()}
+    assert defaults["Q8_0"] == defaults["Q4_0"] == 0 and defaults["Q4_K"] == defaults["Q6_K"] == 4096
+    blobs = {f: quant.pack([random_raw(f, 256, 2048)]) for f in ("Q4_0", "Q4_K")}  # 16 groups of 16 rows each
+    # (Q4_0: 18 KiB a group); 64 KiB ahead runs past the blob (a prefetch never faults), shorter distances land in
+    # the next groups
     x = torch.randn(4, 2048).bfloat16()
-    want = [kernels.linear(x[:m], blob) for m in (1, 4)]
+    want = {f: [kernels.linear(x[:m], b) for m in (1, 4)] for f, b in blobs.items()}
+
+    def same() -> bool:
+        return all(torch.equal(kernels.linear(x[:m], b), w) for f, b in blobs.items() for m, w in zip((1, 4), want[f]))
     try:
         for ahead in (0, 64, 8192, 65536):
             ops.set_quant_stream_ahead(ahead)
-            assert int(ops.quant_stream_ahead()) == ahead
-            assert all(torch.equal(kernels.linear(x[:m], blob), w) for m, w in zip((1, 4), want))
+            assert set(kernels.quant_stream_ahead().values()) == {ahead}
+            assert same()
+        ops.reset_quant_stream_ahead()
+        ops.set_quant_stream_ahead(128, ids["Q4_0"])  # one format only
+        assert kernels.quant_stream_ahead() == {**defaults, "Q4_0": 128}
+        assert same()
         for bad in (-64, 100, 65536 + 64):
             with pytest.raises(RuntimeError, match="multiple of 64 bytes up to 65536"):
                 ops.set_quant_stream_ahead(bad)
+        with pytest.raises(RuntimeError, match="not a quantized format's ggml type id: 1"):
+            ops.set_quant_stream_ahead(64, 1)  # F16
+        with pytest.raises(RuntimeError, match="not a quantized format's ggml type id: 0"):
+            ops.quant_stream_ahead(0)
     finally:
-        ops.set_quant_stream_ahead(default)
-    assert int(ops.quant_stream_ahead()) == default
+        ops.reset_quant_stream_ahead()
+    assert kernels.quant_stream_ahead() == defaults
 
 
 def test_what_the_planner_counts_is_what_the_engine_holds(smollm2):
