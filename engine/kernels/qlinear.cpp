@@ -80,8 +80,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blob, const std::
 void set_quant_stream_ahead(int64_t bytes, std::optional<int64_t> format) {
   TORCH_CHECK(bytes >= 0 && bytes <= 65536 && bytes % 64 == 0,
               "the quantized GEMV's prefetch distance is 0 (off) or a multiple of 64 bytes up to 65536, not ", bytes);
-  TORCH_CHECK(!format || quant::known(static_cast<int32_t>(*format)), "not a quantized format's ggml type id: ",
-              *format);
+  TORCH_CHECK(!format || (*format >= 0 && *format < 16 && quant::known(static_cast<int32_t>(*format))),
+              "not a quantized format's ggml type id: ", *format);
   for (int32_t f = 0; f < 16; ++f)
     if (!format || f == *format) quant::stream_ahead.bytes[f].store(bytes);
 }
@@ -89,7 +89,8 @@ void set_quant_stream_ahead(int64_t bytes, std::optional<int64_t> format) {
 void reset_quant_stream_ahead() { quant::stream_ahead.reset(); }
 
 int64_t quant_stream_ahead(int64_t format) {
-  TORCH_CHECK(quant::known(static_cast<int32_t>(format)), "not a quantized format's ggml type id: ", format);
+  TORCH_CHECK(format >= 0 && format < 16 && quant::known(static_cast<int32_t>(format)),
+              "not a quantized format's ggml type id: ", format);
   return quant::stream_ahead.bytes[format].load();
 }
 

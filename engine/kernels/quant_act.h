@@ -30,7 +30,8 @@ struct Act {  // one row
   float* ms;     // [K / 32] fp16(d * sum q) (Q8_1's s)
   int32_t* s16;  // [K / 16] sums of q
   int32_t* s32;  // [K / 32]
-  int32_t* z128;  // [K / 32] -128 s32: where a chain summing Q8_0's codes c q starts, so it ends at sum (c - 128) q
+  int32_t* z128;  // [K / 32] -128 s32: where the chain of Q8_0's codes c q starts, so it ends at sum (c - 128) q
+                  // (Q4_0's high-nibble chain, 16 c q, starts there too: shifted back, sum (c - 8) q with the low one)
 };
 
 inline __m512 load_f32(const at::BFloat16* p) { return vec::load16(p); }

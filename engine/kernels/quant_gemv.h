@@ -39,22 +39,25 @@ namespace quant {
 
 // Streaming ahead (the GEMV of up to 4 rows, whose weights are read once): each unit requests its share of the lines
 // stream_ahead bytes further down its group's stream with PREFETCHNTA, a few lines per unit rather than a chunk's
-// worth at once. Measured on Zen 4 in the batch-1 engine step (benchmarks/decode_profile.py --gguf, variants
-// alternated in one process): 3-12 % less time a token on Q4_0, Q8_0 and Q4_K_M at 3-4 KiB ahead, from both the
+// worth at once. First measured on Zen 4 in the batch-1 engine step (benchmarks/decode_profile.py --gguf, variants
+// alternated in one process; superseded for Q8_0 and Q4_0 below): 3-12 % less time a token on Q4_0, Q8_0 and Q4_K_M
+// at 3-4 KiB ahead, from both the
 // GEMV and the work between steps, which finds more of its own lines still cached when the weights went through
 // as non-temporal. Whole chunks requested at once instead cost Q4_K_M 5-8 % (37 lines in one burst), and T0/T1/T2
 // prefetches 1-4 KiB ahead were erratic (-5 to +28 %). Tiles of a wider call re-read a group pair from L1/L2 after
 // the first tile, so they do not stream ahead: non-temporal lines would be gone by then.
 // Per format: Q8_0 and Q4_0 stream without it. Across sessions 10 and 12 (decode_profile.py --gguf --stream-ahead
-// 0,4096) their step was faster without it in 6 of 7 runs (2-8 %) and tied in one more, and through quant_linear
-// Q8_0 was faster without it in 17 of 18 runs; Q4_K_M was faster with it in all 3 of its runs (7-16 %). The formats
-// not measured (Q4_1, Q5_0, Q5_1) keep it.
+// 0,4096, benchmarks/README.md) their step was faster without it in 8 of the 13 runs (1.5-7.5 %), faster with it in
+// 3 (0.9-4.6 %; two with DRAM slow, one mixed) and tied in 2; through quant_linear, without it Q8_0 was faster in 17 of 18 runs
+// and Q4_0 in most, by the most when DRAM was fast. Q4_K_M was faster with it in all 3 of its runs (7-16 %). The
+// formats not measured (Q4_1, Q5_0, Q5_1) keep it.
 // Settable at run time (set_quant_stream_ahead, for all formats or one; 0 turns it off) so distances can be compared
 // in one process; reset_quant_stream_ahead restores these defaults.
 constexpr int64_t STREAM_AHEAD = 4096;
 constexpr int64_t default_stream_ahead(int32_t format) { return format == Q8_0 || format == Q4_0 ? 0 : STREAM_AHEAD; }
 struct StreamAhead {
   std::atomic<int64_t> bytes[16];  // by ggml type id (quant_layout.h Format)
+  static_assert(Q8_0 < 16 && Q4_K < 16 && Q6_K < 16);
   StreamAhead() { reset(); }
   void reset() {
     for (int32_t f = 0; f < 16; ++f) bytes[f].store(default_stream_ahead(f));
@@ -69,8 +72,9 @@ inline __m512 halves(const uint8_t* p) {  // 16 fp16 -> fp32
 // ({1to16}) rather than a separate vpbroadcastd per dot product, which GCC 12 does not fold by itself. Two fewer
 // instructions per 64-byte line of a 4-bit format, one fewer for Q8_0, and the same int32 sums. Measured on Zen 4 at
 // M = 1, Q4_0 at K = 896 (benchmarks/README.md): this loop against the previous one in one process, 47.4 against
-// 42.8 GB/s with DRAM fast and 37.6 against 33.7 when slow; through quant_linear, builds alternated, 55.5 against
-// 46.9-51.3 GB/s when fast. Q8_0 and K = 4864 did not move.
+// 42.8 GB/s with DRAM fast and 37.6 against 33.7 when slow; through quant_linear, builds alternated, one new run
+// with DRAM fast at 55.5 against two old ones at 46.9 and 51.3 GB/s. Through quant_linear, Q8_0 and Q4_0 at K = 4864
+// did not move (there the activations' L1 misses dominate; benchmarks/README.md).
 using i32_alias = int32_t __attribute__((may_alias));
 inline __m512i dot4(__m512i acc, __m512i w, const int8_t* p) {
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const i32_alias*>(p)));
@@ -89,8 +93,9 @@ inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const fl
   constexpr Info inf = info_of(F);
   constexpr bool nibbles = F != Q8_0, five = F == Q5_0 || F == Q5_1, offset = F == Q4_1 || F == Q5_1;
   // 4-bit codes without a fifth or sixth bit: the high nibble is dotted where it lies (16 x its value, one ANDN
-  // instead of a shift and an AND per line) and the unit's sum shifted back once, exactly (a multiple of 16, at most
-  // 4 x 4 x 240 x 128 per lane). In-cache (L3) Q4_0 at M = 1 ran 1.05-1.10x faster on Zen 4, bitwise the same.
+  // instead of a shift and an AND per line) and the unit's sum shifted back once, exactly (a multiple of 16: Q4_0's
+  // chain starts at -128 sum q = 16 x -8 sum q; at most 4 x 4 x 240 x 128 + 128 x 32 x 127 per lane). In-cache (L3)
+  // Q4_0 at M = 1 ran 1.05-1.10x faster on Zen 4, bitwise the same.
   constexpr bool hi16 = F == Q4_0 || F == Q4_1 || F == Q4_K;
   const uint8_t* base = p.data + gl * p.group_bytes;
   __m512 accf[MT];

@@ -167,6 +167,12 @@ def test_the_prefetch_distance_never_changes_a_result():
             ops.set_quant_stream_ahead(64, 1)  # F16
         with pytest.raises(RuntimeError, match="not a quantized format's ggml type id: 0"):
             ops.quant_stream_ahead(0)
+        for far in (ids["Q4_0"] + 2**32, -ids["Q4_0"]):  # not truncated to a known id
+            with pytest.raises(RuntimeError, match=f"not a quantized format's ggml type id: {far}"):
+                ops.set_quant_stream_ahead(64, far)
+            with pytest.raises(RuntimeError, match=f"not a quantized format's ggml type id: {far}"):
+                ops.quant_stream_ahead(far)
+        assert kernels.quant_stream_ahead() == {**defaults, "Q4_0": 128}
     finally:
         ops.reset_quant_stream_ahead()
     assert kernels.quant_stream_ahead() == defaults
