@@ -61,22 +61,29 @@ def tier(flags: frozenset[str] | set[str] | tuple[str, ...]) -> str:
 
 # The native kernels' build variants (engine/kernels/build.py) and what each needs from the CPU.
 KERNEL_BASE = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+# The AVX2 build: its int8 GEMV for quantized weights uses FMA and F16C too, which every AVX2 CPU has (Haswell and
+# later, Zen and later); a Topology keeps only OF_INTEREST flags, so rules over a plan's flags go by the avx2 tier.
+AVX2_BASE = frozenset({"avx2", "fma", "f16c"})
+FULL_VARIANTS = ("avx512bf16", "avx512")  # every native op; "avx2" holds the quantized-weight ops only
 
 
 def kernel_variant(flags: frozenset[str] | set[str] | tuple[str, ...]) -> str | None:
     """The native kernel build this CPU runs: vdpbf16ps where it reports avx512_bf16, the widening build on any
-    other AVX-512 (F, BW, VL, DQ) CPU, none below that (the engine then runs PyTorch's own ops)."""
+    other AVX-512 (F, BW, VL, DQ) CPU, the AVX2 build on AVX2 CPUs below that (its ops serve quantized weights
+    only: float matmuls and the rest run on PyTorch's own ops), none below AVX2."""
     f = set(flags)
-    if not KERNEL_BASE <= f:
-        return None
-    return "avx512bf16" if "avx512_bf16" in f else "avx512"
+    if KERNEL_BASE <= f:
+        return "avx512bf16" if "avx512_bf16" in f else "avx512"
+    return "avx2" if AVX2_BASE <= f else None
 
 
 def quantized_kernels(flags: frozenset[str] | set[str] | tuple[str, ...]) -> bool:
     """The native int8 kernels for block-quantized weights (GGUF Q8_0, Q4_0, Q4_K...) run here: an AVX-512 kernel
-    build and AVX512-VNNI (vpdpbusd). Elsewhere the engine dequantizes such weights at load."""
+    build with AVX512-VNNI (vpdpbusd), or the AVX2 build on a CPU below AVX-512 (vpmaddubsw). Elsewhere (an AVX-512
+    CPU without VNNI, such as Skylake-SP, or one without AVX2) the engine dequantizes such weights at load."""
     # By tier, not kernel_variant: a Topology keeps only OF_INTEREST flags (no avx512dq, which every VNNI CPU has).
-    return tier(flags) in ("avx512", *BF16_TIERS) and "avx512_vnni" in set(flags)
+    t = tier(flags)
+    return (t in ("avx512", *BF16_TIERS) and "avx512_vnni" in set(flags)) or t == "avx2"
 
 
 def amx_granted() -> bool:
@@ -109,7 +116,10 @@ def node_features(cpu_tier: str, dtype: str, quantized: bool = False) -> tuple[s
     """NFD CPUID labels a node must have to run a plan made for `cpu_tier` as planned: AVX-512F for the native
     kernels, for bfloat16 the units that make it native on the planned machine (AVX512-BF16, AMX tiles), and
     AVX512-VNNI when weights are held quantized (the int8 kernels), so a pod never lands where bf16 is widened or
-    emulated, or quantized weights would be dequantized, and runs several times slower than the plan assumed."""
+    emulated, or quantized weights would be dequantized, and runs several times slower than the plan assumed (and
+    holds more than its memory limit was sized for). A plan made on an AVX2 CPU with quantized weights needs AVX2."""
+    if cpu_tier == "avx2" and quantized:
+        return (NFD_LABELS["avx2"],)
     if cpu_tier not in ("avx512", *BF16_TIERS):
         return ()
     flags = ["avx512f"] + (["avx512_vnni"] if quantized else [])

@@ -19,16 +19,16 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 # Native kernels are compiled ahead of time, never on a request path; a no-op when already built. A failed build
-# is shown, not hidden: on a CPU that runs them (AVX-512) the engine would silently lose its fast path, so with
-# DEPLOYKIT_REQUIRE_KERNELS=1 (scripts/test) it stops here.
+# is shown, not hidden: on a CPU that runs them (AVX-512, or AVX2 for quantized weights) the engine would silently
+# lose its fast path, so with DEPLOYKIT_REQUIRE_KERNELS=1 (scripts/test) it stops here.
 if ! kernel_log=$(python -m engine.kernels build 2>&1); then
   if python -c 'import sys; from deploykit import isa; from engine.kernels import loader; sys.exit(loader.variant_for(isa.cpu_flags()) is None)'; then
     echo "$kernel_log" | tail -40 >&2
-    echo "error: the native kernels failed to build on this AVX-512 CPU (output above)" >&2
+    echo "error: the native kernels failed to build on this CPU, which runs them (output above)" >&2
     if [ "${DEPLOYKIT_REQUIRE_KERNELS:-0}" = 1 ]; then return 1 2>/dev/null || exit 1; fi
     echo "note: continuing with the PyTorch fallback (several times slower in bf16)" >&2
   else
-    echo "note: this CPU has no AVX-512; the engine uses its PyTorch path" >&2
+    echo "note: this CPU has no AVX2; the engine uses its PyTorch path" >&2
   fi
 fi
 cd "$ROOT"

@@ -62,13 +62,16 @@ def isa_tier(topo: Topology, flags: frozenset[str]) -> Finding:
     dtype = "bfloat16" if isa.has_bf16(flags or frozenset(topo.isa)) else "float32"
     kernels = {"avx512bf16": "native kernels: the AVX512-BF16 build (vdpbf16ps)",
                "avx512": "native kernels: the AVX-512F build (bf16 widened to fp32 in registers)",
-               None: "no native kernels (they need AVX-512): PyTorch's own ops"}[variant]
+               "avx2": "native kernels for quantized weights only (the AVX2 build); float matmuls on PyTorch",
+               None: "no native kernels (they need AVX2): PyTorch's own ops"}[variant]
     title = f"ISA tier {tier}: dtype auto resolves to {dtype}; {kernels}"
     evidence = (f"{topo.cpu_model or 'CPU model unknown'}: {' '.join(topo.isa) or 'no AVX2 or newer'}",)
     if tier in ("avx2", "baseline"):
         return Finding("cpu.isa", WARN, title, evidence=evidence,
-                       cause="without AVX-512 every matmul runs on PyTorch's generic path; expect a fraction of an "
-                             "AVX-512 CPU's decode speed")
+                       cause="without AVX-512 every float matmul runs on PyTorch's generic path; expect a fraction of "
+                             "an AVX-512 CPU's decode speed" + ("; quantized weights (a GGUF file, or "
+                             "model.quantization q8_0/q4_0) stay quantized on the AVX2 int8 kernels"
+                             if variant == "avx2" else ""))
     return Finding("cpu.isa", OK, title, evidence=evidence)
 
 

@@ -16,12 +16,16 @@ __all__ = ["LIMITS", "add_rms_norm", "argmax", "compact_info", "compact_rows", "
            "quant_rows", "quantized_ok", "rotary_", "silu_mul", "status", "tune_streams"]
 
 _NATIVE = loader.load()
-_ops = torch.ops.deploykit if _NATIVE.loaded else None
+# _ops: the AVX-512 library's every op; _qops: the quantized-weight ops, which the AVX2 build has as well (a CPU
+# without AVX-512 runs everything else on PyTorch).
+_ops = torch.ops.deploykit if _NATIVE.full else None
+_qops = torch.ops.deploykit if _NATIVE.loaded else None
 _BF16 = torch.bfloat16
 _U8 = torch.uint8
 _I8 = torch.int8
-# Block-quantized weights (engine/quant.py) run on the int8 kernels: the library has them and the CPU has VNNI.
-_QUANT = _ops is not None and isa.quantized_kernels(isa.cpu_flags())
+# Block-quantized weights (engine/quant.py) run on the int8 kernels: the library has them and the CPU runs them
+# (AVX512-VNNI in an AVX-512 build, AVX2 in the AVX2 one).
+_QUANT = _qops is not None and isa.quantized_kernels(isa.cpu_flags())
 
 # Measured with benchmarks/kernels.py on Sapphire Rapids (2 cores): vdpbf16ps GEMV streams at
 # the memory roofline up to M≈4, past that it turns compute-bound and AMX tiles win at every M.
@@ -47,10 +51,11 @@ if _ops is not None:  # resolved once: the OpOverloadPacket lookup costs microse
     _head_rms_norm = _ops.head_rms_norm_.default
     _decode_step = _ops.decode_step_.default
     _decode_attention = _ops.decode_attention.default
-    _quant_linear = _ops.quant_linear.default
     _argmax_rows = _ops.argmax_rows.default
     _compact_linear = _ops.compact_linear.default
     _compact_unpack = _ops.compact_unpack.default
+if _qops is not None:
+    _quant_linear = _qops.quant_linear.default
 
 # The kernels' shape limits, stated once in C++ and read from the extension (decode_step.cpp `limits`):
 # step_max_rows: decode_step_ takes up to this many sequences (the GEMV loads each weight line once for all of them,
@@ -75,17 +80,17 @@ def is_quantized(w: torch.Tensor) -> bool:
 
 def quant_pack(raws: list[torch.Tensor], formats: list[int], k: int) -> torch.Tensor:
     """GGUF blocks of each row part [rows, bytes] (uint8) in ggml type `formats[i]` -> one quantized matrix blob."""
-    return _ops.quant_pack(raws, formats, k)
+    return _qops.quant_pack(raws, formats, k)
 
 
 def quant_parts(blob: torch.Tensor) -> list[int]:
     """[N, K, format, rows, format, rows, ...] of a quantized matrix."""
-    return list(_ops.quant_parts(blob))
+    return list(_qops.quant_parts(blob))
 
 
 def quant_rows(blob: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` [n] of a quantized matrix, dequantized -> [n, K] (an embedding lookup)."""
-    return _ops.quant_rows(blob, ids, dtype)
+    return _qops.quant_rows(blob, ids, dtype)
 
 
 def is_packed(w: torch.Tensor) -> bool:
@@ -138,7 +143,7 @@ def prepare_weight(w: torch.Tensor, compact: bool = False) -> torch.Tensor:
     with torch.no_grad():
         w = w.detach()
         n, k = w.shape
-        if _NATIVE.loaded and w.dtype == torch.bfloat16 and n % _block_n == 0 and k % _block_k == 0:
+        if _NATIVE.full and w.dtype == torch.bfloat16 and n % _block_n == 0 and k % _block_k == 0:
             p = pack(w)
             if compact:
                 c = _ops.compact_pack(p, COMPACT_MAX_ESCAPES)
@@ -151,7 +156,7 @@ def prepare_weight(w: torch.Tensor, compact: bool = False) -> torch.Tensor:
 def prepare_bias(b: torch.Tensor | None) -> torch.Tensor | None:
     """Called once per bias at load time: the native kernels add an fp32 bias, so convert it once here rather
     than on every call (a bf16 [N] -> fp32 copy per projection per step)."""
-    if b is None or not _NATIVE.loaded or b.dtype != _BF16:
+    if b is None or not _NATIVE.full or b.dtype != _BF16:
         return b
     return b.float().contiguous()
 
@@ -332,19 +337,23 @@ def quant_stream_ahead() -> dict[str, int] | None:
     if not _QUANT:
         return None
     from engine.quant import GGML_IDS  # engine.quant imports this module
-    return {name: int(_ops.quant_stream_ahead(i)) for name, i in GGML_IDS.items()}
+    return {name: int(_qops.quant_stream_ahead(i)) for name, i in GGML_IDS.items()}
 
 
 def status() -> dict:
     """Which matmul path is active and why, for the engine's start-up log."""
-    path = ("native-amx" if _NATIVE.amx else f"native-{_NATIVE.variant}") if _NATIVE.loaded else "fallback"
+    # path: where float matmuls run (the AVX2 build has none of them); quantized: whether block-quantized weights are
+    # held as they are, on the int8 kernels of `variant`.
+    path = ("native-amx" if _NATIVE.amx else f"native-{_NATIVE.variant}") if _NATIVE.full else "fallback"
     return {
         "path": path,
         "variant": _NATIVE.variant,
         "isa": _NATIVE.isa,
         "amx": _NATIVE.amx,
         "library": _NATIVE.library,
-        "reason": _NATIVE.reason or "native kernels loaded",
+        "reason": _NATIVE.reason or ("native kernels loaded" if _NATIVE.full else
+                                     "CPU lacks AVX-512: float matmuls run on PyTorch; the AVX2 build serves "
+                                     "quantized weights"),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "amx_min_m": AMX_MIN_M,

@@ -19,26 +19,39 @@ from torch.utils import cpp_extension
 SOURCES = ("gemv_bf16.cpp", "amx_bf16.cpp", "amx_plain_bf16.cpp", "stream_read.cpp", "decode_ops.cpp",
            "decode_attention.cpp", "decode_step.cpp", "quant_pack.cpp", "qlinear.cpp", "argmax.cpp",
            "compact_bf16.cpp")
+# The AVX2 build holds the quantized-weight ops only (and the roofline probe): a CPU without AVX-512 runs every float
+# matmul and element-wise op on PyTorch, but keeps GGUF blocks quantized and reads them with the AVX2 int8 GEMV.
+QUANT_SOURCES = ("quant_pack.cpp", "qlinear.cpp", "stream_read.cpp")
 HEADERS = ("vec.h", "gemv.h", "row_ops.h", "attention.h", "op_args.h", "quant_layout.h", "quant_act.h", "quant_gemv.h",
-           "step_profile.h", "compact_bf16.h")
+           "quant_gemv_avx2.h", "quant_rows.h", "quant_stream.h", "step_profile.h", "compact_bf16.h")
 MANIFEST_NAME = "manifest.json"
 SOURCE_DIR = Path(__file__).resolve().parent
 
 # No -march: the image is built on one host and may run on another, so every variant is built and the
 # loader picks the one this host's /proc/cpuinfo allows (AMX code runs only after amx_* flags and the OS
-# grant). "avx512" serves AVX-512F CPUs without BF16 (vec.h widens bf16 by a shift).
+# grant). "avx512" serves AVX-512F CPUs without BF16 (vec.h widens bf16 by a shift); "avx2" the CPUs below AVX-512
+# (deploykit.isa.kernel_variant).
 # -fopenmp only at compile time (at::parallel_for's pragma); at link time the library is tied to
 # torch's own libgomp so the process never holds two OpenMP runtimes.
-BASE_FLAGS = ("-O3", "-std=c++20", "-fPIC", "-fopenmp", "-DNDEBUG", "-Wall", "-Wno-unused-function",
-              "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma")
+COMMON_FLAGS = ("-O3", "-std=c++20", "-fPIC", "-fopenmp", "-DNDEBUG", "-Wall", "-Wno-unused-function")
+AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma")
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    flags: tuple[str, ...]
+    sources: tuple[str, ...]
+
+
 VARIANTS = {
-    "avx512bf16": ("-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
-    "avx512": (),
+    "avx512bf16": Variant(AVX512_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16"), SOURCES),
+    "avx512": Variant(AVX512_FLAGS, SOURCES),
+    "avx2": Variant(("-mavx2", "-mfma", "-mf16c"), QUANT_SOURCES),
 }
 
 
 def cxx_flags(variant: str) -> tuple[str, ...]:
-    return BASE_FLAGS + VARIANTS[variant]
+    return COMMON_FLAGS + VARIANTS[variant].flags
 
 
 def library_name(variant: str) -> str:
@@ -57,7 +70,7 @@ def source_hash() -> str:
         h.update(name.encode())
         h.update((SOURCE_DIR / name).read_bytes())
     for variant in VARIANTS:
-        h.update(" ".join((variant,) + cxx_flags(variant)).encode())
+        h.update(" ".join((variant,) + cxx_flags(variant) + VARIANTS[variant].sources).encode())
     return h.hexdigest()[:16]
 
 
@@ -84,14 +97,14 @@ def _compile_commands(cxx: str, variant: str, obj_dir: Path) -> list[list[str]]:
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     return [
         [cxx, *cxx_flags(variant), abi_flag(), *includes, "-c", str(SOURCE_DIR / src), "-o", str(obj_dir / f"{src}.o")]
-        for src in SOURCES
+        for src in VARIANTS[variant].sources
     ]
 
 
-def _link_command(cxx: str, obj_dir: Path, out: Path) -> list[str]:
+def _link_command(cxx: str, variant: str, obj_dir: Path, out: Path) -> list[str]:
     lib_dirs = cpp_extension.library_paths()
     return [
-        cxx, "-shared", *(str(obj_dir / f"{src}.o") for src in SOURCES), "-o", str(out),
+        cxx, "-shared", *(str(obj_dir / f"{src}.o") for src in VARIANTS[variant].sources), "-o", str(out),
         *(f"-L{d}" for d in lib_dirs), *(f"-Wl,-rpath,{d}" for d in lib_dirs),
         "-lc10", "-ltorch_cpu", "-ltorch", "-lgomp",
     ]
@@ -123,7 +136,7 @@ def build(directory: Path | None = None, force: bool = False) -> BuildResult:
             obj_dir = Path(tmp)
             _run_all(_compile_commands(cxx, variant, obj_dir))
             staged = obj_dir / library_name(variant)
-            _run_all([_link_command(cxx, obj_dir, staged)])
+            _run_all([_link_command(cxx, variant, obj_dir, staged)])
             os.replace(staged, directory / library_name(variant))  # atomic for a concurrent loader
     seconds = time.perf_counter() - start
     manifest = {

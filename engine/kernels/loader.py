@@ -22,6 +22,11 @@ class Native:
     library: str | None
     variant: str | None = None  # build.VARIANTS key of the loaded library
 
+    @property
+    def full(self) -> bool:
+        """Every native op is here (an AVX-512 build); the AVX2 build holds the quantized-weight ops only."""
+        return self.loaded and self.variant in isa.FULL_VARIANTS
+
 
 DISABLED = frozenset({"0", "off", "fallback", "torch"})  # DEPLOYKIT_KERNELS values that force PyTorch
 
@@ -31,7 +36,8 @@ variant_for = isa.kernel_variant  # the one home of the CPU -> build variant rul
 
 def load(flags: frozenset[str] | None = None) -> Native:
     """Load the library built by `python -m engine.kernels build`, or explain why the fallback is used.
-    DEPLOYKIT_KERNELS=off forces the PyTorch path; =avx512 forces the widening build (to test it on a BF16 CPU)."""
+    DEPLOYKIT_KERNELS=off forces the PyTorch path; =avx512 forces the widening build (to test it on a BF16 CPU);
+    =avx2 the AVX2 build, quantized-weight ops only (to test its int8 GEMV on an AVX-512 CPU)."""
     flags = isa.cpu_flags() if flags is None else flags
     tier = isa.tier(flags)
     choice = os.environ.get("DEPLOYKIT_KERNELS", "").lower()
@@ -39,10 +45,12 @@ def load(flags: frozenset[str] | None = None) -> Native:
         return Native(False, False, tier, "disabled by DEPLOYKIT_KERNELS", None)
     variant = variant_for(flags)
     if variant is None:
-        return Native(False, False, tier, f"CPU lacks AVX-512 (ISA tier {tier}); pure PyTorch path is the best "
+        return Native(False, False, tier, f"CPU lacks AVX2 (ISA tier {tier}); pure PyTorch path is the best "
                       "available", None)
     if choice == "avx512":
         variant = "avx512"
+    elif choice == "avx2" and isa.AVX2_BASE <= flags:
+        variant = "avx2"
     directory = build.default_dir()
     library = directory / build.library_name(variant)
     if not library.is_file():

@@ -1,4 +1,6 @@
 // quant_linear: x [M, K] (bf16 or fp32) times a quantized weight (quant_layout.h) -> [M, N], for every M.
+// Compiled into every kernel build: with AVX512-VNNI's GEMV (quant_gemv.h) in the AVX-512 ones, with AVX2's
+// (quant_gemv_avx2.h, bitwise the same outputs) in the AVX2 one, which holds only the quantized-weight ops.
 //
 // x is quantized to int8 per block of 32 once per call (quant_act.h). Up to 4 rows take the GEMV of quant_gemv.h
 // with each weight line loaded once for all of them, the 16-row groups split evenly between threads (the fused
@@ -12,17 +14,31 @@
 #include <vector>
 
 #include "op_args.h"
+#ifdef __AVX512F__
 #include "quant_gemv.h"
+#else
+#include "quant_gemv_avx2.h"
+#endif
 
 namespace deploykit {
 namespace {
 
 using namespace quant;
 
-bool cpu_has_vnni() {
+#ifdef __AVX512F__
+constexpr const char* NEEDS = "AVX512-VNNI";
+bool cpu_runs_it() {
   static const bool yes = __builtin_cpu_supports("avx512vnni");
   return yes;
 }
+#else
+constexpr const char* NEEDS = "AVX2, FMA and F16C";
+bool cpu_runs_it() {
+  static const bool yes =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return yes;
+}
+#endif
 
 template <class In, class Out>
 void run(const In* x, int64_t ldx, int64_t M, const Matrix& w, const float* bias, Out* out) {
@@ -52,8 +68,8 @@ void run(const In* x, int64_t ldx, int64_t M, const Matrix& w, const float* bias
 // or fp32 with float_out (logits).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blob, const std::optional<at::Tensor>& bias,
                         bool float_out) {
-  TORCH_CHECK(cpu_has_vnni(), "quantized weights need AVX512-VNNI; this CPU lacks it (the engine dequantizes "
-              "them at load instead)");
+  TORCH_CHECK(cpu_runs_it(), "this build's quantized kernels need ", NEEDS, "; this CPU lacks it (the engine "
+              "dequantizes the weights at load instead)");
   const Matrix w = matrix(blob);
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "x must be a 2-D bf16 or fp32 tensor");

@@ -16,9 +16,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
+#ifdef __AVX512F__
 #include "vec.h"
+#endif
 
 namespace deploykit {
 namespace quant {
@@ -34,6 +37,7 @@ struct Act {  // one row
                   // (Q4_0's high-nibble chain, 16 c q, starts there too: shifted back, sum (c - 8) q with the low one)
 };
 
+#ifdef __AVX512F__
 inline __m512 load_f32(const at::BFloat16* p) { return vec::load16(p); }
 inline __m512 load_f32(const float* p) { return _mm512_loadu_ps(p); }
 
@@ -70,6 +74,59 @@ inline void quantize(const T* x, int64_t K, const Act& a) {
   }
 }
 #pragma GCC diagnostic pop
+#else
+// The AVX2 build (quant_gemv_avx2.h: CPUs without AVX-512) quantizes the same way, 8 lanes at a time, to the same
+// bytes and sums: max, the products and the conversions round per element, and the sums are exact integers.
+inline __m256 load_f32(const at::BFloat16* p) {  // bf16 is the top half of an fp32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline __m256 load_f32(const float* p) { return _mm256_loadu_ps(p); }
+
+// F16C's conversion, with the same rounding and the same pass-through beyond fp16's range as the AVX-512 fp16().
+inline float fp16(float x) {
+  if (!(std::fabs(x) < 65504.0f)) return x;
+  return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph(_mm_set_ss(x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+}
+
+inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline int32_t sum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// x [K] (K a multiple of 32) -> a.
+template <class T>
+inline void quantize(const T* x, int64_t K, const Act& a) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the two in-lane packs below
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = load_f32(x + 32 * b + 8 * i);
+    const __m256 m01 = _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1]));
+    const __m256 m23 = _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]));
+    const float amax = max8(_mm256_max_ps(m01, m23));
+    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;  // llama.cpp's d and id, to the bit
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+    // [-127, 127] already, so the saturating packs are exact; they interleave 4-value pieces across the lanes.
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q + 32 * b), _mm256_permutevar8x32_epi32(bytes, order));
+    a.d[b] = d;
+    a.s16[2 * b] = sum8(_mm256_add_epi32(q[0], q[1]));
+    a.s16[2 * b + 1] = sum8(_mm256_add_epi32(q[2], q[3]));
+    a.s32[b] = a.s16[2 * b] + a.s16[2 * b + 1];
+    a.z128[b] = -128 * a.s32[b];
+    a.dh[b] = fp16(d);
+    a.ms[b] = fp16(d * (float)a.s32[b]);
+  }
+}
+#endif
 
 // Room for `rows` quantized rows of up to K values each (one per x row a kernel call takes).
 class ActBuffer {

@@ -19,6 +19,7 @@
 
 #include "quant_act.h"
 #include "quant_layout.h"
+#include "quant_stream.h"
 #include "vec.h"
 
 #pragma GCC push_options
@@ -36,34 +37,6 @@ namespace quant {
 // from L3 but tied from DRAM (Q4_0, the model's shapes) and made the batch-1 engine step slower, with the prefetch
 // below or without it (benchmarks/decode_profile.py --gguf, Q4_0, variants alternated in one process, time a token
 // over one stream 4 KiB ahead: 8 runs 1.14-1.22x, 4 runs 1.12-1.13x, 2 runs 1.05x; probe 29-52 GB/s).
-
-// Streaming ahead (the GEMV of up to 4 rows, whose weights are read once): each unit requests its share of the lines
-// stream_ahead bytes further down its group's stream with PREFETCHNTA, a few lines per unit rather than a chunk's
-// worth at once. First measured on Zen 4 in the batch-1 engine step (benchmarks/decode_profile.py --gguf, variants
-// alternated in one process; superseded for Q8_0 and Q4_0 below): 3-12 % less time a token on Q4_0, Q8_0 and Q4_K_M
-// at 3-4 KiB ahead, from both the
-// GEMV and the work between steps, which finds more of its own lines still cached when the weights went through
-// as non-temporal. Whole chunks requested at once instead cost Q4_K_M 5-8 % (37 lines in one burst), and T0/T1/T2
-// prefetches 1-4 KiB ahead were erratic (-5 to +28 %). Tiles of a wider call re-read a group pair from L1/L2 after
-// the first tile, so they do not stream ahead: non-temporal lines would be gone by then.
-// Per format: Q8_0 and Q4_0 stream without it. Across sessions 10 and 12 (decode_profile.py --gguf --stream-ahead
-// 0,4096, benchmarks/README.md) their step was faster without it in 8 of the 13 runs (1.5-7.5 %), faster with it in
-// 3 (0.9-4.6 %; two with DRAM slow, one mixed) and tied in 2; through quant_linear, without it Q8_0 was faster in 17 of 18 runs
-// and Q4_0 in most, by the most when DRAM was fast. Q4_K_M was faster with it in all 3 of its runs (7-16 %). The
-// formats not measured (Q4_1, Q5_0, Q5_1) keep it.
-// Settable at run time (set_quant_stream_ahead, for all formats or one; 0 turns it off) so distances can be compared
-// in one process; reset_quant_stream_ahead restores these defaults.
-constexpr int64_t STREAM_AHEAD = 4096;
-constexpr int64_t default_stream_ahead(int32_t format) { return format == Q8_0 || format == Q4_0 ? 0 : STREAM_AHEAD; }
-struct StreamAhead {
-  std::atomic<int64_t> bytes[16];  // by ggml type id (quant_layout.h Format)
-  static_assert(Q8_0 < 16 && Q4_K < 16 && Q6_K < 16);
-  StreamAhead() { reset(); }
-  void reset() {
-    for (int32_t f = 0; f < 16; ++f) bytes[f].store(default_stream_ahead(f));
-  }
-};
-inline StreamAhead stream_ahead;
 
 inline __m512 halves(const uint8_t* p) {  // 16 fp16 -> fp32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -206,57 +179,10 @@ inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const fl
   for (int m = 0; m < MT; ++m) store16(out + m * ldo + col, _mm512_add_ps(accf[m], b));
 }
 
-template <int F, int MT, bool Ahead, class Out>
-inline void part_range(const Act* act, const Part& p, int64_t g0, int64_t g1, int64_t K, const float* bias, Out* out,
-                       int64_t ldo) {
-  for (int64_t g = g0; g < g1; ++g) group<F, MT, Ahead>(act, p, g, K, bias, out, ldo);
-}
-
-template <int MT, bool Ahead, class Out>
-inline void part_rows(const Act* act, const Part& p, int64_t g0, int64_t g1, int64_t K, const float* bias, Out* out,
-                      int64_t ldo) {
-  switch (p.format) {
-    case Q8_0: part_range<Q8_0, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
-    case Q4_0: part_range<Q4_0, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
-    case Q4_1: part_range<Q4_1, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
-    case Q5_0: part_range<Q5_0, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
-    case Q5_1: part_range<Q5_1, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
-    case Q4_K: part_range<Q4_K, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
-    case Q6_K: part_range<Q6_K, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
-  }
-}
-
-template <int MT, class Out>
-inline void part_rows(bool ahead, const Act* act, const Part& p, int64_t g0, int64_t g1, int64_t K, const float* bias,
-                      Out* out, int64_t ldo) {
-  if (ahead)
-    part_rows<MT, true>(act, p, g0, g1, K, bias, out, ldo);
-  else
-    part_rows<MT, false>(act, p, g0, g1, K, bias, out, ldo);
-}
-
-// out[m, 16 b0 .. 16 b1) for M <= 4 activation rows: the 16-row groups [b0, b1) of the whole matrix, split where
-// parts of different formats meet. ahead: these rows are all the call has, so the weights stream once and ahead
-// (stream_ahead); a tile of a wider call passes false.
-template <class Out>
-inline void rows(int64_t M, const Act* act, const Matrix& w, int64_t b0, int64_t b1, const float* bias, Out* out,
-                 int64_t ldo, bool ahead = true) {
-  for (int i = 0; i < w.nparts; ++i) {
-    const Part& p = w.parts[i];
-    const int64_t p0 = p.row0 / 16, p1 = p0 + p.rows / 16;
-    const int64_t lo = std::max(b0, p0), hi = std::min(b1, p1);
-    if (lo >= hi) continue;
-    switch (M) {
-      case 1: part_rows<1>(ahead, act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
-      case 2: part_rows<2>(ahead, act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
-      case 3: part_rows<3>(ahead, act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
-      default: part_rows<4>(ahead, act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
-    }
-  }
-}
-
 }  // namespace quant
 }  // namespace deploykit
+
+#include "quant_rows.h"  // rows(): the groups of a matrix, each through group<F, MT, Ahead> above
 
 #pragma GCC diagnostic pop
 #pragma GCC pop_options

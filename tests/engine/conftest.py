@@ -64,19 +64,25 @@ def run_core():
     return _run_core
 
 
-def native_supported() -> bool:
-    """This CPU runs one of the native kernel builds (AVX-512) and the run has not switched them off: then the native
-    paths must be tested, never skipped, and a build that fails fails those tests (tests/engine/test_kernels.py)."""
+def native_supported(full: bool = True) -> bool:
+    """This CPU runs one of the native kernel builds and the run has not switched them off: then the native paths
+    must be tested, never skipped, and a build that fails fails those tests (tests/engine/test_kernels.py). full:
+    an AVX-512 build (every native op); else any build, the AVX2 one included, that runs quantized weights."""
     import os
 
     from deploykit import isa
     from engine.kernels import loader
     if os.environ.get("DEPLOYKIT_KERNELS", "").lower() in loader.DISABLED:
         return False  # the PyTorch path on purpose
-    return loader.variant_for(isa.cpu_flags()) is not None
+    flags = isa.cpu_flags()
+    variant = loader.variant_for(flags)
+    if full:
+        return variant in isa.FULL_VARIANTS
+    return variant is not None and isa.quantized_kernels(flags)
 
 
 NATIVE = native_supported()
+QUANT_NATIVE = native_supported(full=False)  # the int8 kernels for quantized weights run here (VNNI or AVX2)
 
 
 @pytest.fixture(scope="session")
@@ -97,4 +103,26 @@ def native_kernels():
         k = importlib.reload(k)  # imported before the build finished: load it now
     if not k.status()["path"].startswith("native"):
         pytest.fail(f"native kernels did not load on a CPU that runs them: {k.status()}", pytrace=False)
+    return k
+
+
+@pytest.fixture(scope="session")
+def quantized_kernels():
+    """engine.kernels with the int8 kernels for quantized weights loaded (AVX512-VNNI in an AVX-512 build, or the AVX2
+    build). Fails, never skips, where the CPU runs them, as native_kernels does."""
+    from engine.kernels import build
+    if not QUANT_NATIVE:
+        pytest.skip("this CPU runs no int8 kernels (an AVX-512 CPU without VNNI, or none without AVX2), or "
+                    "DEPLOYKIT_KERNELS switches them off: quantized weights are dequantized at load")
+    try:
+        build.build()
+    except RuntimeError as e:
+        pytest.fail(f"the native kernels do not build on this CPU:\n{e}", pytrace=False)
+    import importlib
+
+    import engine.kernels as k
+    if not k.quantized_ok():
+        k = importlib.reload(k)  # imported before the build finished: load it now
+    if not k.quantized_ok():
+        pytest.fail(f"the int8 kernels did not load on a CPU that runs them: {k.status()}", pytrace=False)
     return k

@@ -18,7 +18,7 @@ from engine import hugepages, kernels
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.sampling import SamplingParams
-from tests.engine.conftest import NATIVE, _run_core
+from tests.engine.conftest import NATIVE, QUANT_NATIVE, _run_core
 
 ROOT = Path(__file__).resolve().parents[2]
 HUGE = hugepages.HUGE
@@ -122,8 +122,8 @@ def test_a_model_on_2mib_pages_answers_token_for_token_as_on_4kib(tiny_model, dt
         assert ref_core.model.pages.huge_bytes == 0
 
 
-@pytest.mark.skipif(not NATIVE, reason="quantized blobs run only where the CPU has the native kernels")
-def test_a_quantized_model_on_2mib_pages_answers_as_on_4kib(tiny_model):
+@pytest.mark.skipif(not QUANT_NATIVE, reason="quantized blobs run only where the CPU runs the int8 kernels")
+def test_a_quantized_model_on_2mib_pages_answers_as_on_4kib(tiny_model, quantized_kernels):
     model_dir = tiny_model("llama")
     for quantization in ("q4_0", "q8_0"):
         cores = [EngineCore(EngineConfig(model_dir, dtype="bfloat16", max_model_len=128, quantization=quantization,

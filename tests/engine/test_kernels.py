@@ -288,9 +288,9 @@ def test_stale_library_is_not_loaded(kernels, tmp_path):
     assert status["path"] == "fallback" and "stale" in status["reason"]
 
 
-def test_cpu_without_avx512_is_reported():
-    native = loader.load(flags=frozenset({"avx2", "avx512f", "fma"}))  # no BW/VL/DQ: not enough for vec.h
-    assert not native.loaded and "AVX-512" in native.reason
+def test_cpu_without_avx2_is_reported():
+    native = loader.load(flags=frozenset({"sse4_2", "avx"}))  # Sandy Bridge: no build runs here
+    assert not native.loaded and not native.full and "AVX2" in native.reason
 
 
 def test_variant_follows_the_cpu_flags():
@@ -298,7 +298,11 @@ def test_variant_follows_the_cpu_flags():
     assert loader.variant_for(frozenset(base)) == "avx512"  # Skylake-SP .. Ice Lake, or a hidden BF16 bit
     assert loader.variant_for(frozenset(base | {"avx512_bf16"})) == "avx512bf16"
     assert loader.variant_for(frozenset(base | {"avx512_bf16", "amx_tile", "amx_bf16"})) == "avx512bf16"
-    assert loader.variant_for(frozenset({"avx2", "fma"})) is None
+    assert loader.variant_for(frozenset({"avx2", "fma", "f16c"})) == "avx2"  # Zen 2/3, Haswell .. Alder Lake
+    assert loader.variant_for(frozenset({"avx2", "fma", "f16c", "avx512f"})) == "avx2"  # no BW/VL/DQ for vec.h
+    assert loader.variant_for(frozenset({"avx", "fma", "f16c"})) is None
+    assert not isa.quantized_kernels(base) and isa.quantized_kernels(base | {"avx512_vnni"})  # Skylake-SP: no VNNI
+    assert isa.quantized_kernels({"avx2"})  # a plan's flags (OF_INTEREST) go by the avx2 tier
 
 
 @needs_bf16

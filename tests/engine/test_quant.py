@@ -4,6 +4,8 @@ PyTorch reference computes at every row count and through the fused decode step,
 agree on which weights stay quantized and how many bytes they take."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ from deploykit import quant as rule
 from engine import kernels, quant
 from engine.quant import FILE_BLOCK, Raw
 
-pytestmark = pytest.mark.skipif(not kernels.quantized_ok(), reason="needs the native kernels and AVX512-VNNI")
+pytestmark = pytest.mark.usefixtures("quantized_kernels")  # skips only where no build runs them (conftest)
 
 FORMATS = list(FILE_BLOCK)
 # Offsets of the fp16 scale fields in a block: random bytes there could be NaN or huge.
@@ -85,9 +87,7 @@ def test_quantize_on_load_writes_what_llama_cpps_quantizer_writes(fmt):
     assert np.array_equal(ours, theirs)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16])
-def test_linear_computes_the_reference_at_every_row_count(fmt, m):
+def check_linear(fmt: str, m: int) -> None:
     """bf16 and fp32 activations, with a bias, out in the activations' dtype or fp32 (logits); 1-4 rows take the
     GEMV, more the tiled path."""
     torch.manual_seed(m)
@@ -104,6 +104,34 @@ def test_linear_computes_the_reference_at_every_row_count(fmt, m):
     logits = kernels.logits(xb, blob)
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, reference(xb, raw, w), rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16])
+def test_linear_computes_the_reference_at_every_row_count(fmt, m):
+    check_linear(fmt, m)
+
+
+@pytest.mark.slow
+def test_the_avx2_build_computes_the_reference_as_well():
+    """The AVX2 build's int8 GEMV (CPUs without AVX-512: vpmaddubsw in place of vpdpbusd), forced with
+    DEPLOYKIT_KERNELS=avx2 on a CPU that runs an AVX-512 build, meets the same reference in every format and at
+    every row count. On an AVX2 CPU it is the build every test in this file runs already."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    if kernels.status()["variant"] == "avx2":
+        pytest.skip("this CPU runs the AVX2 build: every test here holds it to the reference already")
+    code = ("from engine import kernels\n"
+            "from tests.engine.test_quant import FORMATS, check_linear\n"
+            "assert kernels.status()['variant'] == 'avx2' and kernels.quantized_ok(), kernels.status()\n"
+            "for fmt in FORMATS:\n"
+            "    for m in (1, 2, 3, 4, 5, 16):\n"
+            "        check_linear(fmt, m)\n")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=False,
+                          env={**os.environ, "DEPLOYKIT_KERNELS": "avx2", "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_q4_1_offsets_meet_the_activations_as_llama_cpps_q8_1_blocks():
@@ -195,6 +223,8 @@ def test_what_the_planner_counts_is_what_the_engine_holds(smollm2):
     held = EngineCore(EngineConfig(smollm2, dtype="bfloat16", max_model_len=256, quantization="dequantize",
                                    compact_weights=False))
     assert held.model.weight_paths["Q4_1"] == {"bfloat16": 210}
+    if kernels.status()["variant"] not in isa.FULL_VARIANTS:
+        return  # compact bf16 is an AVX-512 build's (the AVX2 one holds quantized weights only)
     # Compact bf16 (the default) holds the same matrices in 12 bits a weight: the plan's 16 bits are an upper bound.
     compact = EngineCore(EngineConfig(smollm2, dtype="bfloat16", max_model_len=256, quantization="dequantize"))
     assert compact.model.weight_paths["Q4_1"] == {"bfloat16 compact (12-bit, lossless)": 210}

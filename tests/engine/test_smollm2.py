@@ -115,7 +115,7 @@ def test_bf16_fidelity_per_native_path(smollm2, reference, prompts, transformers
     from engine.kernels import loader
     kernels, quantization = RUNS[run_kind]
     if quantization == "none" and not engine_kernels.quantized_ok():
-        pytest.skip("this CPU has no AVX512-VNNI: quantized weights are dequantized at load")
+        pytest.skip("this CPU runs no int8 kernels with the bf16 ones: quantized weights are dequantized at load")
     if kernels == "avx512" and quantization == "none" and path != "fused decode step, 1-4 sequences":
         pytest.skip("the widening build's int8 kernels are the native build's; one path shows it")
     config, rows = PATHS[path]
@@ -143,13 +143,13 @@ def test_quantized_weights_are_as_close_to_exact_as_llama_cpp_on_the_same_file(s
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/test installs it)")
     from engine import kernels
     if not kernels.quantized_ok():
-        pytest.skip("this CPU has no AVX512-VNNI: quantized weights are dequantized at load")
+        pytest.skip("this CPU runs no int8 kernels (neither AVX512-VNNI nor AVX2): quantized weights are dequantized")
     prompts = fidelity.chat_ids(tokenizer)
     eos = list(reference.generation_config.eos_token_id if isinstance(reference.generation_config.eos_token_id, list)
                else [reference.generation_config.eos_token_id])
     llama = fidelity.LlamaCpp(smollm2, eos)
     run = fidelity.engine_in_child(smollm2, prompts, TOKENS, dtype="float32", max_model_len=MAX_LEN, max_num_seqs=4)
-    assert run["quantized"] and run["dtype"] == "float32" and run["kernels"].startswith("native-"), run
+    assert run["quantized"] and run["dtype"] == "float32", run  # the int8 kernels of whichever build runs here
     ours = fidelity.agreement(reference, prompts, run["tokens"])
     theirs = fidelity.agreement(reference, prompts, llama.greedy(prompts, TOKENS))
     same_as_llama = fidelity.share_equal(run["tokens"], llama.choices(prompts, run["tokens"]))

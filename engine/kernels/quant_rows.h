@@ -1,0 +1,66 @@
+// The walk over a quantized matrix's 16-row groups that both GEMVs share: each group through group<F, MT, Ahead>
+// of the ISA's kernel (quant_gemv.h on AVX512-VNNI, quant_gemv_avx2.h on AVX2), split where parts of different
+// formats meet, with the format and the row count made compile-time. Included at the end of each kernel header, after
+// its group(), so the dispatch is written once.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "quant_act.h"
+#include "quant_layout.h"
+
+namespace deploykit {
+namespace quant {
+
+template <int F, int MT, bool Ahead, class Out>
+inline void part_range(const Act* act, const Part& p, int64_t g0, int64_t g1, int64_t K, const float* bias, Out* out,
+                       int64_t ldo) {
+  for (int64_t g = g0; g < g1; ++g) group<F, MT, Ahead>(act, p, g, K, bias, out, ldo);
+}
+
+template <int MT, bool Ahead, class Out>
+inline void part_rows(const Act* act, const Part& p, int64_t g0, int64_t g1, int64_t K, const float* bias, Out* out,
+                      int64_t ldo) {
+  switch (p.format) {
+    case Q8_0: part_range<Q8_0, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
+    case Q4_0: part_range<Q4_0, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
+    case Q4_1: part_range<Q4_1, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
+    case Q5_0: part_range<Q5_0, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
+    case Q5_1: part_range<Q5_1, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
+    case Q4_K: part_range<Q4_K, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
+    case Q6_K: part_range<Q6_K, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
+  }
+}
+
+template <int MT, class Out>
+inline void part_rows(bool ahead, const Act* act, const Part& p, int64_t g0, int64_t g1, int64_t K, const float* bias,
+                      Out* out, int64_t ldo) {
+  if (ahead)
+    part_rows<MT, true>(act, p, g0, g1, K, bias, out, ldo);
+  else
+    part_rows<MT, false>(act, p, g0, g1, K, bias, out, ldo);
+}
+
+// out[m, 16 b0 .. 16 b1) for M <= 4 activation rows: the 16-row groups [b0, b1) of the whole matrix, split where
+// parts of different formats meet. ahead: these rows are all the call has, so the weights stream once and ahead
+// (stream_ahead); a tile of a wider call passes false.
+template <class Out>
+inline void rows(int64_t M, const Act* act, const Matrix& w, int64_t b0, int64_t b1, const float* bias, Out* out,
+                 int64_t ldo, bool ahead = true) {
+  for (int i = 0; i < w.nparts; ++i) {
+    const Part& p = w.parts[i];
+    const int64_t p0 = p.row0 / 16, p1 = p0 + p.rows / 16;
+    const int64_t lo = std::max(b0, p0), hi = std::min(b1, p1);
+    if (lo >= hi) continue;
+    switch (M) {
+      case 1: part_rows<1>(ahead, act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
+      case 2: part_rows<2>(ahead, act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
+      case 3: part_rows<3>(ahead, act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
+      default: part_rows<4>(ahead, act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
+    }
+  }
+}
+
+}  // namespace quant
+}  // namespace deploykit

@@ -1,0 +1,41 @@
+// How far ahead the quantized GEMVs (quant_gemv.h on AVX-512, quant_gemv_avx2.h on AVX2) request the weight stream,
+// per format: one setting both kernels read, set and listed by the ops in qlinear.cpp.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+#include "quant_layout.h"
+
+namespace deploykit {
+namespace quant {
+
+// Streaming ahead (the GEMV of up to 4 rows, whose weights are read once): each unit requests its share of the lines
+// stream_ahead bytes further down its group's stream with PREFETCHNTA, a few lines per unit rather than a chunk's worth
+// at once. First measured on Zen 4 in the batch-1 engine step (benchmarks/decode_profile.py --gguf, variants alternated
+// in one process; superseded for Q8_0 and Q4_0 below): 3-12 % less time a token on Q4_0, Q8_0 and Q4_K_M at 3-4 KiB
+// ahead, from both the GEMV and the work between steps, which finds more of its own lines still cached when the weights
+// went through as non-temporal. Whole chunks requested at once instead cost Q4_K_M 5-8 % (37 lines in one burst), and
+// T0/T1/T2 prefetches 1-4 KiB ahead were erratic (-5 to +28 %). Tiles of a wider call re-read a group pair from L1/L2
+// after the first tile, so they do not stream ahead: non-temporal lines would be gone by then. Per format: Q8_0 and
+// Q4_0 stream without it. Across sessions 10 and 12 (decode_profile.py --gguf --stream-ahead 0,4096,
+// benchmarks/README.md) their step was faster without it in 8 of the 13 runs (1.5-7.5 %), faster with it in 3 (0.9-4.6
+// %; two with DRAM slow, one mixed) and tied in 2; through quant_linear, without it Q8_0 was faster in 17 of 18 runs
+// and Q4_0 in most, by the most when DRAM was fast. Q4_K_M was faster with it in all 3 of its runs (7-16 %). The
+// formats not measured (Q4_1, Q5_0, Q5_1) keep it.
+// Settable at run time (set_quant_stream_ahead, for all formats or one; 0 turns it off) so distances can be compared in
+// one process; reset_quant_stream_ahead restores these defaults.
+constexpr int64_t STREAM_AHEAD = 4096;
+constexpr int64_t default_stream_ahead(int32_t format) { return format == Q8_0 || format == Q4_0 ? 0 : STREAM_AHEAD; }
+struct StreamAhead {
+  std::atomic<int64_t> bytes[16];  // by ggml type id (quant_layout.h Format)
+  static_assert(Q8_0 < 16 && Q4_K < 16 && Q6_K < 16);
+  StreamAhead() { reset(); }
+  void reset() {
+    for (int32_t f = 0; f < 16; ++f) bytes[f].store(default_stream_ahead(f));
+  }
+};
+inline StreamAhead stream_ahead;
+
+}  // namespace quant
+}  // namespace deploykit
