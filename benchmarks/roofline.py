@@ -1,6 +1,6 @@
 """The memory roofline the decode benchmarks hold their figures to: the best rate this host reads DRAM at.
 
-A native AVX-512 read of 1 GiB on 2 MiB pages (kernels/stream_read.cpp) with 1, 2, 4 and 8 sequential streams per
+A native read of 1 GiB on 2 MiB pages (kernels/stream_read.cpp) with 1, 2, 4 and 8 sequential streams per
 thread, and an MKL fp32 GEMV over 512 MiB; the roofline is the best of them. Which stream count is fastest depends on
 the CPU and the page size (on the 2-vCPU Zen 4 VM, 2 MiB pages: 8 streams 53-58 GB/s, one 27 GB/s), so a probe
 with one fixed count understates some hosts: with 4 streams it read 25-33 GB/s on a Zen 4 VM whose GEMV streamed
@@ -49,7 +49,7 @@ def read_bandwidth(rounds: int = 3, native: bool = True) -> dict:
             s: round(data.nbytes / best_seconds(lambda s=s: torch.ops.deploykit.stream_read(data, s), rounds) / 1e9, 2)
             for s in STREAMS}
         out["stream_read_gbps"] = max(out["stream_read_gbps_by_streams"].values())
-        out["stream_read_probe"] = "native avx512, best stream count per thread"
+        out["stream_read_probe"] = "native (kernels/stream_read.cpp), best stream count per thread"
     else:
         out["stream_read_gbps"] = round(data.nbytes / best_seconds(lambda: torch.sum(data), rounds) / 1e9, 2)
         out["stream_read_probe"] = "torch.sum (compute-bound, understates)"
