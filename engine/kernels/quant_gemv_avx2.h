@@ -1,7 +1,8 @@
 // Matrix-vector products on quantized weights (quant_layout.h) for CPUs with AVX2 but no AVX-512 (Zen 2 and 3,
 // Haswell to Alder Lake): the same layout, the same int8 activations (quant_act.h) and, per output, the same int32
-// sum of each 32-k unit and the same fp32 operations on it in the same order as quant_gemv.h, so the outputs are
-// bitwise those of the AVX-512 kernel (tests/engine/test_quant.py holds both to one reference).
+// sum of each 32-k unit and the same fp32 operations on it in the same order as quant_gemv.h, so by construction the
+// outputs are those of the AVX-512 kernel bit for bit. tests/engine/test_quant.py holds both to one reference (on an
+// AVX-512 host it forces this build with DEPLOYKIT_KERNELS=avx2); it does not compare the two bit for bit.
 //
 // A 64-byte line (16 rows x 4 k) is taken as two 32-byte halves, rows 0-7 and 8-15. Without vpdpbusd, a dot product
 // of 4 codes and 4 broadcast activations is vpmaddubsw (u8 x s8 -> pairs summed to int16, saturating) and, once per
