@@ -131,7 +131,8 @@ def test_bf16_fidelity_per_native_path(smollm2, reference, prompts, transformers
     assert score >= transformers_bf16 - 0.01, (score, transformers_bf16)
 
 
-def test_quantized_weights_are_as_close_to_exact_as_llama_cpp_on_the_same_file(smollm2, reference, tokenizer):
+def test_quantized_weights_are_as_close_to_exact_as_llama_cpp_on_the_same_file(smollm2, reference, tokenizer,
+                                                                               request):
     """The Q4_1 file run as it is (int8 kernels) against llama.cpp on the same file, over 16 chat prompts x 48-54
     tokens, with fp32 activations as llama.cpp computes them: agreement with fp32 transformers on the dequantized
     weights at least llama.cpp's own minus one point, and llama.cpp, fed our continuations, picks our token at 97 %
@@ -141,9 +142,7 @@ def test_quantized_weights_are_as_close_to_exact_as_llama_cpp_on_the_same_file(s
     as llama.cpp's Q8_0/Q8_1 store them (quant_act.h) took it from 96.7 %; bf16 activations give 96.6 % (their own
     rounding; test_bf16_fidelity_per_native_path holds that path to fp32 transformers)."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/test installs it)")
-    from engine import kernels
-    if not kernels.quantized_ok():
-        pytest.skip("this CPU runs no int8 kernels (neither AVX512-VNNI nor AVX2): quantized weights are dequantized")
+    request.getfixturevalue("quantized_kernels")  # skips only where no build runs them; fails where one should
     prompts = fidelity.chat_ids(tokenizer)
     eos = list(reference.generation_config.eos_token_id if isinstance(reference.generation_config.eos_token_id, list)
                else [reference.generation_config.eos_token_id])
