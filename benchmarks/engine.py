@@ -467,7 +467,8 @@ def main() -> None:
         infos = {k: wk.call() for k, wk in workers.items()}  # the ready line: each worker has loaded its model
         kern = infos["ours"]["kernels"]
         # Minutes of rounds that would measure the wrong path; a quantized file on the AVX2 build is its right path.
-        if kern["path"] == "fallback" and not (a.weights != "bf16" and kern["quantized"]) and not a.allow_fallback:
+        int8_only = kern["path"] == "fallback" and a.weights != "bf16" and kern["quantized"]
+        if kern["path"] == "fallback" and not int8_only and not a.allow_fallback:
             raise SystemExit(f"ours runs on the PyTorch fallback ({kern['reason']}): build the kernels with "
                              "`python -m engine.kernels build`, or pass --allow-fallback to measure that path")
         jobs = jobs_for(kinds, cfg["vocab_size"], a.tokens)
@@ -489,10 +490,10 @@ def main() -> None:
             derived["b1_pct_roofline_of_bytes_read"]["paired_median"] = round(paired * held / w["decode_read_bytes"], 2)
     if note := regime_note(s):
         notes.append(note)
-    if kern["path"] == "fallback" and not (a.weights != "bf16" and kern["quantized"]):
-        notes.append(f"engine kernels are NOT native ({kern['reason']}); build: python -m engine.kernels build")
-    elif kern["path"] == "fallback":
+    if int8_only:
         notes.append(f"ours: quantized weights on the {kern['variant']} build's int8 GEMV, the rest on PyTorch")
+    elif kern["path"] == "fallback":
+        notes.append(f"engine kernels are NOT native ({kern['reason']}); build: python -m engine.kernels build")
     print(json.dumps({
         "benchmark": "engine_vs_transformers_vs_llamacpp",
         "model": {"dir": str(a.model_dir), "generated_now": generated, **w, **{k: cfg.get(k) for k in (

@@ -1,6 +1,7 @@
 // Streaming-read probe for the memory roofline: reads every 64-byte line of a tensor once with
-// AVX-512 loads (two AVX2 loads in the AVX2 build) across torch's threads. torch's own reductions are compute-bound below DRAM
-// speed on 2 cores, so they understate the roofline the GEMV kernels are held to.
+// AVX-512 loads (two AVX2 loads in the AVX2 build) across torch's threads. torch's own reductions
+// are compute-bound below DRAM speed on 2 cores, so they understate the roofline the GEMV kernels
+// are held to.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
