@@ -21,6 +21,7 @@ _NATIVE = loader.load()
 _ops = torch.ops.deploykit if _NATIVE.full else None
 _qops = torch.ops.deploykit if _NATIVE.loaded else None
 _BF16 = torch.bfloat16
+_F32 = torch.float32
 _U8 = torch.uint8
 _I8 = torch.int8
 # Block-quantized weights (engine/quant.py) run on the int8 kernels: the library has them and the CPU runs them
@@ -56,6 +57,12 @@ if _ops is not None:  # resolved once: the OpOverloadPacket lookup costs microse
     _compact_unpack = _ops.compact_unpack.default
 if _qops is not None:
     _quant_linear = _qops.quant_linear.default
+    # fp32 element-wise ops and decode attention (f32_ops.cpp, AVX2 + FMA): in every build.
+    _add_rms_norm_f32 = _qops.add_rms_norm_f32.default
+    _silu_mul_f32 = _qops.silu_mul_f32.default
+    _rotary_f32 = _qops.rotary_f32_.default
+    _head_rms_norm_f32 = _qops.head_rms_norm_f32_.default
+    _decode_attention_f32 = _qops.decode_attention_f32.default
 
 # The kernels' shape limits, stated once in C++ and read from the extension (decode_step.cpp `limits`):
 # step_max_rows: decode_step_ takes up to this many sequences (the GEMV loads each weight line once for all of them,
@@ -240,48 +247,56 @@ def argmax(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def fused(x: torch.Tensor) -> bool:
-    """Whether the fused element-wise ops below run natively for activations like x (bf16 only: fp32, the
-    dtype of the exactness tests, always takes the PyTorch compositions)."""
-    return _ops is not None and x.dtype == _BF16
+    """Whether the fused element-wise ops below run natively for activations like x: bf16 on the AVX-512 builds
+    (decode_ops.cpp), fp32 on any build (f32_ops.cpp)."""
+    return (_ops is not None and x.dtype == _BF16) or (_qops is not None and x.dtype == _F32)
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
     """h [M, H] += delta (in place, the residual add), then rms_norm(h) * w -> [M, H]. Needs fused(h)."""
-    return _add_rms_norm(h, delta, w, eps)
+    return (_add_rms_norm_f32 if h.dtype == _F32 else _add_rms_norm)(h, delta, w, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[M, 2I] (gate, up) -> silu(gate) * up [M, I]. Needs fused(gate_up)."""
-    return _silu_mul(gate_up)
+    return (_silu_mul_f32 if gate_up.dtype == _F32 else _silu_mul)(gate_up)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """In place on x [M, heads, D]: x * cos + roll(x, D/2) * sin, cos and signed sin [M, D]. Needs fused(x)."""
-    _rotary(x, cos, sin)
+    (_rotary_f32 if x.dtype == _F32 else _rotary)(x, cos, sin)
 
 
 def head_rms_norm_(x: torch.Tensor, w: torch.Tensor, eps: float) -> None:
     """In place on x [M, heads, D]: each head row -> rms_norm(row) * w[head], w [heads, D]. Needs fused(x)."""
-    _head_rms_norm(x, w, eps)
+    (_head_rms_norm_f32 if x.dtype == _F32 else _head_rms_norm)(x, w, eps)
+
+
+# fp32 decode attention takes head sizes in whole AVX2 vectors (f32_ops.cpp).
+F32_HEAD_DIM_MULTIPLE, F32_MAX_HEAD_DIM = 8, 256
 
 
 def decode_attention_supported(q: torch.Tensor) -> bool:
-    """q [B, Hq, D]: the native paged decode attention handles bf16 with D a multiple of 32 up to 256 (LIMITS)."""
-    return fused(q) and q.shape[-1] % LIMITS["head_dim_multiple"] == 0 and q.shape[-1] <= LIMITS["max_head_dim"]
+    """q [B, Hq, D]: the native paged decode attention handles bf16 with D a multiple of 32 up to 256 (LIMITS), and
+    fp32 with D a multiple of 8 up to 256."""
+    d = q.shape[-1]
+    if q.dtype == _F32:
+        return _qops is not None and d % F32_HEAD_DIM_MULTIPLE == 0 and d <= F32_MAX_HEAD_DIM
+    return fused(q) and d % LIMITS["head_dim_multiple"] == 0 and d <= LIMITS["max_head_dim"]
 
 
 def decode_step_supported(q: torch.Tensor, intermediate_size: int) -> bool:
-    """Whether decode_step_ takes a model with heads like q [B, Hq, D] and this MLP width (gate and up blocks of the
-    packed gate_up weight must not straddle the two halves)."""
-    return decode_attention_supported(q) and intermediate_size % _block_n == 0
+    """Whether decode_step_ takes a model with heads like q [B, Hq, D] (bf16 only) and this MLP width (gate and up
+    blocks of the packed gate_up weight must not straddle the two halves)."""
+    return q.dtype == _BF16 and decode_attention_supported(q) and intermediate_size % _block_n == 0
 
 
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                      scale: float, window: int = 0) -> torch.Tensor:
     """One query per sequence against its cached context, read in place from the paged cache.
-    q [B, Hq, D], kv_layer [blocks, block_size, 2, Hkv, D], tables int32 [B, W], lens int32 [B] -> [B, Hq, D].
-    window > 0: only the last `window` tokens of each context (sliding-window attention)."""
-    return _decode_attention(q, kv_layer, tables, lens, scale, window)
+    q [B, Hq, D], kv_layer [blocks, block_size, 2, Hkv, D] (q's dtype), tables int32 [B, W], lens int32 [B]
+    -> [B, Hq, D]. window > 0: only the last `window` tokens of each context (sliding-window attention)."""
+    return (_decode_attention_f32 if q.dtype == _F32 else _decode_attention)(q, kv_layer, tables, lens, scale, window)
 
 
 def decode_step_(h: torch.Tensor, weights: list, kv: list[torch.Tensor], windows: list[int], cos: torch.Tensor,

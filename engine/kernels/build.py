@@ -18,10 +18,11 @@ from torch.utils import cpp_extension
 
 SOURCES = ("gemv_bf16.cpp", "amx_bf16.cpp", "amx_plain_bf16.cpp", "stream_read.cpp", "decode_ops.cpp",
            "decode_attention.cpp", "decode_step.cpp", "quant_pack.cpp", "qlinear.cpp", "argmax.cpp",
-           "compact_bf16.cpp")
-# The AVX2 build holds the quantized-weight ops only (and the roofline probe): a CPU without AVX-512 runs every float
-# matmul and element-wise op on PyTorch, but keeps GGUF blocks quantized and reads them with the AVX2 int8 GEMV.
-QUANT_SOURCES = ("quant_pack.cpp", "qlinear.cpp", "stream_read.cpp")
+           "compact_bf16.cpp", "f32_ops.cpp")
+# The AVX2 build holds the quantized-weight ops, the fp32 element-wise ops and decode attention, and the roofline
+# probe: a CPU without AVX-512 runs its float matmuls on PyTorch, keeps GGUF blocks quantized and reads them with the
+# AVX2 int8 GEMV, and runs the rest of a decoder layer in fp32 on f32_ops.cpp (which every build holds).
+AVX2_SOURCES = ("quant_pack.cpp", "qlinear.cpp", "stream_read.cpp", "f32_ops.cpp")
 HEADERS = ("vec.h", "gemv.h", "row_ops.h", "attention.h", "op_args.h", "quant_layout.h", "quant_act.h", "quant_gemv.h",
            "quant_gemv_avx2.h", "quant_rows.h", "quant_stream.h", "step_profile.h", "compact_bf16.h")
 MANIFEST_NAME = "manifest.json"
@@ -46,7 +47,7 @@ class Variant:
 VARIANTS = {
     "avx512bf16": Variant(AVX512_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16"), SOURCES),
     "avx512": Variant(AVX512_FLAGS, SOURCES),
-    "avx2": Variant(("-mavx2", "-mfma", "-mf16c"), QUANT_SOURCES),
+    "avx2": Variant(("-mavx2", "-mfma", "-mf16c"), AVX2_SOURCES),
 }
 
 

@@ -64,10 +64,11 @@ def run_core():
     return _run_core
 
 
-def native_supported(full: bool = True) -> bool:
+def native_supported(full: bool = True, quantized: bool = True) -> bool:
     """This CPU runs one of the native kernel builds and the run has not switched them off: then the native paths
     must be tested, never skipped, and a build that fails fails those tests (tests/engine/test_kernels.py). full:
-    an AVX-512 build (every native op); else any build, the AVX2 one included, that runs quantized weights."""
+    an AVX-512 build (every native op); else any build, the AVX2 one included, that runs quantized weights (or, with
+    quantized=False, any build at all: each holds the fp32 ops)."""
     import os
 
     from deploykit import isa
@@ -78,11 +79,26 @@ def native_supported(full: bool = True) -> bool:
     variant = loader.variant_for(flags)
     if full:
         return variant in isa.FULL_VARIANTS
-    return variant is not None and isa.quantized_kernels(flags)
+    return variant is not None and (isa.quantized_kernels(flags) or not quantized)
+
+
+def attention_reference(q, kv, tables, lens, scale, window=0):
+    """fp64 softmax(q k^T * scale) v per sequence, gathering each token's K/V through its block table (only the
+    last `window` tokens when window > 0)."""
+    bs, group = kv.shape[1], q.shape[1] // kv.shape[3]
+    out = []
+    for b, n in enumerate(lens.tolist()):
+        first = max(0, n - window) if window else 0
+        ctx = torch.stack([kv[tables[b, t // bs], t % bs] for t in range(first, n)]).double()  # [T, 2, Hkv, D]
+        k, v = (ctx[:, i].repeat_interleave(group, dim=1) for i in (0, 1))              # [T, Hq, D]
+        p = (torch.einsum("hd,thd->ht", q[b].double(), k) * scale).softmax(-1)
+        out.append(torch.einsum("ht,thd->hd", p, v))
+    return torch.stack(out)
 
 
 NATIVE = native_supported()
 QUANT_NATIVE = native_supported(full=False)  # the int8 kernels for quantized weights run here (VNNI or AVX2)
+ANY_NATIVE = native_supported(full=False, quantized=False)  # some build loads here: the fp32 ops run (f32_ops.cpp)
 
 
 @pytest.fixture(scope="session")
@@ -103,6 +119,27 @@ def native_kernels():
         k = importlib.reload(k)  # imported before the build finished: load it now
     if not k.status()["path"].startswith("native"):
         pytest.fail(f"native kernels did not load on a CPU that runs them: {k.status()}", pytrace=False)
+    return k
+
+
+@pytest.fixture(scope="session")
+def f32_kernels():
+    """engine.kernels with any build loaded, so the fp32 element-wise ops and decode attention run natively (every
+    build holds them). Fails, never skips, where the CPU runs a build, as native_kernels does."""
+    import importlib
+
+    from engine.kernels import build
+    if not ANY_NATIVE:
+        pytest.skip("this CPU runs no kernel build (no AVX2), or DEPLOYKIT_KERNELS switches them off")
+    try:
+        build.build()
+    except RuntimeError as e:
+        pytest.fail(f"the native kernels do not build on this CPU:\n{e}", pytrace=False)
+    import engine.kernels as k
+    if not k.fused(torch.empty(1)):
+        k = importlib.reload(k)  # imported before the build finished: load it now
+    if not k.fused(torch.empty(1)):
+        pytest.fail(f"no kernel build loaded on a CPU that runs one: {k.status()}", pytrace=False)
     return k
 
 

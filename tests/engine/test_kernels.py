@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from deploykit import isa
 from engine.kernels import build, loader
-from tests.engine.conftest import NATIVE
+from tests.engine.conftest import NATIVE, attention_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 VARIANT = loader.variant_for(isa.cpu_flags())
@@ -425,20 +425,6 @@ def test_head_rms_norm_in_place_on_the_q_and_k_heads_of_a_qkv_view(kernels, m, h
     assert torch.allclose(native.float(), ref.float(), rtol=2 ** -7, atol=1e-6)
 
 
-def _attention_reference(q, kv, tables, lens, scale, window=0):
-    """fp64 softmax(q k^T * scale) v per sequence, gathering each token's K/V through its block table (only the
-    last `window` tokens when window > 0)."""
-    bs, group = kv.shape[1], q.shape[1] // kv.shape[3]
-    out = []
-    for b, n in enumerate(lens.tolist()):
-        first = max(0, n - window) if window else 0
-        ctx = torch.stack([kv[tables[b, t // bs], t % bs] for t in range(first, n)]).double()  # [T, 2, Hkv, D]
-        k, v = (ctx[:, i].repeat_interleave(group, dim=1) for i in (0, 1))              # [T, Hq, D]
-        p = (torch.einsum("hd,thd->ht", q[b].double(), k) * scale).softmax(-1)
-        out.append(torch.einsum("ht,thd->hd", p, v))
-    return torch.stack(out)
-
-
 @needs_bf16
 @pytest.mark.parametrize("heads,kv_heads,d,block,lens", [
     (14, 2, 64, 16, [1]), (14, 2, 64, 16, [17]), (8, 8, 128, 16, [1, 40, 100]),
@@ -451,12 +437,12 @@ def test_decode_attention_reads_scattered_blocks_in_place(kernels, heads, kv_hea
     qkv = torch.randn(len(lens), heads + 2 * kv_heads, d, generator=g).bfloat16()
     q, lens_t = qkv[:, :heads], torch.tensor(lens, dtype=torch.int32)                  # q: a strided view
     out = kernels.decode_attention(q, kv, tables, lens_t, d ** -0.5)
-    exact = _attention_reference(q, kv, tables, lens_t, d ** -0.5)
+    exact = attention_reference(q, kv, tables, lens_t, d ** -0.5)
     assert out.shape == (len(lens), heads, d)
     assert torch.allclose(out.double(), exact, rtol=2 ** -7, atol=2 ** -7)
     for window in (1, 7, 64):  # sliding window: shorter than some contexts, longer than others
         out = kernels.decode_attention(q, kv, tables, lens_t, d ** -0.5, window)
-        exact = _attention_reference(q, kv, tables, lens_t, d ** -0.5, window)
+        exact = attention_reference(q, kv, tables, lens_t, d ** -0.5, window)
         assert torch.allclose(out.double(), exact, rtol=2 ** -7, atol=2 ** -7), window
 
 

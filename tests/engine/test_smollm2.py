@@ -156,3 +156,18 @@ def test_quantized_weights_are_as_close_to_exact_as_llama_cpp_on_the_same_file(s
           f"llama.cpp's argmax = ours at {same_as_llama:.4f} of positions")
     assert ours >= theirs - 0.01, (ours, theirs)
     assert same_as_llama >= 0.97, same_as_llama
+
+
+def test_a_sequences_tokens_do_not_depend_on_its_batch_on_quantized_weights_in_fp32(smollm2, prompts, request):
+    """The Q4_1 blocks with fp32 activations, the path of CPUs without AVX-512: every op computes a row from that row
+    alone (the int8 GEMV, the fp32 norms and activations, decode attention per sequence and KV head), so a prompt
+    decoded among 16 gets the tokens it gets alone. PyTorch's SDPA over a padded batch did not: on the benchmark
+    model 6 of 16 rows left their single-sequence tokens within 48."""
+    request.getfixturevalue("quantized_kernels")
+    request.getfixturevalue("f32_kernels")
+    together = fidelity.engine_in_child(smollm2, prompts, TOKENS, dtype="float32", max_model_len=MAX_LEN,
+                                        max_num_seqs=16)
+    alone = fidelity.engine_in_child(smollm2, prompts, TOKENS, dtype="float32", max_model_len=MAX_LEN, max_num_seqs=1)
+    assert together["quantized"] and max(together["decode_batches"]) == 16 and alone["decode_batches"] == [0, 1]
+    for i, (a, b) in enumerate(zip(together["tokens"], alone["tokens"])):
+        assert a == b, f"prompt {i} differs at token {next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)}"
