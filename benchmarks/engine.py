@@ -491,7 +491,8 @@ def main() -> None:
     if note := regime_note(s):
         notes.append(note)
     if int8_only:
-        notes.append(f"ours: quantized weights on the {kern['variant']} build's int8 GEMV, the rest on PyTorch")
+        notes.append(f"ours: quantized weights on the {kern['variant']} build's int8 GEMV, fp32 norms, rotary, SiLU "
+                     "and decode attention on its f32_ops, float matmuls on PyTorch")
     elif kern["path"] == "fallback":
         notes.append(f"engine kernels are NOT native ({kern['reason']}); build: python -m engine.kernels build")
     print(json.dumps({
