@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "paged_kv.h"
 #include "vec.h"
 
 namespace deploykit {
@@ -58,14 +59,9 @@ inline void attend(const bf16* q, const PagedKV& kv, const int32_t* table, int64
                    int64_t G, float scale, Scratch& s, bf16* out) {
   const int64_t D = kv.head_dim, bs = kv.block_size, row = kv.row(), chunks = D / 32;
   const int64_t t0 = window > 0 ? std::max<int64_t>(0, end - window) : 0, T = end - t0;  // visible keys
-  // Each visible key's K row (its V row follows kv_heads * D later), found once by walking the blocks: the loops
-  // below visit a key up to 1 + D / 16 times, and a 64-bit division per visit cost about as much as the arithmetic.
+  // Each visible key's K row, found once (the loops below visit a key up to 1 + D / 16 times).
   s.keys.resize(T);
-  for (int64_t i = 0; i < T;) {
-    const int64_t t = t0 + i;
-    const bf16* block = kv.data + (int64_t)table[t / bs] * bs * row + h * D;
-    for (int64_t j = t % bs; j < bs && i < T; ++j, ++i) s.keys[i] = block + j * row;
-  }
+  paged::key_rows(kv.data, bs, row, h, D, table, t0, T, s.keys.data());
   const bf16* const* keys = s.keys.data();
   auto token = [&](int64_t i) { return keys[i]; };
   s.scores.resize(G * T);

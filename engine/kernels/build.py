@@ -24,7 +24,8 @@ SOURCES = ("gemv_bf16.cpp", "amx_bf16.cpp", "amx_plain_bf16.cpp", "stream_read.c
 # AVX2 int8 GEMV, and runs the rest of a decoder layer in fp32 on f32_ops.cpp (which every build holds).
 AVX2_SOURCES = ("quant_pack.cpp", "qlinear.cpp", "stream_read.cpp", "f32_ops.cpp")
 HEADERS = ("vec.h", "gemv.h", "row_ops.h", "attention.h", "op_args.h", "quant_layout.h", "quant_act.h", "quant_gemv.h",
-           "quant_gemv_avx2.h", "quant_rows.h", "quant_stream.h", "step_profile.h", "compact_bf16.h")
+           "quant_gemv_avx2.h", "quant_rows.h", "quant_stream.h", "step_profile.h", "compact_bf16.h",
+           "paged_kv.h")
 MANIFEST_NAME = "manifest.json"
 SOURCE_DIR = Path(__file__).resolve().parent
 

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "attention.h"
+#include "paged_kv.h"
 
 namespace deploykit {
 using bf16 = at::BFloat16;
@@ -20,31 +21,9 @@ using attention::MAX_HEAD_DIM;
 // Mistral's: key j is visible to query i when i - window < j <= i).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
                             const at::Tensor& lens, double scale, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.stride(2) == 1 && q.stride(1) == q.size(2),
-              "q must be a bf16 [B, Hq, D] tensor with contiguous heads");
-  TORCH_CHECK(kv.dim() == 5 && kv.size(2) == 2 && kv.scalar_type() == at::kBFloat16 && kv.is_contiguous(),
-              "kv must be a contiguous bf16 [blocks, block_size, 2, Hkv, D] tensor");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t NB = kv.size(0), bs = kv.size(1), Hkv = kv.size(3);
-  TORCH_CHECK(kv.size(4) == D, "q and kv head_dim differ");
-  TORCH_CHECK(D % HEAD_DIM_MULTIPLE == 0 && D <= MAX_HEAD_DIM, "head_dim must be a multiple of ", HEAD_DIM_MULTIPLE,
-              " up to ", MAX_HEAD_DIM);
-  TORCH_CHECK(Hq % Hkv == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && tables.scalar_type() == at::kInt && tables.is_contiguous(),
-              "tables must be a contiguous int32 [B, W] tensor");
-  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == B && lens.scalar_type() == at::kInt && lens.is_contiguous(),
-              "lens must be a contiguous int32 [B] tensor");
-  const int64_t W = tables.size(1), G = Hq / Hkv;
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  // Validate every index before the parallel region (errors cannot leave it): a bad table would read
-  // outside the cache.
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * bs, "context length ", lp[b], " of row ", b, " is outside [1, ", W * bs,
-                "]");
-    for (int64_t j = 0; j < (lp[b] + bs - 1) / bs; ++j)
-      TORCH_CHECK(tp[b * W + j] >= 0 && tp[b * W + j] < NB, "block id ", tp[b * W + j], " out of range");
-  }
+  const paged::Call c = paged::check(q, kv, tables, lens, at::kBFloat16, "bf16", HEAD_DIM_MULTIPLE, MAX_HEAD_DIM);
+  const int64_t B = c.B, Hq = c.Hq, D = c.D, bs = c.bs, Hkv = c.Hkv, W = c.W, G = c.G;
+  const int32_t *tp = c.tables, *lp = c.lens;
   at::Tensor out = at::empty({B, Hq, D}, q.options());
   const bf16* qp = q.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();

@@ -19,6 +19,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "paged_kv.h"
+
 namespace deploykit {
 namespace {
 
@@ -228,11 +230,7 @@ void attend(const float* q, const float* kv, int64_t bs, int64_t Hkv, int64_t D,
   const int64_t t0 = window > 0 ? std::max<int64_t>(0, end - window) : 0, T = end - t0;  // visible keys
   const int64_t Tp = (T + 7) / 8 * 8;  // a head's score row, padded to whole vectors
   s.keys.resize(T);
-  for (int64_t i = 0; i < T;) {  // each key's K row once (its V row is Hkv * D later), walking the blocks
-    const int64_t t = t0 + i;
-    const float* block = kv + (int64_t)table[t / bs] * bs * row + h * D;
-    for (int64_t j = t % bs; j < bs && i < T; ++j, ++i) s.keys[i] = block + j * row;
-  }
+  paged::key_rows(kv, bs, row, h, D, table, t0, T, s.keys.data());
   const float* const* keys = s.keys.data();
   s.scores.resize(G * Tp);
   s.probs.resize(T * G);
@@ -307,30 +305,9 @@ void attend(const float* q, const float* kv, int64_t bs, int64_t Hkv, int64_t D,
 // window > 0: only the last `window` keys (key j visible to query i when i - window < j <= i).
 at::Tensor decode_attention_f32(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
                                 const at::Tensor& lens, double scale, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
-              "q must be an fp32 [B, Hq, D] tensor with contiguous heads");
-  TORCH_CHECK(kv.dim() == 5 && kv.size(2) == 2 && kv.scalar_type() == at::kFloat && kv.is_contiguous(),
-              "kv must be a contiguous fp32 [blocks, block_size, 2, Hkv, D] tensor");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t NB = kv.size(0), bs = kv.size(1), Hkv = kv.size(3);
-  TORCH_CHECK(kv.size(4) == D, "q and kv head_dim differ");
-  TORCH_CHECK(D % 8 == 0 && D <= MAX_HEAD_DIM, "head_dim must be a multiple of 8 up to ", MAX_HEAD_DIM);
-  TORCH_CHECK(Hq % Hkv == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && tables.scalar_type() == at::kInt && tables.is_contiguous(),
-              "tables must be a contiguous int32 [B, W] tensor");
-  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == B && lens.scalar_type() == at::kInt && lens.is_contiguous(),
-              "lens must be a contiguous int32 [B] tensor");
-  const int64_t W = tables.size(1), G = Hq / Hkv;
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  // Every index is checked before the parallel region (an error cannot leave it): a bad table would read outside
-  // the cache.
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * bs, "context length ", lp[b], " of row ", b, " is outside [1, ", W * bs,
-                "]");
-    for (int64_t j = 0; j < (lp[b] + bs - 1) / bs; ++j)
-      TORCH_CHECK(tp[b * W + j] >= 0 && tp[b * W + j] < NB, "block id ", tp[b * W + j], " out of range");
-  }
+  const paged::Call c = paged::check(q, kv, tables, lens, at::kFloat, "fp32", 8, MAX_HEAD_DIM);
+  const int64_t B = c.B, Hq = c.Hq, D = c.D, bs = c.bs, Hkv = c.Hkv, W = c.W, G = c.G;
+  const int32_t *tp = c.tables, *lp = c.lens;
   at::Tensor out = at::empty({B, Hq, D}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = kv.data_ptr<float>();

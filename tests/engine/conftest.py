@@ -101,65 +101,46 @@ QUANT_NATIVE = native_supported(full=False)  # the int8 kernels for quantized we
 ANY_NATIVE = native_supported(full=False, quantized=False)  # some build loads here: the fp32 ops run (f32_ops.cpp)
 
 
-@pytest.fixture(scope="session")
-def native_kernels():
-    """engine.kernels with the native library loaded; builds it first (a no-op when built). Fails, never skips,
-    where the CPU could run it: scripts/env.sh builds the kernels before the suite, so a miss here is a real fault."""
+def _loaded(supported: bool, skip: str, ready, what: str):
+    """engine.kernels once `ready(module)`: built first (a no-op when built), reloaded if it was imported before the
+    build finished. Skips only where the CPU runs no such build; a failed build or load fails the test."""
     import importlib
 
     from engine.kernels import build
-    if not NATIVE:
-        pytest.skip("this CPU has no AVX-512 (or DEPLOYKIT_KERNELS switches the kernels off): no native path here")
+    if not supported:
+        pytest.skip(skip)
     try:
         build.build()
     except RuntimeError as e:
-        pytest.fail(f"the native kernels do not build on this AVX-512 CPU:\n{e}", pytrace=False)
+        pytest.fail(f"the native kernels do not build on this CPU:\n{e}", pytrace=False)
     import engine.kernels as k
-    if not k.status()["path"].startswith("native"):
-        k = importlib.reload(k)  # imported before the build finished: load it now
-    if not k.status()["path"].startswith("native"):
-        pytest.fail(f"native kernels did not load on a CPU that runs them: {k.status()}", pytrace=False)
+    if not ready(k):
+        k = importlib.reload(k)
+    if not ready(k):
+        pytest.fail(f"{what} did not load on a CPU that runs them: {k.status()}", pytrace=False)
     return k
+
+
+@pytest.fixture(scope="session")
+def native_kernels():
+    """engine.kernels with an AVX-512 build loaded (every native op). Fails, never skips, where the CPU could run it:
+    scripts/env.sh builds the kernels before the suite, so a miss here is a real fault."""
+    return _loaded(NATIVE, "this CPU has no AVX-512 (or DEPLOYKIT_KERNELS switches the kernels off): no native path "
+                   "here", lambda k: k.status()["path"].startswith("native"), "native kernels")
 
 
 @pytest.fixture(scope="session")
 def f32_kernels():
     """engine.kernels with any build loaded, so the fp32 element-wise ops and decode attention run natively (every
-    build holds them). Fails, never skips, where the CPU runs a build, as native_kernels does."""
-    import importlib
-
-    from engine.kernels import build
-    if not ANY_NATIVE:
-        pytest.skip("this CPU runs no kernel build (no AVX2), or DEPLOYKIT_KERNELS switches them off")
-    try:
-        build.build()
-    except RuntimeError as e:
-        pytest.fail(f"the native kernels do not build on this CPU:\n{e}", pytrace=False)
-    import engine.kernels as k
-    if not k.fused(torch.empty(1)):
-        k = importlib.reload(k)  # imported before the build finished: load it now
-    if not k.fused(torch.empty(1)):
-        pytest.fail(f"no kernel build loaded on a CPU that runs one: {k.status()}", pytrace=False)
-    return k
+    build holds them)."""
+    return _loaded(ANY_NATIVE, "this CPU runs no kernel build (no AVX2), or DEPLOYKIT_KERNELS switches them off",
+                   lambda k: k.fused(torch.empty(1)), "the fp32 ops")
 
 
 @pytest.fixture(scope="session")
 def quantized_kernels():
     """engine.kernels with the int8 kernels for quantized weights loaded (AVX512-VNNI in an AVX-512 build, or the AVX2
-    build). Fails, never skips, where the CPU runs them, as native_kernels does."""
-    from engine.kernels import build
-    if not QUANT_NATIVE:
-        pytest.skip("this CPU runs no int8 kernels (an AVX-512 CPU without VNNI, or none without AVX2), or "
-                    "DEPLOYKIT_KERNELS switches them off: quantized weights are dequantized at load")
-    try:
-        build.build()
-    except RuntimeError as e:
-        pytest.fail(f"the native kernels do not build on this CPU:\n{e}", pytrace=False)
-    import importlib
-
-    import engine.kernels as k
-    if not k.quantized_ok():
-        k = importlib.reload(k)  # imported before the build finished: load it now
-    if not k.quantized_ok():
-        pytest.fail(f"the int8 kernels did not load on a CPU that runs them: {k.status()}", pytrace=False)
-    return k
+    build)."""
+    return _loaded(QUANT_NATIVE, "this CPU runs no int8 kernels (an AVX-512 CPU without VNNI, or none without AVX2), "
+                   "or DEPLOYKIT_KERNELS switches them off: quantized weights are dequantized at load",
+                   lambda k: k.quantized_ok(), "the int8 kernels")
