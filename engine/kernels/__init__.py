@@ -358,7 +358,7 @@ def quant_stream_ahead() -> dict[str, int] | None:
 def status() -> dict:
     """Which matmul path is active and why, for the engine's start-up log."""
     # path: where float matmuls run (the AVX2 build has none of them); quantized: whether block-quantized weights are
-    # held as they are, on the int8 kernels of `variant`.
+    # held as they are, on the int8 kernels of `variant`; fp32_ops: whether fp32 models' other ops run natively.
     path = ("native-amx" if _NATIVE.amx else f"native-{_NATIVE.variant}") if _NATIVE.full else "fallback"
     return {
         "path": path,
@@ -368,13 +368,14 @@ def status() -> dict:
         "library": _NATIVE.library,
         "reason": _NATIVE.reason or ("native kernels loaded" if _NATIVE.full else
                                      "CPU lacks AVX-512: float matmuls run on PyTorch; the AVX2 build serves "
-                                     "quantized weights"),
+                                     "quantized weights and the fp32 norms, activations and decode attention"),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "amx_min_m": AMX_MIN_M,
         "rows_max_m": ROWS_MAX_M,
         "plain_amx_max_m": PLAIN_AMX_MAX_M,
         "quantized": _QUANT,
+        "fp32_ops": _qops is not None,  # f32_ops.cpp: fp32 norms, rotary, SiLU and decode attention native
         "gemv_streams": int(_ops.gemv_streams()) if _ops is not None else None,
         "quant_stream_ahead": quant_stream_ahead(),
     }

@@ -141,6 +141,8 @@ def test_decode_attention_rejects_tables_that_point_outside_the_cache(f32_kernel
         call(0, 0)
 
 
-def test_the_fused_step_stays_bf16_only(f32_kernels):
-    """fp32 decodes take the per-op path (these ops); the one-call decode step is a bf16 kernel."""
+def test_the_fused_step_stays_bf16_only_and_status_says_what_runs(f32_kernels):
+    """fp32 decodes take the per-op path (these ops); the one-call decode step is a bf16 kernel. `python -m
+    engine.kernels status` (and the start-up log) says the fp32 ops are native."""
     assert not f32_kernels.decode_step_supported(torch.zeros(1, 14, 64), 4864)
+    assert f32_kernels.status()["fp32_ops"] is True

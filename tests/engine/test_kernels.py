@@ -253,6 +253,7 @@ def run_status(env_overrides: dict[str, str]) -> dict:
 @pytest.mark.slow
 def test_missing_library_falls_back_and_says_how_to_fix(tmp_path):
     status = run_status({"DEPLOYKIT_KERNEL_DIR": str(tmp_path), "DEPLOYKIT_KERNELS": ""})
+    assert status["fp32_ops"] is False and status["quantized"] is False  # no build loaded: nothing native at all
     if VARIANT is not None:
         assert status["path"] == "fallback"
         assert "python -m engine.kernels build" in status["reason"] and str(tmp_path) in status["reason"]
@@ -269,6 +270,7 @@ def test_fallback_module_computes_f_linear(tmp_path):
             "assert torch.equal(k.linear(x, wp, b), F.linear(x, w, b))\n"
             "assert k.LIMITS == {} and k.STEP_MAX_ROWS == 0  # no extension: no native limits, and no fused step\n"
             "assert not k.decode_attention_supported(torch.zeros(1, 2, 64, dtype=torch.bfloat16))\n"
+            "assert not k.decode_attention_supported(torch.zeros(1, 2, 64)) and not k.fused(torch.zeros(1, 8))\n"
             "print(k.status()['path'])\n")
     env = {**os.environ, "DEPLOYKIT_KERNEL_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=False)
