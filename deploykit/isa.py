@@ -64,13 +64,13 @@ KERNEL_BASE = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 # The AVX2 build: its int8 GEMV for quantized weights uses FMA and F16C too, which every AVX2 CPU has (Haswell and
 # later, Zen and later); a Topology keeps only OF_INTEREST flags, so rules over a plan's flags go by the avx2 tier.
 AVX2_BASE = frozenset({"avx2", "fma", "f16c"})
-FULL_VARIANTS = ("avx512bf16", "avx512")  # every native op; "avx2" holds the quantized-weight ops only
+FULL_VARIANTS = ("avx512bf16", "avx512")  # every native op; "avx2" holds the quantized-weight and fp32 ops only
 
 
 def kernel_variant(flags: frozenset[str] | set[str] | tuple[str, ...]) -> str | None:
     """The native kernel build this CPU runs: vdpbf16ps where it reports avx512_bf16, the widening build on any
     other AVX-512 (F, BW, VL, DQ) CPU, the AVX2 build on AVX2 CPUs below that (its ops serve quantized weights
-    only: float matmuls and the rest run on PyTorch's own ops), none below AVX2."""
+    and fp32 norms, activations and decode attention; float matmuls run on PyTorch's own ops), none below AVX2."""
     f = set(flags)
     if KERNEL_BASE <= f:
         return "avx512bf16" if "avx512_bf16" in f else "avx512"

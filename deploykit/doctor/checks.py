@@ -62,7 +62,8 @@ def isa_tier(topo: Topology, flags: frozenset[str]) -> Finding:
     dtype = "bfloat16" if isa.has_bf16(flags or frozenset(topo.isa)) else "float32"
     kernels = {"avx512bf16": "native kernels: the AVX512-BF16 build (vdpbf16ps)",
                "avx512": "native kernels: the AVX-512F build (bf16 widened to fp32 in registers)",
-               "avx2": "native kernels for quantized weights only (the AVX2 build); float matmuls on PyTorch",
+               "avx2": "native kernels for quantized weights and fp32 element-wise ops and attention (the AVX2 build); "
+                       "float matmuls on PyTorch",
                None: "no native kernels (they need AVX2): PyTorch's own ops"}[variant]
     title = f"ISA tier {tier}: dtype auto resolves to {dtype}; {kernels}"
     evidence = (f"{topo.cpu_model or 'CPU model unknown'}: {' '.join(topo.isa) or 'no AVX2 or newer'}",)

@@ -16,8 +16,8 @@ __all__ = ["LIMITS", "add_rms_norm", "argmax", "compact_info", "compact_rows", "
            "quant_rows", "quantized_ok", "rotary_", "silu_mul", "status", "tune_streams"]
 
 _NATIVE = loader.load()
-# _ops: the AVX-512 library's every op; _qops: the quantized-weight ops, which the AVX2 build has as well (a CPU
-# without AVX-512 runs everything else on PyTorch).
+# _ops: the AVX-512 library's every op; _qops: the ops the AVX2 build has as well, for quantized weights and fp32
+# activations (a CPU without AVX-512 runs float matmuls and every bf16 op on PyTorch).
 _ops = torch.ops.deploykit if _NATIVE.full else None
 _qops = torch.ops.deploykit if _NATIVE.loaded else None
 _BF16 = torch.bfloat16

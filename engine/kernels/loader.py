@@ -24,7 +24,7 @@ class Native:
 
     @property
     def full(self) -> bool:
-        """Every native op is here (an AVX-512 build); the AVX2 build holds the quantized-weight ops only."""
+        """Every native op is here (an AVX-512 build); the AVX2 build holds the quantized-weight and fp32 ops only."""
         return self.loaded and self.variant in isa.FULL_VARIANTS
 
 
@@ -37,7 +37,7 @@ variant_for = isa.kernel_variant  # the one home of the CPU -> build variant rul
 def load(flags: frozenset[str] | None = None) -> Native:
     """Load the library built by `python -m engine.kernels build`, or explain why the fallback is used.
     DEPLOYKIT_KERNELS=off forces the PyTorch path; =avx512 forces the widening build (to test it on a BF16 CPU);
-    =avx2 the AVX2 build, quantized-weight ops only (to test its int8 GEMV on an AVX-512 CPU)."""
+    =avx2 the AVX2 build, quantized-weight and fp32 ops only (to test its int8 GEMV on an AVX-512 CPU)."""
     flags = isa.cpu_flags() if flags is None else flags
     tier = isa.tier(flags)
     choice = os.environ.get("DEPLOYKIT_KERNELS", "").lower()

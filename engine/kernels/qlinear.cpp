@@ -1,7 +1,7 @@
 // quant_linear: x [M, K] (bf16 or fp32) times a quantized weight (quant_layout.h) -> [M, N], for every M.
 // Compiled into every kernel build: with AVX512-VNNI's GEMV (quant_gemv.h) in the AVX-512 ones, with AVX2's
 // (quant_gemv_avx2.h: the same int32 sums and fp32 steps per output) in the AVX2 one, which holds only the
-// quantized-weight ops.
+// quantized-weight and fp32 ops.
 //
 // x is quantized to int8 per block of 32 once per call (quant_act.h). Up to 4 rows take the GEMV of quant_gemv.h
 // with each weight line loaded once for all of them, the 16-row groups split evenly between threads (the fused

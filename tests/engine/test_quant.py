@@ -227,7 +227,7 @@ def test_what_the_planner_counts_is_what_the_engine_holds(smollm2):
                                    compact_weights=False))
     assert held.model.weight_paths["Q4_1"] == {"bfloat16": 210}
     if kernels.status()["variant"] not in isa.FULL_VARIANTS:
-        return  # compact bf16 is an AVX-512 build's (the AVX2 one holds quantized weights only)
+        return  # compact bf16 is an AVX-512 build's (the AVX2 one holds the quantized-weight and fp32 ops only)
     # Compact bf16 (the default) holds the same matrices in 12 bits a weight: the plan's 16 bits are an upper bound.
     compact = EngineCore(EngineConfig(smollm2, dtype="bfloat16", max_model_len=256, quantization="dequantize"))
     assert compact.model.weight_paths["Q4_1"] == {"bfloat16 compact (12-bit, lossless)": 210}
