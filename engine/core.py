@@ -149,7 +149,7 @@ def _log_kernels(dtype: torch.dtype, fused_step: bool) -> None:
     if dtype != torch.bfloat16:
         log.info("matmul path: PyTorch (%s weights; the native matmuls serve bf16)%s%s", str(dtype)[6:],
                  f"; quantized weights on the {st['variant']} build's int8 kernels" if st["quantized"] else "",
-                 "; norms, rotary, SiLU and decode attention native" if st["variant"] and dtype == torch.float32
+                 "; norms, rotary, SiLU and decode attention native" if st["fp32_ops"] and dtype == torch.float32
                  else "")
     elif st["path"] == "fallback" and "engine.kernels build" in st["reason"]:  # fixable: not built or stale
         log.warning("matmul path: PyTorch fallback, bf16 decode runs ~2x slower: %s", st["reason"])

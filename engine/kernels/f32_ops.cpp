@@ -3,8 +3,8 @@
 //
 // fp32 runs where a CPU lacks AVX-512 (the AVX2 build: quantized weights on its int8 GEMV, float matmuls on
 // PyTorch), and wherever a user asks for it. At decode sizes each of these replaced a chain of 3-8 eager PyTorch
-// kernels costing dispatch and an OpenMP region apiece; on a 2-core Zen 3 at a Q4_0 model's batch-1 step they were
-// ~7 of ~20 ms beside the GEMVs, attention the largest part (SDPA after gathering the context with index_select).
+// kernels costing dispatch and an OpenMP region apiece; on a 2-core Zen 3 at a Q4_0 model's batch-1 step they took
+// ~4-5 ms of ~20 beside the GEMVs, attention the largest part (SDPA after gathering the context with index_select).
 // Written with AVX2 and FMA only, so every build (build.py) holds the same code and computes the same bits; the
 // PyTorch compositions in engine/kernels/__init__.py are the reference the tests compare against.
 #include <ATen/ATen.h>
@@ -141,13 +141,16 @@ at::Tensor silu_mul_f32(const at::Tensor& gu) {
     for (int64_t m = m0; m < m1; ++m) {
       const float *g = gp + m * ld, *u = g + I;
       float* o = op + m * I;
-      auto silu = [&](__m256 x) { return _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)))); };
+      auto silu = [&](__m256 x) {
+        return _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+      };
       int64_t k = 0;
       for (; k + 8 <= I; k += 8)
         _mm256_storeu_ps(o + k, _mm256_mul_ps(silu(_mm256_loadu_ps(g + k)), _mm256_loadu_ps(u + k)));
       if (k < I) {  // masked moves only for the tail: AMD cores run vmaskmovps stores as slow microcode
         const __m256i mk = tail_mask(I - k);
-        _mm256_maskstore_ps(o + k, mk, _mm256_mul_ps(silu(_mm256_maskload_ps(g + k, mk)), _mm256_maskload_ps(u + k, mk)));
+        const __m256 y = _mm256_mul_ps(silu(_mm256_maskload_ps(g + k, mk)), _mm256_maskload_ps(u + k, mk));
+        _mm256_maskstore_ps(o + k, mk, y);
       }
     }
   });
@@ -173,15 +176,18 @@ void rotary_f32_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
       const int64_t m = i / NH;
       float* r = xp + m * s0 + (i % NH) * s1;
       const float *c = cp + m * lc, *s = sp + m * ls;
-      for (int64_t k = 0; k < half; k += 8) {
-        const __m256i mk = tail_mask(half - k);
-        const __m256 a = _mm256_maskload_ps(r + k, mk), b = _mm256_maskload_ps(r + half + k, mk);
-        // out[:half] = a cos[:half] + b sin[:half] (sin[:half] = -sin); out[half:] = b cos[half:] + a sin[half:]
-        const __m256 lo = _mm256_fmadd_ps(b, _mm256_maskload_ps(s + k, mk), _mm256_mul_ps(a, _mm256_maskload_ps(c + k, mk)));
-        const __m256 hi = _mm256_fmadd_ps(a, _mm256_maskload_ps(s + half + k, mk),
-                                          _mm256_mul_ps(b, _mm256_maskload_ps(c + half + k, mk)));
-        _mm256_maskstore_ps(r + k, mk, lo);
-        _mm256_maskstore_ps(r + half + k, mk, hi);
+      // out[:half] = a cos[:half] + b sin[:half] (sin[:half] = -sin); out[half:] = b cos[half:] + a sin[half:]
+      int64_t k = 0;
+      for (; k + 8 <= half; k += 8) {
+        const __m256 a = _mm256_loadu_ps(r + k), b = _mm256_loadu_ps(r + half + k);
+        _mm256_storeu_ps(r + k, _mm256_fmadd_ps(b, _mm256_loadu_ps(s + k), _mm256_mul_ps(a, _mm256_loadu_ps(c + k))));
+        const __m256 bc = _mm256_mul_ps(b, _mm256_loadu_ps(c + half + k));
+        _mm256_storeu_ps(r + half + k, _mm256_fmadd_ps(a, _mm256_loadu_ps(s + half + k), bc));
+      }
+      for (; k < half; ++k) {  // the same arithmetic, one lane at a time (std::fma rounds once, as vfmadd does)
+        const float a = r[k], b = r[half + k];
+        r[k] = std::fma(b, s[k], a * c[k]);
+        r[half + k] = std::fma(a, s[half + k], b * c[half + k]);
       }
     }
   });
@@ -238,8 +244,8 @@ void attend(const float* q, const float* kv, int64_t bs, int64_t Hkv, int64_t D,
   float* scores = s.scores.data();
   float* probs = s.probs.data();
   // scores [G, Tp], 8 keys at a time: the 8 K rows stay in L1 across the G heads, the 8 dot products are 8
-  // independent FMA chains (one chain per key would wait on FMA latency, ~4x slower at D = 64), and one transposed
-  // reduction (hsum8) sums them.
+  // independent FMA chains (one chain per key waits on FMA latency: with that, and scratch allocated per call, this
+  // op took 67 us instead of 27 at 170 keys on one Zen 3 core), and one transposed reduction (hsum8) sums them.
   int64_t t = 0;
   for (; t + 8 <= T; t += 8)
     for (int64_t g = 0; g < G; ++g) {
@@ -294,7 +300,8 @@ void attend(const float* q, const float* kv, int64_t bs, int64_t Hkv, int64_t D,
           const __m256 v = _mm256_loadu_ps(keys[i] + Hkv * D + d);
           for (int j = 0; j < N; ++j) a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), v, a[j]);
         }
-        for (int j = 0; j < N; ++j) _mm256_storeu_ps(out + (g + j) * D + d, _mm256_mul_ps(a[j], _mm256_set1_ps(s.inv[g + j])));
+        for (int j = 0; j < N; ++j)
+          _mm256_storeu_ps(out + (g + j) * D + d, _mm256_mul_ps(a[j], _mm256_set1_ps(s.inv[g + j])));
       });
 }
 

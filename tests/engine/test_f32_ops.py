@@ -129,9 +129,8 @@ def test_decode_attention_rejects_tables_that_point_outside_the_cache(f32_kernel
     kv, q = torch.zeros(4, 16, 2, 2, 64), torch.zeros(1, 4, 64)
 
     def call(block: int, length: int):
-        i32 = torch.int32
-        return f32_kernels.decode_attention(q, kv, torch.tensor([[block]], dtype=i32), torch.tensor([length], dtype=i32),
-                                            1.0)
+        tables, lens = torch.tensor([[block]], dtype=torch.int32), torch.tensor([length], dtype=torch.int32)
+        return f32_kernels.decode_attention(q, kv, tables, lens, 1.0)
 
     with pytest.raises(RuntimeError, match="out of range"):
         call(9, 3)
