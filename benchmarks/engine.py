@@ -492,7 +492,7 @@ def main() -> None:
         notes.append(note)
     if int8_only:
         notes.append(f"ours: quantized weights on the {kern['variant']} build's int8 GEMV, fp32 norms, rotary, SiLU "
-                     "and decode attention on its f32_ops, float matmuls on PyTorch")
+                     "and decode attention on its f32_ops, float matrices on PyTorch (fp32) or its bf16w_linear (bf16)")
     elif kern["path"] == "fallback":
         notes.append(f"engine kernels are NOT native ({kern['reason']}); build: python -m engine.kernels build")
     print(json.dumps({

@@ -69,8 +69,9 @@ FULL_VARIANTS = ("avx512bf16", "avx512")  # every native op; "avx2" holds the qu
 
 def kernel_variant(flags: frozenset[str] | set[str] | tuple[str, ...]) -> str | None:
     """The native kernel build this CPU runs: vdpbf16ps where it reports avx512_bf16, the widening build on any
-    other AVX-512 (F, BW, VL, DQ) CPU, the AVX2 build on AVX2 CPUs below that (its ops serve quantized weights
-    and fp32 norms, activations and decode attention; float matmuls run on PyTorch's own ops), none below AVX2."""
+    other AVX-512 (F, BW, VL, DQ) CPU, the AVX2 build on AVX2 CPUs below that (its ops serve quantized weights,
+    bf16 weights under fp32 activations, and fp32 norms, activations and decode attention; fp32 weights run on
+    PyTorch's own ops), none below AVX2."""
     f = set(flags)
     if KERNEL_BASE <= f:
         return "avx512bf16" if "avx512_bf16" in f else "avx512"
@@ -84,6 +85,13 @@ def quantized_kernels(flags: frozenset[str] | set[str] | tuple[str, ...]) -> boo
     # By tier, not kernel_variant: a Topology keeps only OF_INTEREST flags (no avx512dq, which every VNNI CPU has).
     t = tier(flags)
     return (t in ("avx512", *BF16_TIERS) and "avx512_vnni" in set(flags)) or t == "avx2"
+
+
+def fp32_kernels(flags: frozenset[str] | set[str] | tuple[str, ...]) -> bool:
+    """Some native kernel build runs here (AVX2 or better), and with it the AVX2 + FMA code every build holds: the
+    fp32 ops of a decoder layer, and the GEMM that keeps a bf16 checkpoint's matrices in bf16 under fp32 compute
+    (engine/kernels/bf16w_linear.cpp). By tier, as quantized_kernels: a Topology keeps only OF_INTEREST flags."""
+    return tier(flags) != "baseline"
 
 
 def amx_granted() -> bool:

@@ -41,17 +41,20 @@ class ModelShape:
     # BF16 of a safetensors one. Empty when sized from config.json or the spec's numbers.
     tensors: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
-    def weight_bytes(self, dtype: str, quantization: str = "none", native_quant: bool = False) -> int:
+    def weight_bytes(self, dtype: str, quantization: str = "none", native_quant: bool = False,
+                     native_fp32: bool = False) -> int:
         """Bytes of weights the engine holds: each matrix quantized where deploykit.quant says it stays (or becomes)
-        quantized, the rest in `dtype`. native_quant: the CPU runs the int8 kernels (isa.quantized_kernels)."""
-        if not self.tensors:
+        quantized, the rest in held_dtype. native_quant: the CPU runs the int8 kernels (isa.quantized_kernels);
+        native_fp32: it runs a native kernel build at all (isa.fp32_kernels)."""
+        if not self.tensors:  # the checkpoint's dtypes are unknown: every weight in `dtype`
             if native_quant and quantization in ("q8_0", "q4_0"):
                 return math.ceil(self.num_parameters * quant.KEPT[quantization.upper()].bits_per_weight / 8)
             return self.num_parameters * DTYPE_BYTES[dtype]
         total = 0
         for type_name, dims in self.tensors:
             fmt = quant.held_as(type_name, dims, quantization, native_quant)
-            total += quant.KEPT[fmt].bytes(*dims) if fmt else math.prod(dims) * DTYPE_BYTES[dtype]
+            total += quant.KEPT[fmt].bytes(*dims) if fmt else \
+                math.prod(dims) * DTYPE_BYTES[held_dtype(type_name, dims, dtype, native_fp32)]
         return total
 
     def held_formats(self, quantization: str = "none", native_quant: bool = False) -> tuple[str, ...]:
@@ -84,6 +87,21 @@ def resolve_dtype(requested: str, has_bf16: bool) -> tuple[str, tuple[str, ...]]
     if name == "auto":
         return ("bfloat16" if has_bf16 else "float32"), ()
     return name, ()
+
+
+# The packed layout the bf16-weight GEMM reads holds 16 output rows a line (engine/kernels/bf16w_linear.cpp COLS).
+WIDEN_ROWS = 16
+
+
+def held_dtype(type_name: str, shape: tuple[int, ...], dtype: str, native: bool) -> str:
+    """The dtype the engine holds a float weight in: `dtype`, except a bf16 checkpoint's matrices when the model runs
+    in float32 on a CPU with a native kernel build (native: isa.fp32_kernels). Those stay in bf16, the same values,
+    widened to fp32 in registers by the GEMM (engine/kernels/bf16w_linear.cpp): half the bytes of holding them
+    widened, to hold and to read per token. type_name: F32 / F16 / BF16 (or a GGUF tensor's ggml type)."""
+    if (native and dtype == "float32" and type_name == "BF16" and len(shape) == 2 and shape[0] % WIDEN_ROWS == 0
+            and shape[1] % 2 == 0):
+        return "bfloat16"
+    return dtype
 
 
 def auto_kv_cache_bytes(per_token: int, max_model_len: int, max_num_seqs: int, available: int, *,

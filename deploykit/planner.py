@@ -72,7 +72,8 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
     # Quantized weights run on the int8 kernels of AVX512-VNNI CPUs and are sized as held there; elsewhere they are
     # dequantized at load and sized in `dtype` (deploykit/quant.py is the rule the engine applies too).
     qz, native_quant = spec.model.quantization, isa.quantized_kernels(topo.isa)
-    weights = shape.weight_bytes(dtype, qz, native_quant)
+    # A bf16 checkpoint's matrices stay bf16 under float32 compute where a native kernel build runs (memory.held_dtype).
+    weights = shape.weight_bytes(dtype, qz, native_quant, isa.fp32_kernels(topo.isa))
     formats = shape.held_formats(qz, native_quant)
     if qz in ("q8_0", "q4_0") and not native_quant:
         warnings.append(f"model.quantization {qz!r} needs the engine's int8 kernels (AVX-512 with AVX512-VNNI), which "

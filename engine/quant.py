@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deploykit import memory
 from deploykit import quant as rule
 from engine import kernels
 
@@ -119,6 +120,7 @@ class Loader:
         self.dtype_name = str(dtype).removeprefix("torch.")
         self.on_load = on_load
         self.native = native()
+        self.widen = kernels.bf16w_ok()
         self.paths = WeightPaths()
 
     def matrix(self, names: list[str]) -> torch.Tensor | None:
@@ -138,6 +140,18 @@ class Loader:
                            rule.KEPT[fmt].bytes(*shape))
         return pack(raws)
 
+    def widens(self, names: list[str]) -> bool:
+        """Whether matrices `names` (not held quantized) stay in bf16 under the model's fp32, for linear_bf16w to
+        widen in registers (deploykit.memory.held_dtype)."""
+        return self.dtype_name == "float32" and all(
+            memory.held_dtype(*self.reader.info(n), self.dtype_name, self.widen) == "bfloat16" for n in names)
+
+    def widened(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Record a tensor held in bf16 under fp32 compute (see widens)."""
+        type_name, _ = self.reader.info(name)
+        self.paths.add(type_name, "bfloat16, widened to float32 in registers", tensor.numel() * tensor.element_size())
+        return tensor
+
     def estimate(self) -> int:
         """At least the bytes of weights the model will hold, from the checkpoint's tensor table before any is read,
         so hugepages.Arena reserves one mapping (address space; untouched pages cost nothing). Quantized bytes where
@@ -151,6 +165,8 @@ class Loader:
             fmt = rule.held_as(type_name, shape, self.on_load, self.native)
             if fmt:
                 total += rule.KEPT[fmt].bytes(*shape)
+            elif memory.held_dtype(type_name, shape, self.dtype_name, self.widen) == "bfloat16":
+                total += math.prod(shape) * 2
             else:
                 total += math.prod(shape) * (itemsize if len(shape) > 1 else max(itemsize, 4))
             total += 4096

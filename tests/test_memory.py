@@ -151,3 +151,36 @@ def test_served_names(tmp_path, monkeypatch):
     (tmp_path / "models" / "qwen").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert modelfiles.served_name("models/qwen") == "qwen"  # a local directory, though it looks like a hub id
+
+
+def bf16_model_dir(tmp_path):
+    """A bf16 checkpoint (safetensors written by hand: numpy has no bf16), with one matrix whose rows are not whole
+    16-row groups and one F16 matrix."""
+    d = tmp_path / "bf16"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(CONFIG | {"vocab_size": 96}))
+    tensors = {"embed.weight": ("BF16", [96, 64]), "l0.q.weight": ("BF16", [64, 64]), "l0.odd.weight": ("BF16", [100, 64]),
+               "l0.mlp.weight": ("F16", [128, 64]), "l0.q.bias": ("BF16", [64])}
+    header, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        size = 2 * int(np.prod(shape))
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    (d / "model.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob + bytes(offset))
+    return d
+
+
+def test_a_bf16_checkpoint_under_float32_keeps_its_matrices_in_bf16_where_the_native_kernels_run(tmp_path):
+    """memory.held_dtype: the engine's bf16-weight GEMM widens them in registers (engine/kernels/bf16w_linear.cpp);
+    1-D tensors, other float types and matrices not in whole 16-row groups are held in the model's dtype."""
+    s = memory.shape(ModelSpec(source=str(bf16_model_dir(tmp_path))))
+    kept = 96 * 64 + 64 * 64
+    rest = 100 * 64 + 128 * 64 + 64
+    assert s.weight_bytes("float32", native_fp32=True) == 2 * kept + 4 * rest
+    assert s.weight_bytes("float32") == s.weight_bytes("float32", native_fp32=False) == 4 * (kept + rest)
+    assert s.weight_bytes("bfloat16", native_fp32=True) == 2 * (kept + rest)
+    assert memory.held_dtype("BF16", (96, 64), "float32", True) == "bfloat16"
+    assert memory.held_dtype("BF16", (96, 63), "float32", True) == "float32"  # K pairs
+    assert memory.held_dtype("Q8_0", (96, 64), "float32", True) == "float32"

@@ -280,3 +280,13 @@ def test_malformed_distance_file_is_not_a_crash(tmp_path):
     spec = specfile.from_data(make_spec(model=SMALL))
     p = planner.make_plan(spec, topology.read(root), memory.shape(spec.model))
     assert [r.mems for r in p.replicas] == [(0,), (1,)]
+
+
+def test_a_bf16_checkpoint_on_an_avx2_cpu_is_planned_at_bf16_bytes(sysroots, tmp_path):
+    """No bf16 units: the model runs in float32, but its bf16 matrices stay bf16 (memory.held_dtype), and the plan's
+    memory says so."""
+    from tests.test_memory import bf16_model_dir
+    model = {"source": str(bf16_model_dir(tmp_path))}
+    p = plan_for(sysroots, "desktop-adjacent", model=model)  # AVX2, no AVX-512
+    assert p.model.dtype == "float32"
+    assert p.replicas[0].weight_bytes == 2 * (96 * 64 + 64 * 64) + 4 * (100 * 64 + 128 * 64 + 64)

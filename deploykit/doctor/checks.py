@@ -62,17 +62,18 @@ def isa_tier(topo: Topology, flags: frozenset[str]) -> Finding:
     dtype = "bfloat16" if isa.has_bf16(flags or frozenset(topo.isa)) else "float32"
     kernels = {"avx512bf16": "native kernels: the AVX512-BF16 build (vdpbf16ps)",
                "avx512": "native kernels: the AVX-512F build (bf16 widened to fp32 in registers)",
-               "avx2": "native kernels for quantized weights and fp32 element-wise ops and attention (the AVX2 build); "
-                       "float matmuls on PyTorch",
+               "avx2": "native kernels for quantized and bf16 weights under fp32 activations, and fp32 element-wise "
+                       "ops and attention (the AVX2 build); fp32 weights on PyTorch",
                None: "no native kernels (they need AVX2): PyTorch's own ops"}[variant]
     title = f"ISA tier {tier}: dtype auto resolves to {dtype}; {kernels}"
     evidence = (f"{topo.cpu_model or 'CPU model unknown'}: {' '.join(topo.isa) or 'no AVX2 or newer'}",)
     if tier in ("avx2", "baseline"):
         return Finding("cpu.isa", WARN, title, evidence=evidence,
-                       cause="without AVX-512 every float matmul runs on PyTorch's generic path; expect a fraction of "
+                       cause="without AVX-512 there are no bf16 units: models run in fp32; expect a fraction of "
                              "an AVX-512 CPU's decode speed" + ("; quantized weights (a GGUF file, or "
-                             "model.quantization q8_0/q4_0) stay quantized on the AVX2 int8 kernels"
-                             if variant == "avx2" else ""))
+                             "model.quantization q8_0/q4_0) stay quantized on the AVX2 int8 kernels, and a bf16 "
+                             "checkpoint's matrices stay bf16, widened to fp32 in registers"
+                             if variant == "avx2" else "; every matmul runs on PyTorch's generic path"))
     return Finding("cpu.isa", OK, title, evidence=evidence)
 
 

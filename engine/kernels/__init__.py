@@ -9,15 +9,15 @@ import torch.nn.functional as F
 from deploykit import isa
 from engine.kernels import loader, streaming
 
-__all__ = ["LIMITS", "add_rms_norm", "argmax", "compact_info", "compact_rows", "compact_unpack",
+__all__ = ["LIMITS", "PACK_COLS", "add_rms_norm", "bf16w_ok", "argmax", "compact_info", "compact_rows", "compact_unpack",
            "decode_attention", "decode_attention_supported", "decode_step_", "decode_step_supported", "fused",
            "head_rms_norm_", "is_compact",
            "is_quantized", "linear", "logits", "prepare_bias", "prepare_weight", "quant_pack", "quant_parts",
            "quant_rows", "quantized_ok", "rotary_", "silu_mul", "status", "tune_streams"]
 
 _NATIVE = loader.load()
-# _ops: the AVX-512 library's every op; _qops: the ops the AVX2 build has as well, for quantized weights and fp32
-# activations (a CPU without AVX-512 runs float matmuls and every bf16 op on PyTorch).
+# _ops: the AVX-512 library's every op; _qops: the ops the AVX2 build has as well, for quantized or bf16 weights under
+# fp32 activations (a CPU without AVX-512 runs fp32 weights and every bf16-activation op on PyTorch).
 _ops = torch.ops.deploykit if _NATIVE.full else None
 _qops = torch.ops.deploykit if _NATIVE.loaded else None
 _BF16 = torch.bfloat16
@@ -63,6 +63,8 @@ if _qops is not None:
     _rotary_f32 = _qops.rotary_f32_.default
     _head_rms_norm_f32 = _qops.head_rms_norm_f32_.default
     _decode_attention_f32 = _qops.decode_attention_f32.default
+    # fp32 activations times bf16 weights widened in registers (bf16w_linear.cpp, AVX2 + FMA): in every build.
+    _bf16w_linear = _qops.linear_bf16w.default
 
 # The kernels' shape limits, stated once in C++ and read from the extension (decode_step.cpp `limits`):
 # step_max_rows: decode_step_ takes up to this many sequences (the GEMV loads each weight line once for all of them,
@@ -72,7 +74,10 @@ if _qops is not None:
 #   and the limits are empty.
 LIMITS: dict[str, int] = dict(_ops.limits()) if _ops is not None else {}
 STEP_MAX_ROWS = LIMITS.get("step_max_rows", 0)
-_block_n, _block_k = LIMITS.get("block_n"), LIMITS.get("block_k")
+# Output columns a packed line holds (pack below): what the AVX-512 GEMVs read (LIMITS block_n) and, in every build,
+# the bf16-weight GEMM (bf16w_linear.cpp checks it).
+PACK_COLS = 16
+_block_n, _block_k = LIMITS.get("block_n", PACK_COLS), LIMITS.get("block_k")
 
 
 def quantized_ok() -> bool:
@@ -160,6 +165,19 @@ def prepare_weight(w: torch.Tensor, compact: bool = False) -> torch.Tensor:
         return w.contiguous()
 
 
+def bf16w_ok() -> bool:
+    """Whether bf16 weights may be held as bf16 under fp32 compute (deploykit.memory.held_dtype): the library is
+    loaded, so linear_bf16w widens them in registers."""
+    return _qops is not None
+
+
+def prepare_bf16w(w: torch.Tensor) -> torch.Tensor:
+    """A bf16 matrix [N, K] (N a multiple of PACK_COLS) -> what `linear` takes for fp32 activations: packed. Callers
+    drop their reference to `w`."""
+    with torch.no_grad():
+        return pack(w.detach())
+
+
 def prepare_bias(b: torch.Tensor | None) -> torch.Tensor | None:
     """Called once per bias at load time: the native kernels add an fp32 bias, so convert it once here rather
     than on every call (a bf16 [N] -> fp32 copy per projection per step)."""
@@ -174,7 +192,8 @@ def fallback_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
         bias = bias.to(x.dtype)  # a prepare_bias fp32 copy on a non-native call
     if is_compact(w):
         w = compact_unpack(w)
-    return F.linear(x, unpack(w) if is_packed(w) else w, bias)
+    w = unpack(w) if is_packed(w) else w
+    return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), bias)  # bf16 weights under fp32: widened
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -186,6 +205,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
     if w.dtype == _I8:  # compact bf16 (exists only where the library is loaded)
         return _linear_compact(x, w, bias)
+    if x.dtype == _F32 and w.dtype == _BF16 and w.dim() == 4 and _qops is not None:  # prepare_bf16w: fp32 compute
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        y = _bf16w_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, bias)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
     if _ops is None or x.dtype != _BF16 or w.dtype != _BF16:
         return fallback_linear(x, w, bias)
     lead = x.shape[:-1]
@@ -357,8 +380,9 @@ def quant_stream_ahead() -> dict[str, int] | None:
 
 def status() -> dict:
     """Which matmul path is active and why, for the engine's start-up log."""
-    # path: where float matmuls run (the AVX2 build has none of them); quantized: whether block-quantized weights are
-    # held as they are, on the int8 kernels of `variant`; fp32_ops: whether fp32 models' other ops run natively.
+    # path: where bf16-activation matmuls run (the AVX2 build has none of them); quantized: whether block-quantized
+    # weights are held as they are, on the int8 kernels of `variant`; fp32_ops: whether fp32 models' other ops run
+    # natively; bf16_weights_in_fp32: whether a bf16 checkpoint's matrices stay bf16 under fp32 activations.
     path = ("native-amx" if _NATIVE.amx else f"native-{_NATIVE.variant}") if _NATIVE.full else "fallback"
     return {
         "path": path,
@@ -367,8 +391,9 @@ def status() -> dict:
         "amx": _NATIVE.amx,
         "library": _NATIVE.library,
         "reason": _NATIVE.reason or ("native kernels loaded" if _NATIVE.full else
-                                     "CPU lacks AVX-512: float matmuls run on PyTorch; the AVX2 build serves "
-                                     "quantized weights and the fp32 norms, activations and decode attention"),
+                                     "CPU lacks AVX-512: the AVX2 build serves quantized and bf16 weights under "
+                                     "fp32 activations and the fp32 norms, activations and decode attention; "
+                                     "fp32 weights run on PyTorch"),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "amx_min_m": AMX_MIN_M,
@@ -376,6 +401,7 @@ def status() -> dict:
         "plain_amx_max_m": PLAIN_AMX_MAX_M,
         "quantized": _QUANT,
         "fp32_ops": _qops is not None,  # f32_ops.cpp: fp32 norms, rotary, SiLU and decode attention native
+        "bf16_weights_in_fp32": _qops is not None,  # bf16w_linear.cpp: a bf16 checkpoint's matrices stay bf16
         "gemv_streams": int(_ops.gemv_streams()) if _ops is not None else None,
         "quant_stream_ahead": quant_stream_ahead(),
     }

@@ -14,16 +14,18 @@ from engine import kernels
 
 
 def embed_rows(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Embedding lookup [N] -> [N, H] from a plain [V, H] matrix, a kernel-packed one [V/16, H/2, 16, 2] or a compact
-    one (tied embeddings keep only the lm_head's copy), or a quantized one (rows dequantized to `dtype`)."""
+    """Embedding lookup [N] -> [N, H] in `dtype` from a plain [V, H] matrix, a kernel-packed one [V/16, H/2, 16, 2] or
+    a compact one (tied embeddings keep only the lm_head's copy), or a quantized one (rows dequantized to `dtype`)."""
     if kernels.is_quantized(weight):
         return kernels.quant_rows(weight, ids, dtype)
     if kernels.is_compact(weight):
         return kernels.compact_rows(weight, ids)
     if weight.dim() == 2:
-        return F.embedding(ids, weight)
-    b = kernels.LIMITS["block_n"]  # packed weights exist only where the extension is loaded
-    return weight[ids // b, :, ids % b, :].flatten(1)
+        rows = F.embedding(ids, weight)
+    else:
+        b = kernels.PACK_COLS
+        rows = weight[ids // b, :, ids % b, :].flatten(1)
+    return rows if rows.dtype == dtype else rows.to(dtype)  # a bf16 table under fp32 compute (prepare_bf16w)
 
 
 def rms_norm(x: torch.Tensor, weight2: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -96,6 +96,17 @@ class LlamaModel:
                 check(names, tuple(kernels.quant_parts(w)[:2]), rows, cols)
             return w
 
+        def bf16(names: list[str], rows: int, cols: int) -> torch.Tensor | None:
+            # A bf16 checkpoint's matrices under fp32 compute stay bf16 where deploykit.memory.held_dtype says so:
+            # the same values, widened in registers by the GEMM (kernels.prepare_bf16w), from half the bytes.
+            if not held.widens(names):
+                return None
+            used.update(names)
+            parts = [held.widened(n, r.get(n).to(torch.bfloat16)) for n in names]
+            w = torch.cat(parts) if len(parts) > 1 else parts[0]
+            check(names, w.shape, rows, cols)
+            return w
+
         def opt(name: str) -> torch.Tensor | None:
             return get(name) if name in r else None
 
@@ -104,6 +115,9 @@ class LlamaModel:
             q = quantized(names, rows, cols)
             if q is not None:
                 return q
+            b = bf16(names, rows, cols)
+            if b is not None:
+                return kernels.prepare_bf16w(b)
             w = torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
             check(names, w.shape, rows, cols)
             p = prepare_weight(w, compact=self.compact)
@@ -120,13 +134,16 @@ class LlamaModel:
         tied = not ("lm_head.weight" in r and not s.tie_word_embeddings)
         self.embed = quantized(embed, s.vocab_size, hidden)
         if self.embed is None:
+            self.embed = bf16(embed, s.vocab_size, hidden)  # rows widened as they are looked up
+        if self.embed is None:
             self.embed = get(embed[0])
             check(embed, self.embed.shape, s.vocab_size, hidden)
         if tied and not kernels.is_quantized(self.embed):
             # Also the lm_head, packed or compact like any matrix; rows are then looked up in that copy
             # (layers.embed_rows). Made now, so the loader's copies are gone before the layers are read.
             used.add("lm_head.weight")
-            lm_head = prepare_weight(self.embed, compact=self.compact)
+            widened = self.embed.dtype != dt  # bf16 under fp32 compute (bf16 above)
+            lm_head = kernels.prepare_bf16w(self.embed) if widened else prepare_weight(self.embed, compact=self.compact)
             if kernels.is_compact(lm_head):
                 held.compacted(embed, self.embed.numel() * self.embed.element_size(), lm_head.numel())
             relaid = lm_head is not self.embed  # the kernel relaid the table out: rows come from that copy
