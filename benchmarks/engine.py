@@ -56,8 +56,8 @@ class Ours:
         self.torch, self.kernels = torch, kernels
         src = a.model_dir if a.weights == "bf16" else a.gguf  # a quantized run loads llama.cpp's very file
         # No prefix cache: every round repeats its prompts, and a hit would time a 512-token prefill as one block.
-        # bf16 where an AVX-512 build runs; without one (the AVX2 build: quantized weights only) the engine's own
-        # choice, fp32 activations, as `serve` runs there.
+        # bf16 where an AVX-512 build runs; without one (the AVX2 build) the engine's own choice, fp32 activations,
+        # as `serve` runs there.
         dtype = "bfloat16" if kernels.status()["path"] != "fallback" else "auto"
         self.core = EngineCore(EngineConfig(src, dtype=dtype, max_model_len=MAX_LEN, max_num_seqs=BATCH,
                                             prefix_caching=False, compact_weights=not a.no_compact))
@@ -466,9 +466,11 @@ def main() -> None:
     try:
         infos = {k: wk.call() for k, wk in workers.items()}  # the ready line: each worker has loaded its model
         kern = infos["ours"]["kernels"]
-        # Minutes of rounds that would measure the wrong path; a quantized file on the AVX2 build is its right path.
-        int8_only = kern["path"] == "fallback" and a.weights != "bf16" and kern["quantized"]
-        if kern["path"] == "fallback" and not int8_only and not a.allow_fallback:
+        # Minutes of rounds that would measure the wrong path. The AVX2 build's right path: fp32 activations, a
+        # quantized file's blocks on its int8 GEMV, a bf16 checkpoint's matrices widened in registers.
+        avx2_build = kern["path"] == "fallback" and (kern["quantized"] if a.weights != "bf16"
+                                                     else kern.get("bf16_weights_in_fp32", False))
+        if kern["path"] == "fallback" and not avx2_build and not a.allow_fallback:
             raise SystemExit(f"ours runs on the PyTorch fallback ({kern['reason']}): build the kernels with "
                              "`python -m engine.kernels build`, or pass --allow-fallback to measure that path")
         jobs = jobs_for(kinds, cfg["vocab_size"], a.tokens)
@@ -490,9 +492,11 @@ def main() -> None:
             derived["b1_pct_roofline_of_bytes_read"]["paired_median"] = round(paired * held / w["decode_read_bytes"], 2)
     if note := regime_note(s):
         notes.append(note)
-    if int8_only:
-        notes.append(f"ours: quantized weights on the {kern['variant']} build's int8 GEMV, fp32 norms, rotary, SiLU "
-                     "and decode attention on its f32_ops, float matrices on PyTorch (fp32) or its bf16w_linear (bf16)")
+    if avx2_build:
+        held_as = "quantized weights on its int8 GEMV" if a.weights != "bf16" else \
+            "bf16 matrices widened to fp32 in registers (bf16w_linear)"
+        notes.append(f"ours on the {kern['variant']} build, fp32 activations: {held_as}; fp32 norms, rotary, SiLU "
+                     "and decode attention on its f32_ops")
     elif kern["path"] == "fallback":
         notes.append(f"engine kernels are NOT native ({kern['reason']}); build: python -m engine.kernels build")
     print(json.dumps({
