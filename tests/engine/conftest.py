@@ -64,6 +64,19 @@ def run_core():
     return _run_core
 
 
+def next_token_logprobs(core, prompts: list[list[int]], top: int = 8) -> dict:
+    """Each prompt's first generated position through `core`: {prompt index: its top `top` (token, logprob)}."""
+    from engine.sampling import SamplingParams
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=top)
+    for i, p in enumerate(prompts):
+        core.add_request(str(i), p, params)
+    out = {}
+    while core.has_unfinished_requests():
+        for o in core.step():
+            out[int(o.request_id)] = o.logprobs[0]
+    return out
+
+
 def native_supported(full: bool = True, quantized: bool = True) -> bool:
     """This CPU runs one of the native kernel builds and the run has not switched them off: then the native paths
     must be tested, never skipped, and a build that fails fails those tests (tests/engine/test_kernels.py). full:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.engine.conftest import next_token_logprobs
+
 # One fp32 FMA chain per output over K: its error stays far below this share of sum |x w| at these K.
 RTOL = 1e-5
 
@@ -96,7 +98,6 @@ def test_a_bf16_checkpoint_runs_in_fp32_from_its_bf16_weights(f32_kernels, tiny_
     from deploykit import memory
     from engine.config import EngineConfig
     from engine.core import EngineCore
-    from engine.sampling import SamplingParams
     kwargs = dict(kwargs)
     model_dir = tiny_model(kwargs.pop("arch"), dtype="bfloat16", init_std=0.1, **kwargs)
     core = EngineCore(EngineConfig(model_dir, dtype="float32"))
@@ -106,13 +107,7 @@ def test_a_bf16_checkpoint_runs_in_fp32_from_its_bf16_weights(f32_kernels, tiny_
     assert paths["bfloat16, widened to float32 in registers"] == matrices, paths
     assert core.model.weight_bytes == shape.weight_bytes("float32", "none", False, True)
     assert core.model.weight_bytes < 0.6 * shape.weight_bytes("float32")  # the 1-D norms and biases stay fp32
-    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=8)
-    ours = {}
-    for i, p in enumerate(PROMPTS):
-        core.add_request(str(i), p, params)
-    while core.has_unfinished_requests():
-        for out in core.step():
-            ours[int(out.request_id)] = out.logprobs[0]
+    ours = next_token_logprobs(core, PROMPTS)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         for i, p in enumerate(PROMPTS):

@@ -7,6 +7,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.sampling import SamplingParams
+from tests.engine.conftest import next_token_logprobs
 
 N_TOKENS = 40
 # Mixed lengths: one fits a single block, others span several blocks and a partial one.
@@ -94,14 +95,7 @@ def test_bf16_logprobs_are_as_close_to_fp32_as_transformers_own_bf16(tiny_model,
     from transformers import AutoModelForCausalLM
     kwargs = dict(ARCHS[name])
     model_dir = tiny_model(kwargs.pop("arch", "llama"), init_std=0.1, **kwargs)
-    core = EngineCore(EngineConfig(model_dir, dtype="bfloat16"))
-    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=8)
-    ours = {}
-    for i, p in enumerate(PROMPTS):
-        core.add_request(str(i), p, params)
-    while core.has_unfinished_requests():
-        for out in core.step():
-            ours[int(out.request_id)] = out.logprobs[0]
+    ours = next_token_logprobs(EngineCore(EngineConfig(model_dir, dtype="bfloat16")), PROMPTS)
     hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     hf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     err_ours = err_hf = 0.0
