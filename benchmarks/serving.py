@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # not benchmarks/: a file here must not shadow a package
 
-from deploykit import cpulist  # noqa: E402
+from deploykit import cpulist, isa  # noqa: E402
 from deploykit.bench import client, prompts, report, stats  # noqa: E402
 
 PEERS = ("ours", "vllm", "llamacpp")
@@ -91,8 +91,12 @@ def eos_id(model_dir: Path) -> int:
 def peers(a, model_dir: Path, gguf: Path | None, cpus: tuple[int, ...], port: int) -> dict[str, Peer | str]:
     """name -> how to start it, or why it is skipped."""
     host = ["--host", "127.0.0.1", "--port", str(port)]
+    # Ours in bf16 where the CPU has bf16 units; elsewhere its own choice, `auto`: fp32 activations with the bf16
+    # checkpoint's matrices held bf16 (what `serve` runs there; forcing bf16 would take PyTorch's emulated bf16 path).
+    # vLLM is asked for bf16 everywhere: its CPU backend converts where the CPU lacks bf16.
+    dtype = "bfloat16" if isa.has_bf16(isa.cpu_flags()) else "auto"
     out: dict[str, Peer | str] = {
-        "ours": Peer("ours", [sys.executable, "-m", "engine", "serve", str(model_dir), *host, "--dtype", "bfloat16",
+        "ours": Peer("ours", [sys.executable, "-m", "engine", "serve", str(model_dir), *host, "--dtype", dtype,
                               "--max-model-len", str(MAX_LEN), "--max-num-seqs", "16", "--served-model-name", NAME,
                               "--binding", "auto", "--no-access-log", *a.ours_args.split()])}
     if not Path(a.vllm).is_file():

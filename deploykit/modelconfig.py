@@ -14,6 +14,9 @@ from pathlib import Path
 from . import gguf
 from .errors import DeploykitError, ModelError
 
+# The architectures the engine runs on its native decoder (engine/models/llama.py); any other runs through
+# transformers, which holds every weight in the model's dtype (no quantized or bf16-held matrices).
+NATIVE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # GGUF general.architecture -> the Hugging Face class whose weights and forward pass it carries.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 

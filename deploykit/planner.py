@@ -71,13 +71,17 @@ def make_plan(spec: Spec, topo: Topology, shape: ModelShape) -> Plan:
     sharers = Counter(m for _, _, mems in choices for m in mems)
     # Quantized weights run on the int8 kernels of AVX512-VNNI CPUs and are sized as held there; elsewhere they are
     # dequantized at load and sized in `dtype` (deploykit/quant.py is the rule the engine applies too).
-    qz, native_quant = spec.model.quantization, isa.quantized_kernels(topo.isa)
+    # Both need the native decoder: transformers (every other architecture) holds every weight in `dtype`.
+    native_model = shape.architecture in modelconfig.NATIVE_ARCHITECTURES
+    qz, native_quant = spec.model.quantization, isa.quantized_kernels(topo.isa) and native_model
     # A bf16 checkpoint's matrices stay bf16 under float32 compute where a native kernel build runs (memory.held_dtype).
-    weights = shape.weight_bytes(dtype, qz, native_quant, isa.fp32_kernels(topo.isa))
+    weights = shape.weight_bytes(dtype, qz, native_quant, isa.fp32_kernels(topo.isa) and native_model)
     formats = shape.held_formats(qz, native_quant)
     if qz in ("q8_0", "q4_0") and not native_quant:
-        warnings.append(f"model.quantization {qz!r} needs the engine's int8 kernels (AVX-512 with AVX512-VNNI), which "
-                        f"this CPU (ISA tier {topo.isa_tier}) lacks: the weights stay in {dtype}")
+        why = f"this CPU (ISA tier {topo.isa_tier}) lacks" if native_model else \
+            f"{shape.architecture} runs through transformers, not the native decoder that has"
+        warnings.append(f"model.quantization {qz!r} needs the engine's int8 kernels (AVX-512 with AVX512-VNNI, or "
+                        f"AVX2), which {why} them: the weights stay in {dtype}")
     per_token = shape.kv_bytes_per_token(dtype)
     multi = len(choices) > 1
     replicas = []

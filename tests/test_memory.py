@@ -159,8 +159,8 @@ def bf16_model_dir(tmp_path):
     d = tmp_path / "bf16"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(CONFIG | {"vocab_size": 96}))
-    tensors = {"embed.weight": ("BF16", [96, 64]), "l0.q.weight": ("BF16", [64, 64]), "l0.odd.weight": ("BF16", [100, 64]),
-               "l0.mlp.weight": ("F16", [128, 64]), "l0.q.bias": ("BF16", [64])}
+    tensors = {"embed.weight": ("BF16", [96, 64]), "l0.q.weight": ("BF16", [64, 64]),
+               "l0.odd.weight": ("BF16", [100, 64]), "l0.mlp.weight": ("F16", [128, 64]), "l0.q.bias": ("BF16", [64])}
     header, offset = {}, 0
     for name, (dtype, shape) in tensors.items():
         size = 2 * int(np.prod(shape))

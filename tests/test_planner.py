@@ -290,3 +290,18 @@ def test_a_bf16_checkpoint_on_an_avx2_cpu_is_planned_at_bf16_bytes(sysroots, tmp
     p = plan_for(sysroots, "desktop-adjacent", model=model)  # AVX2, no AVX-512
     assert p.model.dtype == "float32"
     assert p.replicas[0].weight_bytes == 2 * (96 * 64 + 64 * 64) + 4 * (100 * 64 + 128 * 64 + 64)
+
+
+def test_an_architecture_transformers_runs_is_planned_at_its_dtype_whatever_the_cpu(sysroots, tmp_path):
+    """Only the native decoder keeps bf16 or quantized matrices: a model that runs through transformers is sized at
+    float32 on an AVX2 CPU, and asking it to quantize says why it cannot."""
+    import json
+
+    from tests.test_memory import bf16_model_dir
+    d = bf16_model_dir(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | {"architectures": ["OPTForCausalLM"], "model_type": "opt"}))
+    p = plan_for(sysroots, "desktop-adjacent", model={"source": str(d), "quantization": "q8_0"})
+    assert p.model.dtype == "float32" and p.model.weight_formats == ()
+    assert p.replicas[0].weight_bytes == 4 * (96 * 64 + 64 * 64 + 100 * 64 + 128 * 64 + 64)
+    assert any("OPTForCausalLM runs through transformers" in w for w in p.warnings), p.warnings

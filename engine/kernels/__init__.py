@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from deploykit import isa
 from engine.kernels import loader, streaming
 
-__all__ = ["LIMITS", "PACK_COLS", "add_rms_norm", "bf16w_ok", "argmax", "compact_info", "compact_rows", "compact_unpack",
-           "decode_attention", "decode_attention_supported", "decode_step_", "decode_step_supported", "fused",
-           "head_rms_norm_", "is_compact",
-           "is_quantized", "linear", "logits", "prepare_bias", "prepare_weight", "quant_pack", "quant_parts",
-           "quant_rows", "quantized_ok", "rotary_", "silu_mul", "status", "tune_streams"]
+__all__ = ["LIMITS", "PACK_COLS", "add_rms_norm", "argmax", "bf16w_ok", "compact_info", "compact_rows",
+           "compact_unpack", "decode_attention", "decode_attention_supported", "decode_step_", "decode_step_supported",
+           "fused", "head_rms_norm_", "is_compact", "is_quantized", "linear", "logits", "prepare_bf16w",
+           "prepare_bias", "prepare_weight", "quant_pack", "quant_parts", "quant_rows", "quantized_ok", "rotary_",
+           "silu_mul", "status", "tune_streams"]
 
 _NATIVE = loader.load()
 # _ops: the AVX-512 library's every op; _qops: the ops the AVX2 build has as well, for quantized or bf16 weights under

@@ -56,7 +56,8 @@ inline void tile(const at::BFloat16* w, int64_t K, int64_t g, const float* x, in
         const __m256i v = _mm256_loadu_si256(line + q * halves + 2 * j + h);
         const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
         const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-        for (int m = 0; m < MT; ++m) acc[q][h][m] = _mm256_fmadd_ps(wo, xo[m], _mm256_fmadd_ps(we, xe[m], acc[q][h][m]));
+        for (int m = 0; m < MT; ++m)
+          acc[q][h][m] = _mm256_fmadd_ps(wo, xo[m], _mm256_fmadd_ps(we, xe[m], acc[q][h][m]));
       }
   }
   for (int q = 0; q < GR; ++q)

@@ -5,6 +5,7 @@ import logging
 
 import torch
 
+from deploykit.modelconfig import NATIVE_ARCHITECTURES
 from engine import hugepages, kernels, quant
 from engine.errors import ModelLoadError
 from engine.kernels import linear, prepare_bias, prepare_weight
@@ -24,7 +25,7 @@ from engine.models.layers import (
 
 log = logging.getLogger("engine")
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = NATIVE_ARCHITECTURES  # deploykit.modelconfig: the planner sizes these as this decoder holds them
 
 
 class _Layer:
