@@ -3,7 +3,8 @@ time on the same CPUs, in one run, driven by `deploykit bench`'s load generator 
 server is treated the same. Prints JSON on stdout (progress on stderr), with ratios against issue 20's targets.
 
 Run: flock /tmp/deploykit-heavy.lock python benchmarks/serving.py [--model-dir DIR] [--cpus LIST]
-         [--vllm PYTHON] [--llamacpp PYTHON] [--only ours,vllm,llamacpp] [--ours-args FLAGS] [--quick]
+         [--vllm PYTHON] [--vllm-dtype bfloat16|float32] [--llamacpp PYTHON] [--only ours,vllm,llamacpp]
+         [--ours-args FLAGS] [--quick]
          [--raw FILE.json]
 
 Loads (completions, greedy, fixed output length: `ignore_eos` for ours and vLLM; llama-cpp-python's server has no
@@ -93,7 +94,7 @@ def peers(a, model_dir: Path, gguf: Path | None, cpus: tuple[int, ...], port: in
     host = ["--host", "127.0.0.1", "--port", str(port)]
     # Ours in bf16 where the CPU has bf16 units; elsewhere its own choice, `auto`: fp32 activations with the bf16
     # checkpoint's matrices held bf16 (what `serve` runs there; forcing bf16 would take PyTorch's emulated bf16 path).
-    # vLLM is asked for bf16 everywhere: its CPU backend converts where the CPU lacks bf16.
+    # vLLM: bf16 unless --vllm-dtype says otherwise (on a CPU without bf16 units, float32 may serve it better).
     dtype = "bfloat16" if isa.has_bf16(isa.cpu_flags()) else "auto"
     out: dict[str, Peer | str] = {
         "ours": Peer("ours", [sys.executable, "-m", "engine", "serve", str(model_dir), *host, "--dtype", dtype,
@@ -104,7 +105,7 @@ def peers(a, model_dir: Path, gguf: Path | None, cpus: tuple[int, ...], port: in
     else:
         # vLLM binds one OpenMP thread and reserves a CPU by default on a small host: pin it to all of ours
         out["vllm"] = Peer("vllm", [a.vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), *host,
-                                    "--dtype", "bfloat16", "--max-model-len", str(MAX_LEN), "--max-num-seqs", "16",
+                                    "--dtype", a.vllm_dtype, "--max-model-len", str(MAX_LEN), "--max-num-seqs", "16",
                                     "--served-model-name", NAME],
                            env={"VLLM_CPU_OMP_THREADS_BIND": cpulist.format(cpus), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                                 "VLLM_CPU_KVCACHE_SPACE": "4"})
@@ -272,6 +273,8 @@ def main() -> None:
                     help="a Hugging Face directory (default: benchmarks/engine.py's bf16 Qwen2-shaped model)")
     ap.add_argument("--cpus", default=cpulist.format(sorted(os.sched_getaffinity(0))), help="CPUs every server gets")
     ap.add_argument("--vllm", default="/work/peers/vllm/bin/python", help="the python of vLLM CPU's virtualenv")
+    ap.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="vLLM's --dtype (float32 may serve it better on a CPU without bf16 units)")
     ap.add_argument("--llamacpp", default="/work/peers/llamacpp/bin/python",
                     help="the python of llama-cpp-python[server]'s virtualenv")
     ap.add_argument("--only", default=",".join(PEERS), help="which servers, comma-separated")
