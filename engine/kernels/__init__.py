@@ -7,7 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from deploykit import isa
+from deploykit.memory import WIDEN_ROWS
 from engine.kernels import loader, streaming
+# The element-wise ops' PyTorch references (tests compare the native ops with them), re-exported here.
+from engine.kernels.reference import (fallback_add_rms_norm, fallback_head_rms_norm_, fallback_rotary_,  # noqa: F401
+                                      fallback_silu_mul)
 
 __all__ = ["LIMITS", "PACK_COLS", "add_rms_norm", "argmax", "bf16w_ok", "compact_info", "compact_rows",
            "compact_unpack", "decode_attention", "decode_attention_supported", "decode_step_", "decode_step_supported",
@@ -75,8 +79,8 @@ if _qops is not None:
 LIMITS: dict[str, int] = dict(_ops.limits()) if _ops is not None else {}
 STEP_MAX_ROWS = LIMITS.get("step_max_rows", 0)
 # Output columns a packed line holds (pack below): what the AVX-512 GEMVs read (LIMITS block_n) and, in every build,
-# the bf16-weight GEMM (bf16w_linear.cpp checks it).
-PACK_COLS = 16
+# the bf16-weight GEMM (bf16w_linear.cpp checks it); the planner's rule for bf16-held matrices counts on it.
+PACK_COLS = WIDEN_ROWS
 _block_n, _block_k = LIMITS.get("block_n", PACK_COLS), LIMITS.get("block_k")
 
 
@@ -196,19 +200,22 @@ def fallback_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
     return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), bias)  # bf16 weights under fp32: widened
 
 
+def _rows_2d(op, x: torch.Tensor, *args) -> torch.Tensor:
+    """op(x2, *args) on x [..., K] as [M, K] with contiguous rows (a view whenever possible), shaped back."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    y = op(x2 if x2.stride(-1) == 1 else x2.contiguous(), *args)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear semantics: x [..., K], w [N, K] or prepare_weight(w), bias [N] -> [..., N]."""
     # Hot path of every decode step (~100 calls per token): keep the Python work minimal.
     if w.dtype == _U8:  # block-quantized (exists only where _QUANT): bf16 or fp32 activations
-        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        y = _quant_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, bias, False)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+        return _rows_2d(_quant_linear, x, w, bias, False)
     if w.dtype == _I8:  # compact bf16 (exists only where the library is loaded)
         return _linear_compact(x, w, bias)
     if x.dtype == _F32 and w.dtype == _BF16 and w.dim() == 4 and _qops is not None:  # prepare_bf16w: fp32 compute
-        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        y = _bf16w_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, bias)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+        return _rows_2d(_bf16w_linear, x, w, bias)
     if _ops is None or x.dtype != _BF16 or w.dtype != _BF16:
         return fallback_linear(x, w, bias)
     lead = x.shape[:-1]
@@ -332,29 +339,6 @@ def decode_step_(h: torch.Tensor, weights: list, kv: list[torch.Tensor], windows
     packed and prepared as `linear` takes them, None where absent. Bitwise the same as the per-op native path."""
     _decode_step(h, weights, kv, windows, cos, sin, positions, tables, lens, slots, num_heads, num_kv_heads, eps,
                  scale)
-
-
-def fallback_add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Reference for add_rms_norm (fp32 inside, like the native op)."""
-    if delta is not None:
-        h += delta
-    hf = h.float()
-    return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(h.dtype)
-
-
-def fallback_head_rms_norm_(x: torch.Tensor, w: torch.Tensor, eps: float) -> None:
-    xf = x.float()
-    x.copy_(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float())
-
-
-def fallback_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(gate_up.dtype)
-
-
-def fallback_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    xf = x.float()
-    x.copy_(xf * cos.float()[:, None] + xf.roll(x.shape[-1] // 2, -1) * sin.float()[:, None])
 
 
 _streams: streaming.Choice | None = None
