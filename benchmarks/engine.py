@@ -100,16 +100,23 @@ class Ours:
             shapes = {"qkv": ((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.hidden_size),
                       "o_proj": (s.hidden_size, s.num_heads * s.head_dim),
                       "gate_up": (2 * s.intermediate_size, s.hidden_size), "down": (s.hidden_size, s.intermediate_size)}
+            # A CPU without AVX-512 has no bf16 matmul worth timing (PyTorch emulates it, oneDNN refuses it): its
+            # ceiling is fp32, MKL's GEMM on fp32 weights or ours on the bf16 ones widened in registers.
+            bf16_matmuls = kernels.status().get("isa") != "avx2"
             self.mats = {}
             for name, (n, k) in shapes.items():
                 x, w = torch.randn(PREFILL, k).bfloat16(), (torch.randn(n, k) / k ** 0.5).bfloat16()
-                wp, wd = kernels.prepare_weight(w), torch.ops.mkldnn._reorder_linear_weight(w, None)
-                self.mats[name] = (2 * PREFILL * n * k, {
-                    "torch F.linear": partial(torch.nn.functional.linear, x, w),
-                    f"engine kernels.linear ({kernels.status()['path']})": partial(kernels.linear, x, wp),
-                    "oneDNN prepacked": partial(torch.ops.mkldnn._linear_pointwise, x, wd, None, "none", [], ""),
-                    # Without BF16 units MKL's fp32 GEMM is the real ceiling (and the peak is never just ours).
-                    "MKL fp32 F.linear": partial(torch.nn.functional.linear, x.float(), w.float())})
+                fns = {"MKL fp32 F.linear": partial(torch.nn.functional.linear, x.float(), w.float())}
+                if bf16_matmuls:
+                    wp, wd = kernels.prepare_weight(w), torch.ops.mkldnn._reorder_linear_weight(w, None)
+                    fns |= {"torch F.linear": partial(torch.nn.functional.linear, x, w),
+                            f"engine kernels.linear ({kernels.status()['path']})": partial(kernels.linear, x, wp),
+                            "oneDNN prepacked": partial(torch.ops.mkldnn._linear_pointwise, x, wd, None, "none", [],
+                                                        "")}
+                if kernels.bf16w_ok():
+                    fns["engine kernels.linear (fp32 x, bf16 weights widened)"] = partial(
+                        kernels.linear, x.float(), kernels.prepare_bf16w(w))
+                self.mats[name] = (2 * PREFILL * n * k, fns)
         return {"shapes": {name: {"flop": flop, "seconds": {i: best_time(fn, 5) for i, fn in fns.items()}}
                            for name, (flop, fns) in self.mats.items()}}
 

@@ -13,6 +13,11 @@
 // activation at that k, broadcast: outer products, 8 outputs a register, no horizontal sums. Every output is one FMA
 // chain over k in order: the same operations in the same order whatever M is and however the rows and columns are
 // tiled, so a row's output does not depend on its batch.
+// Two paths, chosen by the number of rows (both keep that chain, so they agree bitwise):
+//   - up to FEW_ROWS rows (decode): weights stream from memory once, widened in registers (tile, groups);
+//   - more rows (batched decode, prefill): compute-bound, so each 128-k chunk of a column group is widened once into
+//     an L1 buffer and 6-row x 16-column register tiles run over it (blocked), the shape of an fp32 GEMM
+//     micro-kernel: 12 accumulators, 2 loads and 6 broadcasts for 12 FMAs a k.
 // Written with AVX2 and FMA only, in every build (build.py); tests/engine/test_bf16w_linear.py holds it to an fp64
 // evaluation of the product and to itself across batch sizes.
 #include <ATen/ATen.h>
@@ -29,6 +34,7 @@ namespace deploykit {
 namespace {
 
 constexpr int64_t COLS = 16;  // output columns per packed line (kernels.pack)
+constexpr int64_t FEW_ROWS = 4;  // up to this many rows, groups(); beyond, blocked()
 
 // out[m, 16 g .. 16 g + 16 GR) for MT activation rows against GR packed column groups from g on: 2 GR MT
 // accumulators (<= 8 of AVX2's 16 registers; the rest hold the widened line and the broadcasts). Each output is one
@@ -68,10 +74,11 @@ inline void tile(const at::BFloat16* w, int64_t K, int64_t g, const float* x, in
     }
 }
 
-// Groups [g0, g1) for M activation rows, two groups and two rows a tile: a group pair's weights come from memory for
-// the first tile and from L1/L2 (K * 64 bytes: 56 KB at K = 896) for the rest. Measured on a 2-core Zen 3 with the
-// weights in cache: 45-60 GMAC/s at 4-512 rows where one 4-row tile of one group took 36-39 (its 8 broadcasts a
-// k-pair cost more than a second line's loads and widening); at 3 rows one 3-row tile was the faster.
+// Groups [g0, g1) for M <= FEW_ROWS activation rows, two groups and two rows a tile: a group pair's weights come from
+// memory for the first tile and from L1/L2 (K * 64 bytes: 56 KB at K = 896) for the rest. Measured on a 2-core Zen 3:
+// one row reads the weights at the stream probe's rate; one 4-row tile of one group took 36-39 GMAC/s where these
+// tiles took 45-60 (its 8 broadcasts a k-pair cost more than a second line's loads and widening); at 3 rows one
+// 3-row tile was the faster.
 void groups(const at::BFloat16* w, int64_t K, int64_t g0, int64_t g1, const float* x, int64_t ldx, int64_t M,
             const float* bias, float* out, int64_t ldo) {
   int64_t g = g0;
@@ -89,6 +96,87 @@ void groups(const at::BFloat16* w, int64_t K, int64_t g0, int64_t g1, const floa
       if (M - m >= 2) tile<2, 1>(w, K, g, x + m * ldx, ldx, bias, out + m * ldo, ldo);
       else tile<1, 1>(w, K, g, x + m * ldx, ldx, bias, out + m * ldo, ldo);
     }
+}
+
+// The blocked path. Measured on a 2-core Zen 3 (AVX2 FMA peak 44.6 GMAC/s a core): the model's 96 matrices cycled
+// from memory, 2 threads, against groups(): 16 rows 44-47 against 35-38 GMAC/s, 64 rows 64-66 against 43-45, 5-12
+// rows 1.1-1.2x, 4 rows the same (memory-bound, so groups() keeps them); one thread with the weights in cache, 41-42
+// GMAC/s at 64-512 rows (MKL's fp32 GEMM on fp32 weights: 29-38).
+constexpr int64_t KC = 128;  // k per widened chunk: [KC, 16] fp32 = 8 KiB, in L1 beside the rows' activations
+constexpr int64_t MC = 64;   // rows per block: a chunk is widened once per group per block
+constexpr int MR = 6;        // rows per register tile: 6 x 2 accumulators + 2 weight vectors + 1 broadcast
+
+// buf [kn, 16] fp32 = group g's weights at k0 .. k0 + kn (k0 and kn even): half line h of k-pair j holds columns
+// 8h .. 8h + 7 at k 2j (low halves) and 2j + 1 (high halves).
+inline void widen(const at::BFloat16* w, int64_t K, int64_t g, int64_t k0, int64_t kn, float* buf) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const auto* line = reinterpret_cast<const __m256i*>(w + g * COLS * K + k0 * COLS);
+  for (int64_t j = 0; j < kn / 2; ++j)
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256(line + 2 * j + h);
+      _mm256_store_ps(buf + 2 * j * COLS + 8 * h, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+      _mm256_store_ps(buf + (2 * j + 1) * COLS + 8 * h, _mm256_castsi256_ps(_mm256_and_si256(v, high)));
+    }
+}
+
+// out[m, 0 .. 16) for MT rows over one chunk buf [kn, 16]: the chains resume from out (or from 0 at the first
+// chunk), go on in k order, and the last chunk adds the bias as tile() does, so the result is tile()'s bit for bit.
+template <int MT>
+inline void micro(const float* buf, int64_t kn, const float* x, int64_t ldx, float* out, int64_t ldo, bool first,
+                  bool last, const float* bias) {
+  __m256 acc[MT][2];
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < 2; ++h) acc[m][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * ldo + 8 * h);
+#pragma GCC unroll 4  // measured: 41-42 GMAC/s a core against 38-40 rolled
+  for (int64_t k = 0; k < kn; ++k) {
+    const __m256 w0 = _mm256_load_ps(buf + COLS * k), w1 = _mm256_load_ps(buf + COLS * k + 8);
+    for (int m = 0; m < MT; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
+      acc[m][0] = _mm256_fmadd_ps(w0, xb, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(w1, xb, acc[m][1]);
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const __m256 b = bias ? _mm256_loadu_ps(bias + 8 * h) : _mm256_setzero_ps();
+    for (int m = 0; m < MT; ++m)
+      _mm256_storeu_ps(out + m * ldo + 8 * h, last ? _mm256_add_ps(acc[m][h], b) : acc[m][h]);
+  }
+}
+
+// Groups [g0, g1) for M > FEW_ROWS rows: per block of MC rows, per group, per chunk of KC k: widen the chunk, then
+// run the block's rows over it MR at a time. The group's weights are read in memory order, so while the rows run,
+// the next chunk (8 KiB ahead; past the group, the next group's first) is prefetched: without it the widening waits
+// on memory at each chunk (measured with 256-k chunks: 8 rows 30 against 26 GMAC/s, 16 rows 39 against 36). A
+// prefetch past the tensor's end is harmless.
+void blocked(const at::BFloat16* w, int64_t K, int64_t g0, int64_t g1, const float* x, int64_t ldx, int64_t M,
+             const float* bias, float* out, int64_t ldo) {
+  alignas(64) float buf[KC * COLS];
+  for (int64_t m0 = 0; m0 < M; m0 += MC) {
+    const int64_t rows = std::min(MC, M - m0);
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kn = std::min(KC, K - k0);
+        const bool first = k0 == 0, last = k0 + kn == K;
+        widen(w, K, g, k0, kn, buf);
+        const char* next = reinterpret_cast<const char*>(w + (g * K + k0 + kn) * COLS);
+        for (int64_t b = 0; b < KC * COLS * 2; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+        const float* bg = bias ? bias + g * COLS : nullptr;
+        const float* xb = x + m0 * ldx + k0;
+        float* ob = out + m0 * ldo + g * COLS;
+        int64_t m = 0;
+        for (; m + MR <= rows; m += MR) micro<MR>(buf, kn, xb + m * ldx, ldx, ob + m * ldo, ldo, first, last, bg);
+        const float* xt = xb + m * ldx;
+        float* ot = ob + m * ldo;
+        switch (rows - m) {  // MR - 1 tails
+          case 1: micro<1>(buf, kn, xt, ldx, ot, ldo, first, last, bg); break;
+          case 2: micro<2>(buf, kn, xt, ldx, ot, ldo, first, last, bg); break;
+          case 3: micro<3>(buf, kn, xt, ldx, ot, ldo, first, last, bg); break;
+          case 4: micro<4>(buf, kn, xt, ldx, ot, ldo, first, last, bg); break;
+          case 5: micro<5>(buf, kn, xt, ldx, ot, ldo, first, last, bg); break;
+          default: break;
+        }
+      }
+  }
 }
 
 bool cpu_runs_it() {
@@ -122,7 +210,10 @@ at::Tensor linear_bf16w(const at::Tensor& x, const at::Tensor& w, const std::opt
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   // Threads take contiguous runs of groups: one weight stream each.
-  at::parallel_for(0, G, M <= 4 ? 4 : 1, [&](int64_t g0, int64_t g1) { groups(wp, K, g0, g1, xp, ldx, M, bp, op, N); });
+  at::parallel_for(0, G, M <= FEW_ROWS ? 4 : 1, [&](int64_t g0, int64_t g1) {
+    if (M <= FEW_ROWS) groups(wp, K, g0, g1, xp, ldx, M, bp, op, N);
+    else blocked(wp, K, g0, g1, xp, ldx, M, bp, op, N);
+  });
   return out;
 }
 

@@ -22,9 +22,11 @@ def exact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[
     return y, scale
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 17])
+# Up to 4 rows the weights are widened in registers; beyond, in 128-k chunks for blocks of 64 rows in 6-row tiles:
+# m and k cover whole and partial tiles, blocks and chunks (k 1000 = 7 chunks + 104, k 30 one partial chunk).
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 17, 70])
 @pytest.mark.parametrize("n,k,with_bias", [(16, 2, False), (48, 64, True), (896, 896, True), (32, 4864, False),
-                                           (80, 30, True)])
+                                           (80, 30, True), (48, 1000, True)])
 def test_matches_the_fp64_product(f32_kernels, m, n, k, with_bias):
     g = torch.Generator().manual_seed(m * 7919 + n * k)
     x = torch.randn(m, k, generator=g) * 3
@@ -40,14 +42,19 @@ def test_matches_the_fp64_product(f32_kernels, m, n, k, with_bias):
     assert ((fallback.double() - ref).abs() / scale).max().item() < RTOL
 
 
-def test_a_rows_output_does_not_depend_on_its_batch_or_the_thread_count(f32_kernels):
+@pytest.mark.parametrize("k", [896, 1000])
+def test_a_rows_output_does_not_depend_on_its_batch_or_the_thread_count(f32_kernels, k):
+    """The decode path (<= 4 rows) and the blocked one (more) run each output's chain in the same order: a prompt's
+    rows in a 512-token prefill equal the same rows decoded one at a time, bit for bit."""
     g = torch.Generator().manual_seed(3)
-    w = f32_kernels.prepare_bf16w(torch.randn(112, 896, generator=g).bfloat16())  # 7 column groups: odd pairs
+    w = f32_kernels.prepare_bf16w(torch.randn(112, k, generator=g).bfloat16())  # 7 column groups: odd pairs
     bias = torch.randn(112, generator=g)
-    x = torch.randn(19, 896, generator=g)
-    alone = torch.cat([f32_kernels.linear(x[i:i + 1], w, bias) for i in range(19)])
-    for m in (2, 3, 4, 5, 16, 19):
+    x = torch.randn(133, k, generator=g)
+    alone = torch.cat([f32_kernels.linear(x[i:i + 1], w, bias) for i in range(133)])
+    for m in (2, 3, 4, 5, 6, 7, 16, 19, 64, 65, 133):
         assert torch.equal(f32_kernels.linear(x[:m], w, bias), alone[:m]), f"batch of {m}"
+    no_bias = torch.cat([f32_kernels.linear(x[i:i + 1], w) for i in range(19)])
+    assert torch.equal(f32_kernels.linear(x[:19], w), no_bias)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
