@@ -102,7 +102,7 @@ class Ours:
                       "gate_up": (2 * s.intermediate_size, s.hidden_size), "down": (s.hidden_size, s.intermediate_size)}
             # A CPU without AVX-512 has no bf16 matmul worth timing (PyTorch emulates it, oneDNN refuses it): its
             # ceiling is fp32, MKL's GEMM on fp32 weights or ours on the bf16 ones widened in registers.
-            bf16_matmuls = kernels.status().get("isa") != "avx2"
+            bf16_matmuls = kernels.status().get("isa") not in ("avx2", "baseline")  # deploykit.isa.tier
             self.mats = {}
             for name, (n, k) in shapes.items():
                 x, w = torch.randn(PREFILL, k).bfloat16(), (torch.randn(n, k) / k ** 0.5).bfloat16()

@@ -36,6 +36,12 @@ namespace {
 constexpr int64_t COLS = 16;  // output columns per packed line (kernels.pack)
 constexpr int64_t FEW_ROWS = 4;  // up to this many rows, groups(); beyond, blocked()
 
+// A 32-byte half line (8 columns' k-pairs, one a lane) widened to fp32: the even k (low halves), the odd k (high).
+inline __m256 even_k(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline __m256 odd_k(__m256i v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+
 // out[m, 16 g .. 16 g + 16 GR) for MT activation rows against GR packed column groups from g on: 2 GR MT
 // accumulators (<= 8 of AVX2's 16 registers; the rest hold the widened line and the broadcasts). Each output is one
 // FMA chain, two links a k-pair (even k, then odd), so a chain waits ~8 cycles a k-pair: tiles take two groups at
@@ -44,7 +50,6 @@ constexpr int64_t FEW_ROWS = 4;  // up to this many rows, groups(); beyond, bloc
 template <int MT, int GR>
 inline void tile(const at::BFloat16* w, int64_t K, int64_t g, const float* x, int64_t ldx, const float* bias,
                  float* out, int64_t ldo) {
-  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   __m256 acc[GR][2][MT];
   for (int q = 0; q < GR; ++q)
     for (int h = 0; h < 2; ++h)
@@ -60,8 +65,7 @@ inline void tile(const at::BFloat16* w, int64_t K, int64_t g, const float* x, in
     for (int q = 0; q < GR; ++q)
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(line + q * halves + 2 * j + h);
-        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        const __m256 we = even_k(v), wo = odd_k(v);
         for (int m = 0; m < MT; ++m)
           acc[q][h][m] = _mm256_fmadd_ps(wo, xo[m], _mm256_fmadd_ps(we, xe[m], acc[q][h][m]));
       }
@@ -109,13 +113,12 @@ constexpr int MR = 6;        // rows per register tile: 6 x 2 accumulators + 2 w
 // buf [kn, 16] fp32 = group g's weights at k0 .. k0 + kn (k0 and kn even): half line h of k-pair j holds columns
 // 8h .. 8h + 7 at k 2j (low halves) and 2j + 1 (high halves).
 inline void widen(const at::BFloat16* w, int64_t K, int64_t g, int64_t k0, int64_t kn, float* buf) {
-  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   const auto* line = reinterpret_cast<const __m256i*>(w + g * COLS * K + k0 * COLS);
   for (int64_t j = 0; j < kn / 2; ++j)
     for (int h = 0; h < 2; ++h) {
       const __m256i v = _mm256_loadu_si256(line + 2 * j + h);
-      _mm256_store_ps(buf + 2 * j * COLS + 8 * h, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-      _mm256_store_ps(buf + (2 * j + 1) * COLS + 8 * h, _mm256_castsi256_ps(_mm256_and_si256(v, high)));
+      _mm256_store_ps(buf + 2 * j * COLS + 8 * h, even_k(v));
+      _mm256_store_ps(buf + (2 * j + 1) * COLS + 8 * h, odd_k(v));
     }
 }
 
