@@ -22,9 +22,10 @@ def exact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[
     return y, scale
 
 
-# Up to 4 rows the weights are widened in registers; beyond, in 128-k chunks for blocks of 64 rows in 6-row tiles:
-# m and k cover whole and partial tiles, blocks and chunks (k 1000 = 7 chunks + 104, k 30 one partial chunk).
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 17, 70])
+# Up to 4 rows the weights are widened in registers; beyond, in 128-k chunks for blocks of 64 rows in 6-row tiles,
+# and from 128 rows in tasks of one block x a few groups that threads take as they come free: m and k cover whole
+# and partial tiles, blocks, tasks and chunks (k 1000 = 7 chunks + 104, k 30 one partial chunk).
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 17, 70, 150])
 @pytest.mark.parametrize("n,k,with_bias", [(16, 2, False), (48, 64, True), (896, 896, True), (32, 4864, False),
                                            (80, 30, True), (48, 1000, True)])
 def test_matches_the_fp64_product(f32_kernels, m, n, k, with_bias):
@@ -123,3 +124,25 @@ def test_a_bf16_checkpoint_runs_in_fp32_from_its_bf16_weights(f32_kernels, tiny_
             mine = torch.tensor([lp for _, lp in ours[i].top])
             assert ids[0] == ref.argmax()
             assert (mine - ref[ids]).abs().max().item() < 1e-4
+
+
+def test_a_long_prompts_mlp_runs_in_row_slices_with_the_same_result(f32_kernels, tiny_model, monkeypatch):
+    """A prefill of more than MLP_ROWS rows runs its MLP a slice of rows at a time, so its [N, 2I] intermediate stays
+    in cache and in reused memory: every row's result is the one a single call gives (the kernels are
+    batch-invariant), so the next-token log-probabilities are bitwise those of the unsliced prefill."""
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.models import llama
+    model_dir = tiny_model("llama", dtype="bfloat16", init_std=0.1,
+                           extra_config={"attention_bias": True, "mlp_bias": True})
+    core = EngineCore(EngineConfig(model_dir, dtype="float32", prefix_caching=False))
+    rows: list[int] = []
+    mlp = llama.LlamaModel.mlp
+    monkeypatch.setattr(llama.LlamaModel, "mlp", lambda self, L, x: rows.append(x.shape[0]) or mlp(self, L, x))
+    whole = next_token_logprobs(core, PROMPTS)  # the four prompts' 50 rows in one step
+    assert max(rows) == 50
+    rows.clear()
+    monkeypatch.setattr(llama, "MLP_ROWS", 8)
+    sliced = next_token_logprobs(core, PROMPTS)
+    assert max(rows) == 50 and sorted(set(rows))[:2] == [2, 8]  # 50 rows -> 6 slices of 8 and one of 2, per layer
+    assert {i: list(o.top) for i, o in sliced.items()} == {i: list(o.top) for i, o in whole.items()}
