@@ -26,7 +26,7 @@ from engine.models.layers import (
 log = logging.getLogger("engine")
 
 ARCHITECTURES = NATIVE_ARCHITECTURES  # deploykit.modelconfig: the planner sizes these as this decoder holds them
-MLP_ROWS = 512  # rows of a prefill's MLP at a time (Model.mlp)
+MLP_ROWS = 512  # rows of a prefill's MLP at a time (LlamaModel.mlp)
 
 
 class _Layer:
@@ -242,8 +242,9 @@ class LlamaModel:
         """x [N, H] -> down(act(gate) * up) [N, H], MLP_ROWS rows at a time. Its [N, 2I] intermediate is the largest
         tensor of a prefill (80 MB at 2,048 rows of I = 4,864 in fp32): in slices it stays in the L3 cache for the
         activation and the down projection, and under glibc's 32 MB mmap ceiling, so its memory is reused rather than
-        mapped and page-faulted afresh at every layer. Each row's result is the same in any slice (the linear kernels
-        are batch-invariant)."""
+        mapped and page-faulted afresh at every layer. Where the linears are batch-invariant (bf16 weights under fp32,
+        quantized weights) each row's result is the same in any slice; elsewhere it may differ in the last bits, as
+        it does between any two batch sizes."""
         n = x.shape[0]
         if n > MLP_ROWS:
             d = torch.empty_like(x)
