@@ -25,8 +25,8 @@ class ModelRunner:
         """Feed every scheduled token; return the sequences that reached their last token and logits [B, V]."""
         if not self.model.native:
             return self.model.run(batch.seqs, batch.num_new_tokens)
-        # Single-token rows first: the attention kernel batches them in one call.
-        order = sorted(zip(batch.seqs, batch.num_new_tokens), key=lambda sn: sn[1] != 1)
+        # Decode rows first: the attention kernel batches them in one call.
+        order = sorted(zip(batch.seqs, batch.num_new_tokens), key=lambda sn: not _decodes(*sn))
         input_ids, positions, meta, sampled, rows = self._prepare(order)
         hidden = self.model.forward(input_ids, positions, meta, self.kv)     # [N, H]
         if not rows:
@@ -60,7 +60,7 @@ class ModelRunner:
             pos += range(c, end)
             slots += [bt[p // bs] * bs + p % bs for p in range(c, end)]
             nblocks = -(-end // bs)
-            if n == 1:
+            if _decodes(seq, n):
                 dec_tables.append(bt[:nblocks])
                 dec_ctx.append(end)
             else:
@@ -77,3 +77,10 @@ class ModelRunner:
                                  decode_lens=lens, prefills=prefills, block_size=bs, window=self.window,
                                  mask_dtype=self.model.dtype)
         return torch.tensor(ids), torch.tensor(pos), meta, sampled, rows
+
+
+def _decodes(seq: Sequence, n: int) -> bool:
+    """One generated token, the decode path. A prompt's last token alone in its chunk (chunked prefill, or a prefix
+    hit ending one token short) is prefill: the decode attention kernel rounds differently from the prefill tiles,
+    so computing it there would make a prompt's tokens depend on where its chunks or its cached prefix end."""
+    return n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
