@@ -85,7 +85,7 @@ def engine_continuations(model: str, prompts: list[list[int]], tokens: int, **co
     fused = getattr(core.model, "step_weights", None) is not None
     quantized = any("quantized" in p for paths in getattr(core.model, "weight_paths", {}).values() for p in paths)
     return {"tokens": [out[str(i)] for i in range(len(prompts))], "kernels": kernels.status()["path"],
-            "dtype": core.dtype_name, "fused_step": fused, "decode_batches": sorted(batches), "quantized": quantized}
+            "variant": kernels.status()["variant"], "dtype": core.dtype_name, "fused_step": fused, "decode_batches": sorted(batches), "quantized": quantized}
 
 
 def engine_in_child(model: str, prompts: list[list[int]], tokens: int, kernels: str | None = None, **config) -> dict:
@@ -128,8 +128,26 @@ class LlamaCpp:
     kernels. Token ids in, end tokens banned as in reference_choices."""
 
     def __init__(self, gguf: str, eos: list[int], threads: int = 2):
+        import llama_cpp.llama_cpp as lib
         from llama_cpp import Llama
-        self.llm = Llama(model_path=gguf, n_ctx=2048, n_batch=512, n_threads=threads, logits_all=True, verbose=False)
+
+        # llama.cpp's extra buffer types repack weights at load. On an AMX CPU its AMX type takes this file's Q4_1
+        # matrices, and the first prefill segfaults (llama-cpp-python 0.3.36 on a Xeon with AMX-INT8). Without them
+        # it runs its plain CPU kernels, as on a CPU without AMX (whose repack takes no Q4_1). Llama() has no
+        # argument for it, so its defaults are patched for the one load.
+        defaults = lib.llama_model_default_params
+
+        def plain_buffers():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        lib.llama_model_default_params = plain_buffers
+        try:
+            self.llm = Llama(model_path=gguf, n_ctx=2048, n_batch=512, n_threads=threads, logits_all=True,
+                             verbose=False)
+        finally:
+            lib.llama_model_default_params = defaults
         self.eos = eos
 
     def _scores(self, first: int, n: int):
