@@ -132,9 +132,10 @@ class LlamaCpp:
         from llama_cpp import Llama
 
         # llama.cpp's extra buffer types repack weights at load. On an AMX CPU its AMX type takes this file's Q4_1
-        # matrices, and the first prefill segfaults (llama-cpp-python 0.3.36 on a Xeon with AMX-INT8). Without them
-        # it runs its plain CPU kernels, as on a CPU without AMX (whose repack takes no Q4_1). Llama() has no
-        # argument for it, so its defaults are patched for the one load.
+        # matrices, and the first prefill segfaults (llama-cpp-python 0.3.36 on a Xeon with AMX-INT8; upstream:
+        # ggml-org/llama.cpp#20824, and #16315 on wrong Q4_0/Q4_1 results there). Without them it runs its plain
+        # CPU kernels, as on a CPU without AMX (whose repack takes no Q4_1). Llama() has no argument for it, so its
+        # defaults are patched for the one load.
         defaults = lib.llama_model_default_params
 
         def plain_buffers():
