@@ -60,7 +60,7 @@ class Ours:
         # as `serve` runs there.
         dtype = "bfloat16" if kernels.status()["path"] != "fallback" else "auto"
         self.core = EngineCore(EngineConfig(src, dtype=dtype, max_model_len=MAX_LEN, max_num_seqs=BATCH,
-                                            prefix_caching=False, compact_weights=False if a.no_compact else None))
+                                            prefix_caching=False, compact_weights=not a.no_compact))
         m = self.core.model
         mats = [w for L in getattr(m, "layers", ()) for w in (L.qkv, L.o, L.gate_up, L.down)]
         mats.append(getattr(m, "lm_head", None))
@@ -436,8 +436,7 @@ def main() -> None:
     for flag in ("--skip-transformers", "--skip-llamacpp"):
         ap.add_argument(flag, action="store_true")
     ap.add_argument("--no-compact", action="store_true",
-                    help="ours holds bf16 matrices in 16 bits, not compact (12 bits, lossless; the default but on "
-                         "AMX CPUs)")
+                    help="ours holds bf16 matrices in 16 bits, not compact (12 bits, lossless; the default)")
     ap.add_argument("--allow-fallback", action="store_true",
                     help="measure ours on the PyTorch path when the native kernels are not loaded (default: stop)")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "Q8_0", "Q4_0", "Q4_K_M"],
@@ -514,7 +513,7 @@ def main() -> None:
             "intermediate_size", "vocab_size", "dtype")}},
         "machine": {"cpus": cpulist.format(b.cpus), "threads": b.threads, "isa": kern["isa"],
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "workers": infos},
-        "settings": {"weights": a.weights, "compact": "off" if a.no_compact else "the engine's default", "rounds": a.rounds, "decode_tokens": a.tokens,
+        "settings": {"weights": a.weights, "compact": not a.no_compact, "rounds": a.rounds, "decode_tokens": a.tokens,
                      "decode_prompt_tokens": PROMPT,
                      "batch": BATCH, "small_batch": SMALL_BATCH, "prefill_tokens": PREFILL, "quick": a.quick},
         **s, "ratios": derived, "targets": targets,

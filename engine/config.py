@@ -26,8 +26,7 @@ class EngineConfig:
     seed: int = 0
     served_model_name: str | None = None
     quantization: str = "none"              # float weights quantized on load (deploykit.quant.ON_LOAD)
-    compact_weights: bool | None = None     # bf16 matrices in 12 bits a weight, losslessly (kernels/compact_bf16.h);
-    #                                         None: kernels.compact_by_default() (on, but for a CPU with AMX)
+    compact_weights: bool = True            # bf16 matrices in 12 bits a weight, losslessly (kernels/compact_bf16.h)
     huge_pages: bool = True                 # weights in one arena that asks for 2 MiB pages (engine/hugepages.py)
 
     def __post_init__(self) -> None:

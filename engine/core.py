@@ -49,12 +49,8 @@ class EngineCore:
             log.warning("KV cache holds %d tokens, less than max_model_len %d; lowering max_model_len",
                         num_blocks * config.block_size, self.max_model_len)
             self.max_model_len = num_blocks * config.block_size
-        from engine import kernels
-        compact = config.compact_weights if config.compact_weights is not None else kernels.compact_by_default()
-        self.model = build_model(mc, self.dtype, self.max_model_len, config.quantization, compact, config.huge_pages)
-        if config.compact_weights is None and not compact:
-            log.info("bf16 matrices held in 16 bits, not compact: this CPU's AMX tiles read 16-bit weights "
-                     "(--compact-weights holds them in 12, for a faster batch-1 decode)")
+        self.model = build_model(mc, self.dtype, self.max_model_len, config.quantization, config.compact_weights,
+                                 config.huge_pages)
         kv = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                      self.dtype, config.huge_pages) if is_native(mc) else None
         # Prefix caching shares blocks of the paged pool; the transformers fallback keeps its own caches.

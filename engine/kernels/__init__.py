@@ -247,15 +247,6 @@ COMPACT_AMX_MIN_M = 64
 _compact_amx_min_m = max(_amx_min_m, COMPACT_AMX_MIN_M)  # resolved once: linear is the hot path
 
 
-def compact_by_default() -> bool:
-    """Whether bf16 matrices are held compact unless the user says otherwise: everywhere but on a CPU with AMX. Its
-    tiles read packed bf16, so compact costs an unpack per call (~1 ms a matrix) from 64 rows, and below that the
-    AVX-512 compact tiles run instead of AMX. Measured on a 2-vCPU Xeon with AMX (benchmarks/engine.py, 717 MB
-    model), packed against compact: batch-1 decode 42.7 against 49.1 tok/s, but 16 sequences 491 against 215, a
-    512-token prefill 0.29 against 0.35 s, and 16 HTTP streams 291 against 156 tok/s."""
-    return not _NATIVE.amx
-
-
 def _linear_compact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if x.dtype != _BF16:
         return fallback_linear(x, w, bias)

@@ -25,7 +25,7 @@ class ServeOptions:
     metrics_port: int | None = None  # also serve GET /metrics alone on this port (a pod's Prometheus-only port)
     dtype: str = "auto"
     quantization: str = "none"  # deploykit.quant.ON_LOAD: none | q8_0 | q4_0 | dequantize
-    compact_weights: bool | None = None  # bf16 in 12 bits a weight (kernels/compact_bf16.h); None: the engine picks
+    compact_weights: bool = True  # bf16 matrices in 12 bits a weight, losslessly (engine/kernels/compact_bf16.h)
     max_model_len: int | None = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
@@ -77,8 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--dtype (default: plan, else none; env DEPLOYKIT_QUANTIZATION)")
     p.add_argument("--compact-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="hold bf16 weight matrices in 12 bits a weight, losslessly (the same numbers, 25%% fewer bytes "
-                        "for each decode step to read); --no-compact-weights keeps 16 (default: on, except on a CPU with AMX, "
-                        "whose tiles read 16-bit weights; env DEPLOYKIT_COMPACT_WEIGHTS)")
+                        "for each decode step to read); --no-compact-weights keeps 16 (default: on; env "
+                        "DEPLOYKIT_COMPACT_WEIGHTS)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)

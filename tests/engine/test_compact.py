@@ -156,18 +156,6 @@ def test_a_blob_that_is_not_compact_is_refused():
         kernels.linear(torch.randn(1, 32).bfloat16(), compact(weights(32, 64)))
 
 
-def test_by_default_matrices_are_compact_unless_the_cpu_has_amx(tiny_model):
-    """AMX tiles read 16-bit weights: compact there would mean an unpack per prefill matmul and no AMX for 5-63
-    rows (16 sequences ran 2.3x slower on a Xeon with AMX), so the default holds them packed; anywhere else compact."""
-    want = not kernels.status()["amx"]
-    assert kernels.compact_by_default() is want
-    for asked, held_compact in ((None, want), (True, True), (False, False)):  # a flag wins on any CPU
-        core = EngineCore(EngineConfig(tiny_model("qwen2"), dtype="bfloat16", max_model_len=128,
-                                       compact_weights=asked))
-        held = [w for L in core.model.layers for w in (L.qkv, L.o, L.gate_up, L.down)]
-        assert all(kernels.is_compact(w) is held_compact for w in held), asked
-
-
 def _greedy(model_dir: str, compact: bool) -> tuple[list[list[int]], list[torch.Tensor], EngineCore]:
     core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", max_model_len=128, compact_weights=compact))
     logits: list[torch.Tensor] = []

@@ -122,8 +122,8 @@ def test_prefix_caching_is_on_unless_a_flag_the_environment_or_the_plan_turns_it
     assert options("--plan", off, "--prefix-caching", env={"MY_KEY": "k"}).prefix_caching is True
 
 
-def test_compact_weights_are_the_engines_choice_unless_a_flag_or_the_environment_sets_them(plan):
-    assert options().engine_config().compact_weights is None  # kernels.compact_by_default(): on, but with AMX
+def test_compact_weights_are_on_unless_a_flag_or_the_environment_turns_them_off(plan):
+    assert options().engine_config().compact_weights is True
     assert options("--no-compact-weights").engine_config().compact_weights is False
     assert options(env={"DEPLOYKIT_COMPACT_WEIGHTS": "0"}).compact_weights is False
     # a plan does not hold it: a container's environment sets it with one, and a flag wins over both
