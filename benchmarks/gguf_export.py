@@ -106,12 +106,17 @@ class LlamaCppRunner:
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # as Llama(verbose=False): no load log
         llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
+        # LLAMACPP_EXTRA_BUFTS=0: load without llama.cpp's extra buffer types (its weight repacks: AMX, and the
+        # AVX2/AVX-512 interleaved layouts). On a CPU with AMX-INT8 its AMX buffer takes Q4_0/Q4_1/Q8_0 matrices and
+        # its first matmul segfaults (llama-cpp-python 0.3.36; upstream ggml-org/llama.cpp#20824), so there it runs
+        # this way, and the JSON says so.
+        params.use_extra_bufts = os.environ.get("LLAMACPP_EXTRA_BUFTS", "1") != "0"
         self.model = llama_cpp.llama_model_load_from_file(str(gguf_path).encode(), params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf_path}")
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.contexts: dict[int, object] = {}  # sequences -> context (its KV cache has one stream per sequence)
-        self.info = {"llama_cpp_python": llama_cpp.__version__,
+        self.info = {"llama_cpp_python": llama_cpp.__version__, "extra_buffer_types": bool(params.use_extra_bufts),
                      "system_info": llama_cpp.llama_print_system_info().decode().strip()}
 
     def _context(self, n_seq: int):
