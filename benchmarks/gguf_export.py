@@ -107,9 +107,9 @@ class LlamaCppRunner:
         llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
         # LLAMACPP_EXTRA_BUFTS=0: load without llama.cpp's extra buffer types (its weight repacks: AMX, and the
-        # AVX2/AVX-512 interleaved layouts). On a CPU with AMX-INT8 its AMX buffer takes Q4_0/Q4_1/Q8_0 matrices and
-        # its first matmul segfaults (llama-cpp-python 0.3.36; upstream ggml-org/llama.cpp#20824), so there it runs
-        # this way, and the JSON says so.
+        # AVX2/AVX-512 interleaved layouts). On a CPU with AMX-INT8 its AMX buffer takes the quantized matrices, and
+        # on the Q4_0 and Q4_1 files tried its first matmul segfaults (llama-cpp-python 0.3.36; upstream
+        # ggml-org/llama.cpp#20824), so there it runs this way, and the JSON says so.
         params.use_extra_bufts = os.environ.get("LLAMACPP_EXTRA_BUFTS", "1") != "0"
         self.model = llama_cpp.llama_model_load_from_file(str(gguf_path).encode(), params)
         if not self.model:
