@@ -84,8 +84,9 @@ def engine_continuations(model: str, prompts: list[list[int]], tokens: int, **co
         batches.add(sum(1 for s in core.scheduler.running if s.is_decoding))  # the next step's decode rows
     fused = getattr(core.model, "step_weights", None) is not None
     quantized = any("quantized" in p for paths in getattr(core.model, "weight_paths", {}).values() for p in paths)
-    return {"tokens": [out[str(i)] for i in range(len(prompts))], "kernels": kernels.status()["path"],
-            "variant": kernels.status()["variant"], "dtype": core.dtype_name, "fused_step": fused, "decode_batches": sorted(batches), "quantized": quantized}
+    st = kernels.status()
+    return {"tokens": [out[str(i)] for i in range(len(prompts))], "kernels": st["path"], "variant": st["variant"],
+            "dtype": core.dtype_name, "fused_step": fused, "decode_batches": sorted(batches), "quantized": quantized}
 
 
 def engine_in_child(model: str, prompts: list[list[int]], tokens: int, kernels: str | None = None, **config) -> dict:

@@ -151,13 +151,15 @@ def test_quantized_weights_are_as_close_to_exact_as_llama_cpp_on_the_same_file(s
     llama = fidelity.LlamaCpp(smollm2, eos)
     run = fidelity.engine_in_child(smollm2, prompts, TOKENS, dtype="float32", max_model_len=MAX_LEN, max_num_seqs=4)
     assert run["quantized"] and run["dtype"] == "float32", run  # the int8 kernels of whichever build runs here
-    ours = fidelity.agreement(reference, prompts, run["tokens"])
+    refs = fidelity.reference_choices(reference, prompts, run["tokens"])  # fp32's argmax on our continuations
+    ours = fidelity.share_equal(run["tokens"], refs)  # = fidelity.agreement, with refs kept for the bound below
     theirs = fidelity.agreement(reference, prompts, llama.greedy(prompts, TOKENS))
     llamas = llama.choices(prompts, run["tokens"])
     same_as_llama = fidelity.share_equal(run["tokens"], llamas)
-    exact_as_llama = fidelity.share_equal(fidelity.reference_choices(reference, prompts, run["tokens"]), llamas)
+    exact_as_llama = fidelity.share_equal(refs, llamas)
     print(f"\nagreement with fp32 transformers: ours {ours:.4f}, llama.cpp {theirs:.4f}; "
-          f"llama.cpp's argmax = ours at {same_as_llama:.4f} of positions, = fp32 transformers' at {exact_as_llama:.4f}")
+          f"llama.cpp's argmax = ours at {same_as_llama:.4f} of positions, = fp32 transformers' at "
+          f"{exact_as_llama:.4f}")
     assert ours >= theirs - 0.01, (ours, theirs)
     # Issue 19 asks 97 %. That is above what exact arithmetic reaches on some hosts (fp32 transformers picks llama.cpp's
     # token at 96.9 % of these positions on a Xeon with AMX, 97.2 % on Zen 4), so the bar is 97 % or that bound less 4
