@@ -240,24 +240,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return y if x.dim() == 2 else y.view(*lead, y.shape[-1])
 
 
-# Past this many rows (prefill) an AMX host unpacks a compact matrix for the call and runs its AMX tiles: the unpack
-# (one write and read of the bf16 matrix) is then small against the matmul. Up to it the AVX-512 tiles decode
-# in cache (kernels/compact_bf16.cpp).
-COMPACT_AMX_MIN_M = 64
-_compact_amx_min_m = max(_amx_min_m, COMPACT_AMX_MIN_M)  # resolved once: linear is the hot path
+# On an AMX CPU every compact matrix with K % 32 == 0 runs on AMX tiles for every M (kernels/compact_amx.h): batched
+# decode and prefill at AMX speed without unpacking it, and a row's output the same whatever rows share its call.
+# The AVX-512 compact kernels sum in another order, so the switch is one per process, made here at load.
+_compact_amx = bool(_ops.set_compact_amx(True)) if _ops is not None and _NATIVE.amx else False
 
 
 def _linear_compact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if x.dtype != _BF16:
         return fallback_linear(x, w, bias)
-    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    if x2.shape[0] >= _compact_amx_min_m:
-        y = _amx_packed(x2, _compact_unpack(w), bias)
-    else:
-        y = _compact_linear(x2, w, bias)
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+    return _rows_2d(_compact_linear, x, w, bias)
 
 
 def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -383,6 +375,7 @@ def status() -> dict:
         "amx_min_m": AMX_MIN_M,
         "rows_max_m": ROWS_MAX_M,
         "plain_amx_max_m": PLAIN_AMX_MAX_M,
+        "compact_amx": _compact_amx,  # compact bf16 matrices on AMX tiles at every M (kernels/compact_amx.h)
         "quantized": _QUANT,
         "fp32_ops": _qops is not None,  # f32_ops.cpp: fp32 norms, rotary, SiLU and decode attention native
         "bf16_weights_in_fp32": _qops is not None,  # bf16w_linear.cpp: a bf16 checkpoint's matrices stay bf16

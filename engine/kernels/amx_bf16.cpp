@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "amx_tiles.h"
 #include "op_args.h"
 
 namespace deploykit {
@@ -25,10 +26,6 @@ using bf16 = at::BFloat16;
 
 constexpr int ARCH_REQ_XCOMP_PERM = 0x1023;
 constexpr int XFEATURE_XTILEDATA = 18;
-constexpr int64_t BLOCK_X_MIN_M = 64;
-// Weight tiles are requested this far ahead of their tileloadd: a tile load that misses to DRAM
-// stalls the AMX pipe, and the hardware prefetcher restarts at every 28 KiB column block.
-constexpr int64_t PREFETCH_BYTES = 4096;
 
 struct alignas(64) TileConfig {
   uint8_t palette_id;
@@ -58,92 +55,23 @@ void amx_configure_tiles(int rows0, int rows1) {
 
 namespace {
 
-// Where the A tiles of one M block live: tile k-step s of half h starts at
-// base + h * half + s * step (elements) with rows `ld` bytes apart.
-struct ATiles {
-  const bf16* base;
-  int64_t step, half, ld;
-};
-
-// Plain x [M, K]: tiles are read in place with the activation's row stride.
-inline ATiles plain_a(const bf16* x, int64_t ldx) { return {x, 32, 16 * ldx, ldx * (int64_t)sizeof(bf16)}; }
-
-// Blocked x [M/16, K/32, 16, 32]: every tile is one contiguous 1 KiB block.
-inline ATiles blocked_a(const bf16* xb, int64_t Kh, int64_t mb32) {
-  const int64_t per_half = (Kh / 16) * 512;
-  return {xb + mb32 * 2 * per_half, 512, per_half, 64};
-}
-
-// C[rows, 16*NB] for MB 16-row halves of A, NB column blocks starting at block nb0.
-template <int MB, int NB>
-inline void tile_block(const ATiles& a, int rows0, int rows1, const bf16* wp, int64_t Kh,
-                       int64_t nb0, const float* bias, bf16* out, int64_t ldo) {
-  _tile_zero(0);
-  if constexpr (NB > 1) _tile_zero(1);
-  if constexpr (MB > 1) {
-    _tile_zero(2);
-    if constexpr (NB > 1) _tile_zero(3);
-  }
-  const bf16* b0 = wp + nb0 * Kh * 32;
-  const bf16* b1 = b0 + Kh * 32;
-  const bf16* a0 = a.base;
-  for (int64_t kp = 0; kp < Kh; kp += 16, a0 += a.step) {
-    _tile_loadd(4, a0, a.ld);
-    if constexpr (MB > 1) _tile_loadd(5, a0 + a.half, a.ld);
-    const char* p0 = reinterpret_cast<const char*>(b0 + kp * 32) + PREFETCH_BYTES;
-    for (int l = 0; l < 16; ++l) _mm_prefetch(p0 + l * 64, _MM_HINT_T0);
-    if constexpr (NB > 1) {
-      const char* p1 = reinterpret_cast<const char*>(b1 + kp * 32) + PREFETCH_BYTES;
-      for (int l = 0; l < 16; ++l) _mm_prefetch(p1 + l * 64, _MM_HINT_T0);
-    }
-    _tile_loadd(6, b0 + kp * 32, 64);
-    if constexpr (NB > 1) _tile_loadd(7, b1 + kp * 32, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NB > 1) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (MB > 1) {
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (NB > 1) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  alignas(64) float c[4][16 * 16];  // [tile][row * 16 + col]
-  _tile_stored(0, c[0], 64);
-  if constexpr (NB > 1) _tile_stored(1, c[1], 64);
-  if constexpr (MB > 1) {
-    _tile_stored(2, c[2], 64);
-    if constexpr (NB > 1) _tile_stored(3, c[3], 64);
-  }
-  for (int h = 0; h < MB; ++h) {
-    const int rows = h == 0 ? rows0 : rows1;
-    for (int j = 0; j < NB; ++j) {
-      const float* ct = c[h * 2 + j];
-      const __m512 bv = bias ? _mm512_loadu_ps(bias + (nb0 + j) * 16) : _mm512_setzero_ps();
-      for (int r = 0; r < rows; ++r) {
-        __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(ct + r * 16), bv));
-        std::memcpy(out + (h * 16 + r) * ldo + (nb0 + j) * 16, &v, sizeof(v));
-      }
-    }
-  }
-}
+using amx::ATiles;
 
 // One M block (<= 32 rows) across column-block pairs [p0, p1) of the weight.
 inline void m_block(const ATiles& a, int rows, const bf16* wp, int64_t Kh, int64_t NB,
                     int64_t p0, int64_t p1, const float* bias, bf16* out, int64_t ldo) {
   const int rows0 = std::min(rows, 16), rows1 = rows - rows0;
   for (int64_t p = p0; p < p1; ++p) {
-    const int64_t nb0 = p * 2;
-    const bool pair = nb0 + 1 < NB;
-    if (rows1 > 0) {
-      if (pair) tile_block<2, 2>(a, rows0, rows1, wp, Kh, nb0, bias, out, ldo);
-      else tile_block<2, 1>(a, rows0, rows1, wp, Kh, nb0, bias, out, ldo);
-    } else {
-      if (pair) tile_block<1, 2>(a, rows0, 0, wp, Kh, nb0, bias, out, ldo);
-      else tile_block<1, 1>(a, rows0, 0, wp, Kh, nb0, bias, out, ldo);
-    }
+    const int64_t nb[2] = {p * 2, p * 2 + 1};
+    amx::PackedB b{wp + nb[0] * Kh * 32, wp + nb[1] * Kh * 32};
+    amx::tile_blocks(a, rows0, rows1, b, Kh, nb, nb[1] < NB ? 2 : 1, bias, out, ldo);
   }
 }
 
+}  // namespace
+
 // x [M, K] -> zero-padded [ceil(M/32)*2, K/32, 16, 32] so A tiles are contiguous 1 KiB blocks.
-at::Tensor block_x(const at::Tensor& x) {
+at::Tensor amx_block_x(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0), halves = (M + 31) / 32 * 2, kb = K / 32;
   at::Tensor xb = at::empty({halves, kb, 16, 32}, x.options());
   const bf16* src = x.data_ptr<bf16>();
@@ -162,8 +90,6 @@ at::Tensor block_x(const at::Tensor& x) {
   return xb;
 }
 
-}  // namespace
-
 // Asks the kernel for AMX tile state (Linux >= 5.16); false when the OS refuses.
 bool amx_init() {
   static const bool ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
@@ -179,14 +105,11 @@ at::Tensor linear_packed_amx(const at::Tensor& x, const at::Tensor& wp, const st
   const op_args::Operands args = op_args::operands(x, K, N, bias);
   const bf16* w = wp.data_ptr<bf16>();
   const int64_t pairs = (NB + 1) / 2;
-  // Prefill: copy x once into tile blocks (M*K*2 bytes, small next to M*N*K MACs); strided A tiles
-  // would touch 16 pages each. Decode-sized M reads x in place.
-  const bool blocked = M >= BLOCK_X_MIN_M;
-  at::Tensor xb = blocked ? block_x(x) : at::Tensor();
+  const bool blocked = M >= amx::BLOCK_X_MIN_M;
+  at::Tensor xb = blocked ? amx_block_x(x) : at::Tensor();
   const bf16* xbp = blocked ? xb.data_ptr<bf16>() : nullptr;
   const int64_t full = blocked ? (M + 31) / 32 : M / 32, tail = blocked ? 0 : M % 32;
-  // 32-row M blocks per chunk so that the chunk (re-read once per column pair) stays in L2.
-  const int64_t chunk_blocks = std::max<int64_t>(1, (768 * 1024) / (32 * K * (int64_t)sizeof(bf16)));
+  const int64_t chunk_blocks = amx::chunk_blocks(K);
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     if (full > 0) {
       amx_configure_tiles(16, 16);
@@ -195,7 +118,8 @@ at::Tensor linear_packed_amx(const at::Tensor& x, const at::Tensor& wp, const st
         for (int64_t p = p0; p < p1; ++p)
           for (int64_t mb = c0; mb < c1; ++mb) {
             const int rows = (int)std::min<int64_t>(32, M - mb * 32);  // blocked x is zero-padded
-            const ATiles a = blocked ? blocked_a(xbp, Kh, mb) : plain_a(args.x + mb * 32 * args.ldx, args.ldx);
+            const ATiles a =
+                blocked ? amx::blocked_a(xbp, Kh, mb) : amx::plain_a(args.x + mb * 32 * args.ldx, args.ldx);
             m_block(a, rows, w, Kh, NB, p, p + 1, args.b, args.o + mb * 32 * N, N);
           }
       }
@@ -203,7 +127,7 @@ at::Tensor linear_packed_amx(const at::Tensor& x, const at::Tensor& wp, const st
     if (tail > 0) {
       const int rows0 = (int)std::min<int64_t>(tail, 16);
       amx_configure_tiles(rows0, (int)tail - rows0);
-      m_block(plain_a(args.x + full * 32 * args.ldx, args.ldx), (int)tail, w, Kh, NB, p0, p1, args.b,
+      m_block(amx::plain_a(args.x + full * 32 * args.ldx, args.ldx), (int)tail, w, Kh, NB, p0, p1, args.b,
               args.o + full * 32 * N, N);
     }
     _tile_release();

@@ -6,6 +6,7 @@
 // decode_min_m rows on (prefill) each pair of blocks is decoded once into a buffer that 7-row tiles read, which pays
 // only when many tiles share it (below 96 rows, decoding again in every tile was as fast or faster). Every path sums
 // in the same order (compact_bf16.h), so a row's output never depends on the rows beside it or on the path.
+// On a CPU with AMX the whole op runs on its tiles instead, at every M (compact_amx.h), in the tiles' one order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -18,6 +19,7 @@
 #include <numeric>
 #include <vector>
 
+#include "compact_amx.h"
 #include "compact_bf16.h"
 #include "gemv.h"
 #include "op_args.h"
@@ -235,6 +237,7 @@ std::vector<int64_t> compact_info(const at::Tensor& blob) {
 // x [M, K] bf16, a compact blob [N, K], bias [N] or None -> [M, N] bf16.
 at::Tensor compact_linear(const at::Tensor& x, const at::Tensor& blob, const std::optional<at::Tensor>& bias) {
   const Matrix w = matrix(blob);
+  if (compact_amx::on(w)) return compact_linear_amx(x, blob, bias);  // every M, so a row's bits never depend on M
   const int64_t NB = w.N / 16, N = w.N, M = x.size(0);
   const op_args::Operands args = op_args::operands(x, w.K, N, bias);
   if (M == 0) return args.out;

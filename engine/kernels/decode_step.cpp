@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "compact_amx.h"
 #include "compact_bf16.h"
 #include "gemv.h"
 #include "op_args.h"
@@ -105,7 +106,8 @@ void matvec(int64_t B, const bf16* x, int64_t K, const Weight& w, quant::ActBuff
     return;
   }
   if (w.kind == Weight::COMPACT) {
-    compact::rows(B, x, K, w.c, b0, b1, bias, y, ldy);
+    if (compact_amx::on(w.c)) compact_amx::rows(B, x, K, w.c, b0, b1, bias, y, ldy);
+    else compact::rows(B, x, K, w.c, b0, b1, bias, y, ldy);
     return;
   }
   quant::Act a[MAX_ROWS];
@@ -333,6 +335,13 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
         quant::Act a[MAX_ROWS];
         for (int64_t b = 0; b < B; ++b) a[b] = act_q.row(b);  // x is still quantized from the gate call
         quant::rows(B, a, y.gate_up.q, J + jb0, J + jb1, y.gate_up_bias, gu.data(), 2 * I);
+      } else if (y.gate_up.kind == Weight::COMPACT && compact_amx::on(y.gate_up.c)) {  // gate j and up j as a pair
+        const int rows0 = (int)std::min<int64_t>(B, 16);
+        compact_amx::Tiles tiles(rows0, (int)B - rows0);
+        for (int64_t j = jb0; j < jb1; ++j) {
+          const int64_t ids[2] = {j, J + j};
+          compact_amx::blocks(B, x, H, y.gate_up.c, ids, 2, y.gate_up_bias, gu.data(), 2 * I);
+        }
       } else if (y.gate_up.kind == Weight::COMPACT) {  // gate block j, then up block j (no wait for silu * up)
         gemv::with_rows(B, [&](auto mt) {
           constexpr int MT = decltype(mt)::value;

@@ -1,7 +1,7 @@
 """Compact bf16 weights (engine/kernels/compact_bf16.h): every weight held in 12 bits, losslessly. Unpacking gives
 back the packed matrix bit for bit, special values and escaped weights included; the matmul agrees with the packed
-kernels up to fp32 reassociation, in one order at every batch size they take (an AMX host's prefill runs its
-tiles); and a model loads its bf16 matrices compact by default and answers as it does without them."""
+kernels up to fp32 reassociation, in one order at every batch size they take (an AMX host runs them on its tiles
+at every batch size, in the tiles' order); and a model loads its bf16 matrices compact by default and answers as it does without them."""
 from __future__ import annotations
 
 import pytest
@@ -86,7 +86,7 @@ def test_prepare_weight_compacts_a_typical_matrix_and_keeps_one_with_many_escape
     assert kernels.is_packed(out) and not kernels.is_compact(out)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16, 17, 70])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16, 17, 33, 70, 130])
 @pytest.mark.parametrize("n,k", [(1152, 896), (896, 4864), (48, 64), (80, 96)])
 def test_compact_linear_is_close_to_fp32_and_row_invariant(m, n, k):
     g = torch.Generator().manual_seed(m * 31 + n + k)
@@ -98,14 +98,39 @@ def test_compact_linear_is_close_to_fp32_and_row_invariant(m, n, k):
     if n * k >= 100_000:
         assert kernels.compact_info(blob)[2] >= 4  # the rare values are escapes, patched in every path
     got = kernels.linear(x, blob, bias)
-    assert_close(got, x, w, bias)  # two fp32 chains a block, not the packed kernels' one: close, not bitwise
-    # Every row count the compact kernels take sums in the same order: a row's output does not depend on the batch
-    # it came in. From COMPACT_AMX_MIN_M rows an AMX host runs the unpacked matrix on its tiles, which sum in the
-    # tiles' own order: close (checked above), not bitwise.
-    if not (kernels.status()["amx"] and m >= kernels.COMPACT_AMX_MIN_M):
-        for i in {0, m // 2, m - 1}:
-            assert torch.equal(got[i:i + 1], kernels.linear(x[i:i + 1], blob, bias)), f"row {i} of {m}"
+    assert_close(got, x, w, bias)  # not the packed kernels' order: close, not bitwise
+    # Every row count sums in one order, on AVX-512 (two fp32 chains a block) and on an AMX host's tiles (K % 32 == 0:
+    # one row in place, up to 32 rows, decoded again per 32-row block or once for 4+): a row's output does not depend
+    # on the batch it came in, which keeps greedy outputs the same with the prefix cache on and off.
+    for i in {0, m // 2, m - 1}:
+        assert torch.equal(got[i:i + 1], kernels.linear(x[i:i + 1], blob, bias)), f"row {i} of {m}"
     assert torch.equal(kernels.fallback_linear(x, blob, bias), kernels.fallback_linear(x, packed, bias))
+
+
+@pytest.mark.skipif(not kernels.status()["compact_amx"], reason="compact matrices run on AMX tiles only on AMX CPUs")
+@pytest.mark.parametrize("m", [1, 4, 40, 130, 300])
+def test_amx_tiles_on_compact_weights_decode_once_or_again_to_the_same_bits(m):
+    # A prefill decodes each pair of column blocks once for a chunk of 4+ 32-row blocks, else again for every block;
+    # the AVX-512 compact kernels (the switch off) sum in another order: close to the tiles, not bitwise.
+    w, x = weights(208, 4864, seed=m), torch.randn(m, 4864).bfloat16()
+    w[3, 5], w[40, 4000], w[207, 4863] = 1e4, -1e-25, 7e3  # escapes, patched into each decoded k-tile
+    blob, bias = compact(w), torch.randn(208)
+    outs = []
+    try:
+        for once in (1, 1_000):
+            ops.set_compact_amx_decode_once(once)
+            outs.append(kernels.linear(x, blob, bias))
+        assert ops.set_compact_amx(False) is False
+        avx512 = kernels.linear(x, blob, bias)
+    finally:
+        ops.set_compact_amx_decode_once(4)
+        assert ops.set_compact_amx(True) is True
+    assert torch.equal(outs[0], outs[1])
+    assert_close(outs[0], x, w, bias)
+    assert_close(avx512, x, w, bias)
+    assert ops.compact_amx_enabled()
+    with pytest.raises(RuntimeError, match="at least one 32-row block"):
+        ops.set_compact_amx_decode_once(0)
 
 
 @pytest.mark.parametrize("m", [5, 32, 37, 70])

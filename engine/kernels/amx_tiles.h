@@ -1,0 +1,133 @@
+// The AMX-BF16 tile loop shared by the packed (amx_bf16.cpp) and compact (compact_amx.h) weight paths.
+//
+// Tiles: C 0..3 (MB x NB of 16x16 fp32: 16-row half h of A times column block j at 2h + j), A 4..5 (the two
+// 16-row halves of a 32-row M block), B 6..7 (k-tile of column block 0 and 1: 16 k-pairs x 16 columns, 1 KiB).
+// A C row is the sum over k-tiles, in order, of tdpbf16ps on that row alone: no other row of A enters it. So a
+// row's result does not depend on how many rows share the call or how its tiles were configured, and C may be
+// stored and reloaded between k-tiles without changing a bit (fp32 in, fp32 out).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace deploykit {
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+
+bool amx_init();                                 // amx_bf16.cpp: the OS grants tile state (Linux >= 5.16)
+void amx_configure_tiles(int rows0, int rows1);  // amx_bf16.cpp: rows of A's halves; every tile 64 bytes wide
+at::Tensor amx_block_x(const at::Tensor& x);     // amx_bf16.cpp: x [M, K] -> zero-padded blocked A tiles
+
+namespace amx {
+
+using bf16 = at::BFloat16;
+
+// Where the A tiles of one M block live: tile k-step s of half h starts at base + h * half + s * step (elements)
+// with rows `ld` bytes apart.
+struct ATiles {
+  const bf16* base;
+  int64_t step, half, ld;
+};
+
+// Plain x [M, K]: tiles are read in place with the activation's row stride.
+inline ATiles plain_a(const bf16* x, int64_t ldx) { return {x, 32, 16 * ldx, ldx * (int64_t)sizeof(bf16)}; }
+
+// Blocked x [M/16, K/32, 16, 32]: every tile is one contiguous 1 KiB block.
+inline ATiles blocked_a(const bf16* xb, int64_t Kh, int64_t mb32) {
+  const int64_t per_half = (Kh / 16) * 512;
+  return {xb + mb32 * 2 * per_half, 512, per_half, 64};
+}
+
+// From this many rows on (prefill), x is copied once into tile blocks (M*K*2 bytes, small next to M*N*K MACs):
+// strided A tiles would touch 16 pages each. Fewer rows are read in place.
+constexpr int64_t BLOCK_X_MIN_M = 64;
+
+// 32-row M blocks per chunk of a prefill, so that the chunk (read again for every column pair) stays in L2.
+inline int64_t chunk_blocks(int64_t K) { return std::max<int64_t>(1, (768 * 1024) / (32 * K * (int64_t)sizeof(bf16))); }
+
+// Weight tiles are requested this far ahead of their tileloadd: a tile load that misses to DRAM stalls the AMX
+// pipe, and the hardware prefetcher restarts at every column block.
+constexpr int64_t PREFETCH_BYTES = 4096;
+
+// B tiles read in place from packed [K/2, 16, 2] blocks (gemv.h), at w0 and w1.
+struct PackedB {
+  const bf16* w0;
+  const bf16* w1;
+  template <int NB>
+  [[gnu::always_inline]] inline void load(int64_t kp) {
+    const char* p0 = reinterpret_cast<const char*>(w0 + kp * 32) + PREFETCH_BYTES;
+    for (int l = 0; l < 16; ++l) _mm_prefetch(p0 + l * 64, _MM_HINT_T0);
+    if constexpr (NB > 1) {
+      const char* p1 = reinterpret_cast<const char*>(w1 + kp * 32) + PREFETCH_BYTES;
+      for (int l = 0; l < 16; ++l) _mm_prefetch(p1 + l * 64, _MM_HINT_T0);
+    }
+    _tile_loadd(6, w0 + kp * 32, 64);
+    if constexpr (NB > 1) _tile_loadd(7, w1 + kp * 32, 64);
+  }
+};
+
+// out[h * 16 + r, 16 nb[j] + c] for MB 16-row halves of A (rows0, rows1 valid rows) and NB column blocks whose
+// k-tiles `b` loads (b.load<NB>(kp) fills B tiles 6 and 7 with k-pairs kp .. kp + 15), over Kh k-pairs.
+template <int MB, int NB, class Source>
+inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t Kh, const int64_t nb[NB],
+                       const float* bias, bf16* out, int64_t ldo) {
+  _tile_zero(0);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (MB > 1) {
+    _tile_zero(2);
+    if constexpr (NB > 1) _tile_zero(3);
+  }
+  const bf16* a0 = a.base;
+  for (int64_t kp = 0; kp < Kh; kp += 16, a0 += a.step) {
+    _tile_loadd(4, a0, a.ld);
+    if constexpr (MB > 1) _tile_loadd(5, a0 + a.half, a.ld);
+    b.template load<NB>(kp);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MB > 1) {
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NB > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float c[4][16 * 16];  // [tile][row * 16 + col]
+  _tile_stored(0, c[0], 64);
+  if constexpr (NB > 1) _tile_stored(1, c[1], 64);
+  if constexpr (MB > 1) {
+    _tile_stored(2, c[2], 64);
+    if constexpr (NB > 1) _tile_stored(3, c[3], 64);
+  }
+  for (int h = 0; h < MB; ++h) {
+    const int rows = h == 0 ? rows0 : rows1;
+    for (int j = 0; j < NB; ++j) {
+      const float* ct = c[h * 2 + j];
+      const __m512 bv = bias ? _mm512_loadu_ps(bias + nb[j] * 16) : _mm512_setzero_ps();
+      for (int r = 0; r < rows; ++r) {
+        __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(ct + r * 16), bv));
+        std::memcpy(out + (h * 16 + r) * ldo + nb[j] * 16, &v, sizeof(v));
+      }
+    }
+  }
+}
+
+// tile_block for a runtime rows1 (0: one half) and block count (1 or 2).
+template <class Source>
+inline void tile_blocks(const ATiles& a, int rows0, int rows1, Source& b, int64_t Kh, const int64_t* nb, int n,
+                        const float* bias, bf16* out, int64_t ldo) {
+  if (rows1 > 0) {
+    if (n > 1) tile_block<2, 2>(a, rows0, rows1, b, Kh, nb, bias, out, ldo);
+    else tile_block<2, 1>(a, rows0, rows1, b, Kh, nb, bias, out, ldo);
+  } else {
+    if (n > 1) tile_block<1, 2>(a, rows0, 0, b, Kh, nb, bias, out, ldo);
+    else tile_block<1, 1>(a, rows0, 0, b, Kh, nb, bias, out, ldo);
+  }
+}
+
+}  // namespace amx
+
+#endif
+
+}  // namespace deploykit
