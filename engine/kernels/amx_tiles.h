@@ -72,14 +72,30 @@ struct PackedB {
 
 // out[h * 16 + r, 16 nb[j] + c] for MB 16-row halves of A (rows0, rows1 valid rows) and NB column blocks whose
 // k-tiles `b` loads (b.load<NB>(kp) fills B tiles 6 and 7 with k-pairs kp .. kp + 15), over Kh k-pairs.
+// partial (or nullptr: all of K at once): the C tiles' fp32 sums over earlier k-slices (read unless first) and, unless
+// last, where this slice's sums go instead of the output: the same tdpbf16ps sequence as one pass over K.
+struct Partial {
+  float* c;  // [4][16 * 16], 64-byte aligned
+  bool first, last;
+};
+
 template <int MB, int NB, class Source>
 inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t Kh, const int64_t nb[NB],
-                       const float* bias, bf16* out, int64_t ldo) {
-  _tile_zero(0);
-  if constexpr (NB > 1) _tile_zero(1);
-  if constexpr (MB > 1) {
-    _tile_zero(2);
-    if constexpr (NB > 1) _tile_zero(3);
+                       const float* bias, bf16* out, int64_t ldo, const Partial* partial = nullptr) {
+  if (partial && !partial->first) {
+    _tile_loadd(0, partial->c, 64);
+    if constexpr (NB > 1) _tile_loadd(1, partial->c + 256, 64);
+    if constexpr (MB > 1) {
+      _tile_loadd(2, partial->c + 512, 64);
+      if constexpr (NB > 1) _tile_loadd(3, partial->c + 768, 64);
+    }
+  } else {
+    _tile_zero(0);
+    if constexpr (NB > 1) _tile_zero(1);
+    if constexpr (MB > 1) {
+      _tile_zero(2);
+      if constexpr (NB > 1) _tile_zero(3);
+    }
   }
   const bf16* a0 = a.base;
   for (int64_t kp = 0; kp < Kh; kp += 16, a0 += a.step) {
@@ -92,6 +108,15 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (NB > 1) _tile_dpbf16ps(3, 5, 7);
     }
+  }
+  if (partial && !partial->last) {
+    _tile_stored(0, partial->c, 64);
+    if constexpr (NB > 1) _tile_stored(1, partial->c + 256, 64);
+    if constexpr (MB > 1) {
+      _tile_stored(2, partial->c + 512, 64);
+      if constexpr (NB > 1) _tile_stored(3, partial->c + 768, 64);
+    }
+    return;
   }
   alignas(64) float c[4][16 * 16];  // [tile][row * 16 + col]
   _tile_stored(0, c[0], 64);
@@ -116,13 +141,13 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
 // tile_block for a runtime rows1 (0: one half) and block count (1 or 2).
 template <class Source>
 inline void tile_blocks(const ATiles& a, int rows0, int rows1, Source& b, int64_t Kh, const int64_t* nb, int n,
-                        const float* bias, bf16* out, int64_t ldo) {
+                        const float* bias, bf16* out, int64_t ldo, const Partial* partial = nullptr) {
   if (rows1 > 0) {
-    if (n > 1) tile_block<2, 2>(a, rows0, rows1, b, Kh, nb, bias, out, ldo);
-    else tile_block<2, 1>(a, rows0, rows1, b, Kh, nb, bias, out, ldo);
+    if (n > 1) tile_block<2, 2>(a, rows0, rows1, b, Kh, nb, bias, out, ldo, partial);
+    else tile_block<2, 1>(a, rows0, rows1, b, Kh, nb, bias, out, ldo, partial);
   } else {
-    if (n > 1) tile_block<1, 2>(a, rows0, 0, b, Kh, nb, bias, out, ldo);
-    else tile_block<1, 1>(a, rows0, 0, b, Kh, nb, bias, out, ldo);
+    if (n > 1) tile_block<1, 2>(a, rows0, 0, b, Kh, nb, bias, out, ldo, partial);
+    else tile_block<1, 1>(a, rows0, 0, b, Kh, nb, bias, out, ldo, partial);
   }
 }
 

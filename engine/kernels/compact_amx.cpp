@@ -1,9 +1,9 @@
 // compact_linear on AMX tiles (compact_amx.h) for every M, and the switch that turns it on.
 //
 // Up to 32 rows, x is read in place and each thread decodes its column blocks' k-tiles into L1 as the tiles take
-// them. Past 32 rows (prefill), x is copied into tile blocks and each pair of column blocks is decoded once into a
-// per-thread L2 buffer (K x 64 bytes: 56 KiB at K = 896, 304 KiB at K = 4864) that every 32-row block of the chunk
-// reads; amx_bf16.cpp's chunking keeps the x chunk in L2 beside it. Both give each row the same tdpbf16ps sequence.
+// them. Past 32 rows (prefill), x is copied into tile blocks, and a chunk of 32-row blocks either decodes each pair
+// of column blocks again per block, or once, in k-slices that every block of the chunk reads from L1 (see below).
+// Every way gives each row the same tdpbf16ps sequence.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -19,12 +19,20 @@ namespace deploykit {
 
 using bf16 = at::BFloat16;
 
-// From this many 32-row blocks in a chunk on, a pair of column blocks is decoded once into L2 for all of them;
-// below, every block's tiles decode the pair's k-tiles again as they go, which overlaps the decode with the tile
-// work. Measured on a 2-core Sapphire Rapids over the benchmark model's 4 matrix shapes against the packed 16-bit
-// AMX kernel: decoding again 1.05-1.09x its time at 64 rows (once: 1.21-1.25x), even at 128 rows, decoding once
-// 1.06-1.09x at 512 rows with K = 896 (13 blocks a chunk; again: 1.15-1.21x); K = 4864 (2 blocks a chunk) 1.05x
-// decoding again, 1.30x once. Runtime-settable so that tests compare both paths bitwise.
+// Past 32 rows x is copied into tile blocks and taken in chunks of 32-row blocks of at most CHUNK_BYTES, which stay in
+// L2 (2 MiB a core on every AMX CPU so far) while each of the thread's column-block pairs goes over them.
+constexpr int64_t CHUNK_BYTES = 1024 * 1024;
+// Decoded once, a pair is decoded a slice of SLICE k-pairs at a time into L1 (2 x 192 x 64 bytes = 24 KiB), and every
+// 32-row block of the chunk runs that slice's tiles on it, its C tiles' fp32 sums kept in L1 between slices
+// (amx::Partial: bitwise one pass over K). Decoding the whole pair into L2 instead read B tiles from L2 at
+// 1.06-1.09x the packed 16-bit kernel's time; slices of 192 k-pairs 0.93-1.01x, of 448 1.07-1.17x, of 96 1.00-1.05x.
+constexpr int64_t SLICE = 192;
+// From this many 32-row blocks in a chunk on, a pair of column blocks is decoded once (in slices) for all of them;
+// below, every block's tiles decode the pair's k-tiles again as they go (compact_amx::CompactB), which overlaps the
+// decode with the tile work. Measured on a 2-core Sapphire Rapids-class Xeon over the benchmark model's matrices
+// against the packed 16-bit AMX kernel: at 96 rows decoding again 0.96-1.15x its time, once 1.15-1.18x; at 128 rows
+// (4 blocks, K = 896) once 1.06-1.12x, again 1.17-1.19x; at 512 rows and K = 896 once 0.92-1.01x, again 1.27-1.30x;
+// K = 4864 (3 blocks a chunk) decoding again 1.04x. Runtime-settable so that tests compare both paths bitwise.
 std::atomic<int64_t> decode_once_min_blocks{4};
 
 // x [M, K] bf16, a compact blob [N, K] with K % 32 == 0, bias [N] or None -> [M, N] bf16.
@@ -43,10 +51,11 @@ at::Tensor compact_linear_amx(const at::Tensor& x, const at::Tensor& blob, const
   }
   const at::Tensor xb = amx_block_x(x);  // zero-padded to whole 32-row blocks
   const bf16* xbp = xb.data_ptr<bf16>();
-  const int64_t mblocks = (M + 31) / 32, chunk = amx::chunk_blocks(w.K);
+  const int64_t mblocks = (M + 31) / 32, chunk = std::max<int64_t>(1, CHUNK_BYTES / (32 * w.K * 2));
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
-    bf16* buf = static_cast<bf16*>(std::aligned_alloc(64, 2 * Kh * 64));
-    TORCH_CHECK(buf, "compact_linear_amx: out of memory for a decode buffer");
+    bf16* buf = static_cast<bf16*>(std::aligned_alloc(64, 2 * SLICE * 64));
+    float* cbuf = static_cast<float*>(std::aligned_alloc(64, chunk * 4096));
+    TORCH_CHECK(buf && cbuf, "compact_linear_amx: out of memory for a decode buffer");
     {
       compact_amx::Tiles tiles(16, 16);
       for (int64_t c0 = 0; c0 < mblocks; c0 += chunk)
@@ -55,12 +64,18 @@ at::Tensor compact_linear_amx(const at::Tensor& x, const at::Tensor& blob, const
           const int n = nb[1] < NB ? 2 : 1;
           const int64_t m1 = std::min(mblocks, c0 + chunk);
           if (m1 - c0 >= decode_once_min_blocks.load(std::memory_order_relaxed)) {
-            for (int j = 0; j < n; ++j) compact::unpack_block(w, nb[j], buf + j * Kh * 32);
-            amx::PackedB b{buf, buf + Kh * 32};
-            for (int64_t mb = c0; mb < m1; ++mb) {
-              const int rows = (int)std::min<int64_t>(32, M - mb * 32);
-              amx::tile_blocks(amx::blocked_a(xbp, Kh, mb), std::min(rows, 16), std::max(rows - 16, 0), b, Kh, nb,
-                               n, args.b, args.o + mb * 32 * N, N);
+            for (int64_t k0 = 0; k0 < Kh; k0 += SLICE) {
+              const int64_t kn = std::min(SLICE, Kh - k0);
+              for (int j = 0; j < n; ++j) compact::unpack_groups(w, nb[j], k0 / 4, (k0 + kn) / 4, buf + j * SLICE * 32);
+              amx::PackedB b{buf, buf + SLICE * 32};
+              for (int64_t mb = c0; mb < m1; ++mb) {
+                const int rows = (int)std::min<int64_t>(32, M - mb * 32);
+                amx::ATiles a = amx::blocked_a(xbp, Kh, mb);
+                a.base += (k0 / 16) * a.step;
+                const amx::Partial part{cbuf + (mb - c0) * 1024, k0 == 0, k0 + kn == Kh};
+                amx::tile_blocks(a, std::min(rows, 16), std::max(rows - 16, 0), b, kn, nb, n, args.b,
+                                 args.o + mb * 32 * N, N, &part);
+              }
             }
           } else {
             for (int64_t mb = c0; mb < m1; ++mb) {
@@ -73,6 +88,7 @@ at::Tensor compact_linear_amx(const at::Tensor& x, const at::Tensor& blob, const
         }
     }
     std::free(buf);
+    std::free(cbuf);
   });
   return args.out;
 }

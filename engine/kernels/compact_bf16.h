@@ -205,20 +205,24 @@ inline void rows(int64_t M, const bf16* x, int64_t ldx, const Matrix& w, int64_t
   gemv::with_rows(M, [&](auto mt) { range<decltype(mt)::value>(x, ldx, w, b0, b1, bias, out, ldo); });
 }
 
-// Block nb as packed bf16 lines [K/2, 16, 2] (gemv.h) at dst, exceptions included: exactly the packed matrix's block.
-inline void unpack_block(const Matrix& w, int64_t nb, bf16* dst) {
+// Groups [q0, q1) of block nb as packed bf16 lines [4 (q1 - q0), 16, 2] (gemv.h) at dst, exceptions included: exactly
+// those k-pairs of the packed matrix's block.
+inline void unpack_groups(const Matrix& w, int64_t nb, int64_t q0, int64_t q1, bf16* dst) {
   const uint8_t* src = w.data + nb * w.groups * GROUP_BYTES;
-  for (int64_t q = 0; q < w.groups; ++q) {
+  for (int64_t q = q0; q < q1; ++q) {
     __m512i lines[GROUP_PAIRS];
     decode(src + q * GROUP_BYTES, w.table, lines);
-    for (int j = 0; j < GROUP_PAIRS; ++j) _mm512_storeu_si512(dst + (GROUP_PAIRS * q + j) * 32, lines[j]);
+    for (int j = 0; j < GROUP_PAIRS; ++j) _mm512_storeu_si512(dst + (GROUP_PAIRS * (q - q0) + j) * 32, lines[j]);
   }
   uint16_t* words = reinterpret_cast<uint16_t*>(dst);
   for (int64_t i = w.index[nb]; i < w.index[nb + 1]; ++i) {
     const Exception& e = w.exceptions[i];
-    words[(GROUP_PAIRS * e.group + e.line) * 32 + e.word] = e.bits;
+    if (e.group >= q0 && e.group < q1) words[(GROUP_PAIRS * (e.group - q0) + e.line) * 32 + e.word] = e.bits;
   }
 }
+
+// Block nb as packed bf16 lines [K/2, 16, 2] (gemv.h) at dst, exceptions included: exactly the packed matrix's block.
+inline void unpack_block(const Matrix& w, int64_t nb, bf16* dst) { unpack_groups(w, nb, 0, w.groups, dst); }
 
 }  // namespace compact
 }  // namespace deploykit

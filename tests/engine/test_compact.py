@@ -109,11 +109,13 @@ def test_compact_linear_is_close_to_fp32_and_row_invariant(m, n, k):
 
 @pytest.mark.skipif(not kernels.status()["compact_amx"], reason="compact matrices run on AMX tiles only on AMX CPUs")
 @pytest.mark.parametrize("m", [1, 4, 40, 130, 300])
-def test_amx_tiles_on_compact_weights_decode_once_or_again_to_the_same_bits(m):
-    # A prefill decodes each pair of column blocks once for a chunk of 4+ 32-row blocks, else again for every block;
-    # the AVX-512 compact kernels (the switch off) sum in another order: close to the tiles, not bitwise.
-    w, x = weights(208, 4864, seed=m), torch.randn(m, 4864).bfloat16()
-    w[3, 5], w[40, 4000], w[207, 4863] = 1e4, -1e-25, 7e3  # escapes, patched into each decoded k-tile
+@pytest.mark.parametrize("k", [896, 4864])
+def test_amx_tiles_on_compact_weights_decode_once_or_again_to_the_same_bits(m, k):
+    # A prefill decodes each pair of column blocks once (in k-slices of 192 pairs, the C tiles' sums kept between
+    # them) for a chunk of 4+ 32-row blocks, else again for every block; the AVX-512 compact kernels (the switch off)
+    # sum in another order: close to the tiles, not bitwise.
+    w, x = weights(208, k, seed=m), torch.randn(m, k).bfloat16()
+    w[3, 5], w[40, k - 800], w[207, k - 1] = 1e4, -1e-25, 7e3  # escapes, patched into each decoded k-tile
     blob, bias = compact(w), torch.randn(208)
     outs = []
     try:
