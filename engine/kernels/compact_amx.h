@@ -3,7 +3,8 @@
 // Every k-tile of a column block (4 compact groups: 16 k-pairs x 16 columns) is decoded into a 1 KiB buffer in L1
 // and loaded from there as a B tile, so the 12-bit stream is read once and never written out as 16 bits (unpacking
 // a matrix for the packed AMX kernel cost ~1 ms, 93 of a 512-token prefill's 345 ms, and kept 5-63 rows off AMX).
-// Prefill (compact_amx.cpp) decodes a pair of blocks once into L2 for all its 32-row blocks instead.
+// A long prefill (compact_amx.cpp) decodes a pair of blocks once, a k-slice at a time into L1, for a chunk's 32-row
+// blocks instead.
 //
 // Either way a row gets the same sequence of tdpbf16ps (amx_tiles.h): on an AMX CPU a row's output is a function of
 // that row alone, for one row (the fused decode step), a batch, or a prefill chunk of any size. That is what keeps
