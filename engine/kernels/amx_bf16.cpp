@@ -63,7 +63,7 @@ inline void m_block(const ATiles& a, int rows, const bf16* wp, int64_t Kh, int64
   const int rows0 = std::min(rows, 16), rows1 = rows - rows0;
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t nb[2] = {p * 2, p * 2 + 1};
-    amx::PackedB b{wp + nb[0] * Kh * 32, wp + nb[1] * Kh * 32};
+    amx::PackedB<> b{wp + nb[0] * Kh * 32, wp + nb[1] * Kh * 32};
     amx::tile_blocks(a, rows0, rows1, b, Kh, nb, nb[1] < NB ? 2 : 1, bias, out, ldo);
   }
 }

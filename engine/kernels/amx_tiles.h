@@ -53,15 +53,19 @@ inline int64_t chunk_blocks(int64_t K) { return std::max<int64_t>(1, (768 * 1024
 // pipe, and the hardware prefetcher restarts at every column block.
 constexpr int64_t PREFETCH_BYTES = 4096;
 
-// B tiles read in place from packed [K/2, 16, 2] blocks (gemv.h), at w0 and w1.
+// B tiles read in place from packed [K/2, 16, 2] blocks (gemv.h), at w0 and w1. PF: request them ahead (off for a
+// buffer that was just decoded into L1).
+template <bool PF = true>
 struct PackedB {
   const bf16* w0;
   const bf16* w1;
   template <int NB>
   [[gnu::always_inline]] inline void load(int64_t kp) {
-    const char* p0 = reinterpret_cast<const char*>(w0 + kp * 32) + PREFETCH_BYTES;
-    for (int l = 0; l < 16; ++l) _mm_prefetch(p0 + l * 64, _MM_HINT_T0);
-    if constexpr (NB > 1) {
+    if constexpr (PF) {
+      const char* p0 = reinterpret_cast<const char*>(w0 + kp * 32) + PREFETCH_BYTES;
+      for (int l = 0; l < 16; ++l) _mm_prefetch(p0 + l * 64, _MM_HINT_T0);
+    }
+    if constexpr (PF && NB > 1) {
       const char* p1 = reinterpret_cast<const char*>(w1 + kp * 32) + PREFETCH_BYTES;
       for (int l = 0; l < 16; ++l) _mm_prefetch(p1 + l * 64, _MM_HINT_T0);
     }

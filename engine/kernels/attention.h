@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "gemv.h"
 #include "paged_kv.h"
 #include "vec.h"
 
@@ -45,27 +46,9 @@ struct Scratch {
 // Query heads whose output sums one register pass keeps (GT of 32 registers, with V and the broadcast p).
 constexpr int64_t GT = 8;
 
-// f(std::integral_constant<int, n>{}) for a runtime 1 <= n <= GT.
-template <int N = 1, class F>
-inline void with_heads(int64_t n, F&& f) {
-  if constexpr (N < GT) {
-    if (n != N) return with_heads<N + 1>(n, f);
-  }
-  f(std::integral_constant<int, N>{});
-}
-
 // Output sums the value pass keeps in registers (heads x 16-lane chunks; with V and the broadcast p, of 32).
 constexpr int64_t PV_REGISTERS = 28;
 constexpr int MAX_CHUNKS = 16;  // MAX_HEAD_DIM / 16
-
-// f(std::integral_constant<int, c>{}) for a runtime 1 <= c <= MAX_CHUNKS.
-template <int C = 1, class F>
-inline void with_chunks(int64_t c, F&& f) {
-  if constexpr (C < MAX_CHUNKS) {
-    if (c != C) return with_chunks<C + 1>(c, f);
-  }
-  f(std::integral_constant<int, C>{});
-}
 
 // A task's K or V rows are scattered one per token (512 bytes apart at 2 KV heads of 64), which the hardware
 // prefetcher follows poorly: the key and value loops request their rows this many 16-key steps ahead. Measured
@@ -170,8 +153,8 @@ inline void attend(const bf16* q, const PagedKV& kv, const int32_t* table, int64
     const int64_t n = std::min<int64_t>(GT, G - g);
     for (int64_t d = 0; d < D;) {
       const int64_t c = std::min<int64_t>((D - d) / 16, PV_REGISTERS / n);
-      with_heads(n, [&](auto gt) {
-        with_chunks(c, [&](auto ct) {
+      gemv::with_rows<GT>(n, [&](auto gt) {  // n heads and c chunks made compile-time
+        gemv::with_rows<MAX_CHUNKS>(c, [&](auto ct) {
           constexpr int N = decltype(gt)::value, C = decltype(ct)::value;
           if constexpr (N * C <= PV_REGISTERS)  // c <= PV_REGISTERS / n: the others are never called
             pv_sums<N, C>(scores + g * T, T, keys, voff, d, s.inv.data() + g, out + g * D, D);

@@ -57,7 +57,7 @@ at::Tensor compact_linear_amx(const at::Tensor& x, const at::Tensor& blob, const
     float* cbuf = static_cast<float*>(std::aligned_alloc(64, chunk * 4096));
     TORCH_CHECK(buf && cbuf, "compact_linear_amx: out of memory for a decode buffer");
     {
-      compact_amx::Tiles tiles(16, 16);
+      compact_amx::Tiles tiles(32);
       for (int64_t c0 = 0; c0 < mblocks; c0 += chunk)
         for (int64_t p = p0; p < p1; ++p) {
           const int64_t nb[2] = {2 * p, 2 * p + 1};
@@ -67,7 +67,7 @@ at::Tensor compact_linear_amx(const at::Tensor& x, const at::Tensor& blob, const
             for (int64_t k0 = 0; k0 < Kh; k0 += SLICE) {
               const int64_t kn = std::min(SLICE, Kh - k0);
               for (int j = 0; j < n; ++j) compact::unpack_groups(w, nb[j], k0 / 4, (k0 + kn) / 4, buf + j * SLICE * 32);
-              amx::PackedB b{buf, buf + SLICE * 32};
+              amx::PackedB<false> b{buf, buf + SLICE * 32};
               for (int64_t mb = c0; mb < m1; ++mb) {
                 const int rows = (int)std::min<int64_t>(32, M - mb * 32);
                 amx::ATiles a = amx::blocked_a(xbp, Kh, mb);

@@ -78,15 +78,15 @@ struct CompactB {
   }
 };
 
-// The tiles of this thread configured for rows0 + rows1 rows of A (rows1 > 0 only past 16 rows) for its lifetime.
+// The tiles of this thread configured for M <= 32 rows of A (two 16-row halves) for its lifetime.
 struct Tiles {
-  Tiles(int rows0, int rows1) { amx_configure_tiles(rows0, rows1); }
+  explicit Tiles(int64_t M) { amx_configure_tiles((int)std::min<int64_t>(M, 16), (int)std::max<int64_t>(M - 16, 0)); }
   ~Tiles() { _tile_release(); }
   Tiles(const Tiles&) = delete;
   Tiles& operator=(const Tiles&) = delete;
 };
 
-// out[m, 16 nb[j] + c] for M <= 32 rows of x read in place (tiles configured for them: Tiles(min(M, 16), M - that))
+// out[m, 16 nb[j] + c] for M <= 32 rows of x read in place (tiles configured for them: Tiles(M))
 // and n = 1 or 2 column blocks of any ids.
 inline void blocks(int64_t M, const bf16* x, int64_t ldx, const compact::Matrix& w, const int64_t* nb, int n,
                    const float* bias, bf16* out, int64_t ldo) {
@@ -99,8 +99,7 @@ inline void blocks(int64_t M, const bf16* x, int64_t ldx, const compact::Matrix&
 // Column blocks [b0, b1) for M <= 32 rows, two at a time; configures this thread's tiles for the call.
 inline void rows(int64_t M, const bf16* x, int64_t ldx, const compact::Matrix& w, int64_t b0, int64_t b1,
                  const float* bias, bf16* out, int64_t ldo) {
-  const int rows0 = (int)std::min<int64_t>(M, 16);
-  Tiles tiles(rows0, (int)M - rows0);
+  Tiles tiles(M);
   for (int64_t nb = b0; nb < b1; nb += 2) {
     const int64_t ids[2] = {nb, nb + 1};
     blocks(M, x, ldx, w, ids, (int)std::min<int64_t>(2, b1 - nb), bias, out, ldo);
@@ -110,7 +109,7 @@ inline void rows(int64_t M, const bf16* x, int64_t ldx, const compact::Matrix& w
 #else  // the plain AVX-512F build has no tiles: `enabled` stays off and these are never called
 
 struct Tiles {
-  Tiles(int, int) {}
+  explicit Tiles(int64_t) {}
 };
 
 inline void blocks(int64_t, const at::BFloat16*, int64_t, const compact::Matrix&, const int64_t*, int, const float*,

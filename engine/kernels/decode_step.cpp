@@ -336,8 +336,7 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
         for (int64_t b = 0; b < B; ++b) a[b] = act_q.row(b);  // x is still quantized from the gate call
         quant::rows(B, a, y.gate_up.q, J + jb0, J + jb1, y.gate_up_bias, gu.data(), 2 * I);
       } else if (y.gate_up.kind == Weight::COMPACT && compact_amx::on(y.gate_up.c)) {  // gate j and up j as a pair
-        const int rows0 = (int)std::min<int64_t>(B, 16);
-        compact_amx::Tiles tiles(rows0, (int)B - rows0);
+        compact_amx::Tiles tiles(B);
         for (int64_t j = jb0; j < jb1; ++j) {
           const int64_t ids[2] = {j, J + j};
           compact_amx::blocks(B, x, H, y.gate_up.c, ids, 2, y.gate_up_bias, gu.data(), 2 * I);
