@@ -244,6 +244,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 # decode and prefill at AMX speed without unpacking it, and a row's output the same whatever rows share its call.
 # The AVX-512 compact kernels sum in another order, so the switch is one per process, made here at load.
 _compact_amx = bool(_ops.set_compact_amx(True)) if _ops is not None and _NATIVE.amx else False
+# Block-quantized matrices take AMX-INT8 tiles from 16 rows where the CPU has them (kernels/quant_amx.h): the same
+# int32 sums and fp32 steps as the VNNI GEMV, so no switch per process is needed for batch invariance.
+_quant_amx = bool(_ops.set_quant_amx(True)) if _ops is not None and _QUANT and _NATIVE.amx else False
 
 
 def _linear_compact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -377,6 +380,7 @@ def status() -> dict:
         "plain_amx_max_m": PLAIN_AMX_MAX_M,
         "compact_amx": _compact_amx,  # compact bf16 matrices on AMX tiles at every M (kernels/compact_amx.h)
         "quantized": _QUANT,
+        "quant_amx": _quant_amx,  # block-quantized matrices on AMX-INT8 tiles from 16 rows (kernels/quant_amx.h)
         "fp32_ops": _qops is not None,  # f32_ops.cpp: fp32 norms, rotary, SiLU and decode attention native
         "bf16_weights_in_fp32": _qops is not None,  # bf16w_linear.cpp: a bf16 checkpoint's matrices stay bf16
         "gemv_streams": int(_ops.gemv_streams()) if _ops is not None else None,

@@ -25,8 +25,8 @@ SOURCES = ("gemv_bf16.cpp", "amx_bf16.cpp", "amx_plain_bf16.cpp", "stream_read.c
 # f32_ops.cpp. Both of those files are AVX2 + FMA code that every build holds.
 AVX2_SOURCES = ("quant_pack.cpp", "qlinear.cpp", "stream_read.cpp", "f32_ops.cpp", "bf16w_linear.cpp")
 HEADERS = ("vec.h", "gemv.h", "row_ops.h", "attention.h", "op_args.h", "quant_layout.h", "quant_act.h", "quant_gemv.h",
-           "quant_gemv_avx2.h", "quant_rows.h", "quant_stream.h", "step_profile.h", "compact_bf16.h",
-           "compact_amx.h", "amx_tiles.h", "paged_kv.h")
+           "quant_gemv_avx2.h", "quant_rows.h", "quant_stream.h", "quant_scale.h", "quant_amx.h", "step_profile.h",
+           "compact_bf16.h", "compact_amx.h", "amx_tiles.h", "paged_kv.h")
 MANIFEST_NAME = "manifest.json"
 SOURCE_DIR = Path(__file__).resolve().parent
 
@@ -47,7 +47,7 @@ class Variant:
 
 
 VARIANTS = {
-    "avx512bf16": Variant(AVX512_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16"), SOURCES),
+    "avx512bf16": Variant(AVX512_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8"), SOURCES),
     "avx512": Variant(AVX512_FLAGS, SOURCES),
     "avx2": Variant(("-mavx2", "-mfma", "-mf16c"), AVX2_SOURCES),
 }

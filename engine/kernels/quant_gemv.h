@@ -19,6 +19,7 @@
 
 #include "quant_act.h"
 #include "quant_layout.h"
+#include "quant_scale.h"
 #include "quant_stream.h"
 #include "vec.h"
 
@@ -38,9 +39,6 @@ namespace quant {
 // below or without it (benchmarks/decode_profile.py --gguf, Q4_0, variants alternated in one process, time a token
 // over one stream 4 KiB ahead: 8 runs 1.14-1.22x, 4 runs 1.12-1.13x, 2 runs 1.05x; probe 29-52 GB/s).
 
-inline __m512 halves(const uint8_t* p) {  // 16 fp16 -> fp32
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 // acc + w . (the 4 int8 at p, broadcast to every lane): vpdpbusd with its activations read as an embedded broadcast
 // ({1to16}) rather than a separate vpbroadcastd per dot product, which GCC 12 does not fold by itself. Two fewer
 // instructions per 64-byte line of a 4-bit format, one fewer for Q8_0, and the same int32 sums. Measured on Zen 4 at
@@ -54,7 +52,6 @@ inline __m512i dot4(__m512i acc, __m512i w, const int8_t* p) {
   return acc;
 }
 inline __m512i bcast4(const int32_t* p) { return _mm512_set1_epi32(*p); }
-inline __m512 cvt(__m512i v) { return _mm512_cvtepi32_ps(v); }
 
 inline void store16(at::BFloat16* p, __m512 v) { vec::store16(p, v); }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
@@ -64,7 +61,7 @@ inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 template <int F, int MT, bool Ahead, class Out>
 inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const float* bias, Out* out, int64_t ldo) {
   constexpr Info inf = info_of(F);
-  constexpr bool nibbles = F != Q8_0, five = F == Q5_0 || F == Q5_1, offset = F == Q4_1 || F == Q5_1;
+  constexpr bool nibbles = F != Q8_0, five = F == Q5_0 || F == Q5_1;
   // 4-bit codes without a fifth or sixth bit: the high nibble is dotted where it lies (16 x its value, one ANDN
   // instead of a shift and an AND per line) and the unit's sum shifted back once, exactly (a multiple of 16: Q4_0's
   // chain starts at -128 sum q = 16 x -8 sum q; at most 4 x 4 x 240 x 128 + 128 x 32 x 127 per lane). In-cache (L3)
@@ -129,49 +126,19 @@ inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const fl
           }
         }
       }
-      // acc (+ accb) = sum over the unit of code * q; scale it into accf.
+      // acc (+ accb) = sum over the unit of code * q; make it signed (Q5_0, Q6_K) and scale it into accf.
       if constexpr (F != Q6_K)
         for (int m = 0; m < MT; ++m)
           acc[m] = _mm512_add_epi32(acc[m], hi16 ? _mm512_srai_epi32(accb[m], 4) : accb[m]);
-      const uint8_t* ch = base + c * inf.chunk_bytes;
-      if constexpr (F == Q8_0 || F == Q4_0 || F == Q5_0) {  // Q8_0 and Q4_0 took their zero point above
-        const __m512 dw = halves(ch + (F == Q8_0 ? 1024 : F == Q4_0 ? 512 : 640) + u * 32);
+      if constexpr (F == Q5_0)
+        for (int m = 0; m < MT; ++m) acc[m] = _mm512_sub_epi32(acc[m], _mm512_set1_epi32(16 * act[m].s32[unit]));
+      if constexpr (F == Q6_K)
         for (int m = 0; m < MT; ++m) {
-          const __m512i t = F == Q5_0 ? _mm512_sub_epi32(acc[m], _mm512_set1_epi32(16 * act[m].s32[unit])) : acc[m];
-          accf[m] = _mm512_fmadd_ps(cvt(t), _mm512_mul_ps(dw, _mm512_set1_ps(act[m].dh[unit])), accf[m]);
+          acc[m] = _mm512_sub_epi32(acc[m], _mm512_set1_epi32(32 * act[m].s16[2 * unit]));
+          accb[m] = _mm512_sub_epi32(accb[m], _mm512_set1_epi32(32 * act[m].s16[2 * unit + 1]));
         }
-      } else if constexpr (offset) {  // d_w dh sum c q + m_w s, s = fp16(d sum q): Q8_1's terms
-        const uint8_t* sc = ch + (five ? 640 : 512);
-        const __m512 dw = halves(sc + u * 32), mw = halves(sc + 64 + u * 32);
-        for (int m = 0; m < MT; ++m) {
-          const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(act[m].dh[unit]));
-          accf[m] = _mm512_fmadd_ps(cvt(acc[m]), scale, accf[m]);
-          accf[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(act[m].ms[unit]), accf[m]);
-        }
-      } else if constexpr (F == Q4_K) {
-        const auto u8s = [&](int64_t at) {
-          return cvt(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + at))));
-        };
-        const __m512 scale = _mm512_mul_ps(halves(ch + 2048), u8s(2048 + 64 + u * 16));
-        const __m512 mins = _mm512_mul_ps(halves(ch + 2048 + 32), u8s(2048 + 192 + u * 16));
-        for (int m = 0; m < MT; ++m) {
-          const float dx = act[m].d[unit];
-          accf[m] = _mm512_fmadd_ps(cvt(acc[m]), _mm512_mul_ps(scale, _mm512_set1_ps(dx)), accf[m]);
-          accf[m] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(dx * (float)act[m].s32[unit]), accf[m]);
-        }
-      } else {  // Q6_K: d * (sc_a * (dot_a - 32 sum_a) + sc_b * (dot_b - 32 sum_b)) per 16 k
-        const auto s8s = [&](int64_t at) {
-          return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + at)));
-        };
-        const __m512i sa = s8s(3072 + 2 * u * 16), sb = s8s(3072 + (2 * u + 1) * 16);
-        const __m512 dw = halves(ch + 3072 + 256);
-        for (int m = 0; m < MT; ++m) {
-          const __m512i ta = _mm512_sub_epi32(acc[m], _mm512_set1_epi32(32 * act[m].s16[2 * unit]));
-          const __m512i tb = _mm512_sub_epi32(accb[m], _mm512_set1_epi32(32 * act[m].s16[2 * unit + 1]));
-          const __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(ta, sa), _mm512_mullo_epi32(tb, sb));
-          accf[m] = _mm512_fmadd_ps(cvt(t), _mm512_mul_ps(dw, _mm512_set1_ps(act[m].d[unit])), accf[m]);
-        }
-      }
+      const UnitScale<F> scale(base + c * inf.chunk_bytes, u);
+      for (int m = 0; m < MT; ++m) accf[m] = scale.apply(accf[m], acc[m], accb[m], ActScalars{act[m], unit});
     }
   }
   const int64_t col = p.row0 + 16 * gl;

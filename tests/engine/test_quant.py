@@ -150,14 +150,45 @@ def test_q4_1_offsets_meet_the_activations_as_llama_cpps_q8_1_blocks():
 
 
 def test_rows_are_bitwise_the_same_in_any_batch():
-    """Each output row depends on its own activations only: a row computed alone equals it inside a batch of 4, 7
-    or 16 (the fused decode step and the per-op path share this property)."""
+    """Each output row depends on its own activations only: a row computed alone equals it inside a batch of 4, 7,
+    16 or 40 (the fused decode step and the per-op path share this property; on AMX-INT8 CPUs 16 rows and more run
+    on tiles)."""
     raw = random_raw("Q4_K", 64, 512)
     blob = quant.pack([raw])
-    x = torch.randn(16, 512).bfloat16()
-    alone = torch.cat([kernels.linear(x[i:i + 1], blob) for i in range(16)])
-    for m in (4, 7, 16):
+    x = torch.randn(40, 512).bfloat16()
+    alone = torch.cat([kernels.linear(x[i:i + 1], blob) for i in range(40)])
+    for m in (4, 7, 16, 40):
         assert torch.equal(kernels.linear(x[:m], blob), alone[:m])
+
+
+@pytest.mark.skipif(not kernels.status().get("quant_amx"),
+                    reason="this CPU has no AMX-INT8 (or the OS grants no tile state): the tiles cannot run here")
+@pytest.mark.parametrize("fmt", FORMATS + ["mixed"])
+def test_amx_tiles_give_each_row_the_bits_of_the_gemv(fmt):
+    """On AMX-INT8 CPUs, 16 rows and more take tiles (kernels/quant_amx.h): each unit's int32 dots summed by tdpbssd
+    and the GEMV's fp32 steps, so every row equals the GEMV's result for that row alone, bitwise, in every format,
+    for row counts that leave a partial 16-row block, with bf16 and fp32 activations, a bias and fp32 logits, and on a
+    matrix whose parts mix formats (as Q4_K_M files do: Q4_K with Q6_K, which runs tiles of 16 k)."""
+    ops = torch.ops.deploykit
+    torch.manual_seed(0)
+    if fmt == "mixed":
+        raws, k = [random_raw("Q4_K", 32, 768, 1), random_raw("Q6_K", 48, 768, 2), random_raw("Q4_K", 16, 768, 3)], 768
+    else:
+        k = 768 if fmt.endswith("_K") else 320
+        raws = [random_raw(fmt, 96, k)]
+    blob, n = quant.pack(raws), sum(r.data.shape[0] for r in raws)
+    bias = torch.randn(n)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(70, k) * 3).to(dtype)
+        try:
+            ops.set_quant_amx(False)
+            alone = torch.cat([kernels.linear(x[i:i + 1], blob, bias) for i in range(70)])
+            alone_logits = torch.cat([kernels.logits(x[i:i + 1], blob) for i in range(70)])
+        finally:
+            assert ops.set_quant_amx(True)
+        for m in (16, 17, 33, 70):
+            assert torch.equal(kernels.linear(x[:m], blob, bias), alone[:m]), (fmt, dtype, m)
+        assert torch.equal(kernels.logits(x, blob), alone_logits), (fmt, dtype)
 
 
 def test_the_prefetch_distance_never_changes_a_result():

@@ -1,0 +1,329 @@
+// quant_linear's many-row path on AMX-INT8 tiles (Sapphire Rapids and later). Every 32-k unit's int32 dot products
+// are the VNNI GEMV's (quant_gemv.h), summed by tdpbssd instead of vpdpbusd, and end in the same fp32 steps
+// (quant_scale.h), so each row's output is bitwise what it gets alone: the row count only picks the kernel.
+//
+// Each unit of a 16-column group is decoded once into a B tile, 8 rows (k-groups) x 64 bytes (16 columns x 4 k):
+// the packed line layout (quant_layout.h) with the codes made signed (Q8_0 c - 128, Q4_0 c - 8, Q5_0 c - 16, Q6_K
+// c - 32; the others keep their unsigned codes, 0-31, whose offsets come in the fp32 steps). x's quantized rows
+// (quant_act.h) are copied into A tiles, [16-row block][unit][16 rows][32 k]. Every unit has its own scales, so a C
+// tile (16 rows x 16 columns of int32) holds one unit at a time: it is stored to L1 and folded into the 16 rows'
+// fp32 sums, which stay in registers over K. Four C tiles take units in turn, so later units' tdpbssd and tile stores
+// run under this one's fp32 steps (step() below). Q6_K's two 16-k halves have their own sub-scales: two C tiles a unit, from A tiles 16 bytes wide and B
+// tiles of 4 rows (a second tile configuration).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "quant_act.h"
+#include "quant_layout.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BF16__)
+#include "amx_tiles.h"
+#include "quant_scale.h"
+#include "vec.h"
+#endif
+
+namespace deploykit {
+namespace quant_amx {
+
+// Turned on at load where the CPU has AMX-INT8 and the OS grants tile state (engine/kernels/__init__.py).
+inline std::atomic<bool> enabled{false};
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BF16__)
+
+// GCC 12 warns inside its own _mm512_cvtph_ps / _mm512_cvtepi32_ps about an _mm512_undefined_* placeholder.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+using namespace quant;
+
+constexpr int64_t TILE_BYTES = 512;  // one A tile (16 rows x 32 k) or one decoded unit (8 k-groups x 64 bytes)
+// Rows of x per pass over the thread's columns: their A tiles and scales stay in L2 (2 MiB a core on every AMX CPU)
+// while each group of decoded columns runs over them.
+constexpr int64_t ROWS_BYTES = 1024 * 1024;
+// Decoded columns per pass over those rows: at most this many bytes, in L2 beside them.
+constexpr int64_t DECODED_BYTES = 256 * 1024;
+
+// Unit u of the chunk at ch (one 16-row group's chunk) -> dst [8][64], signed.
+template <int F>
+[[gnu::always_inline]] inline void decode_unit(const uint8_t* ch, int u, int8_t* dst) {
+  if constexpr (F == Q8_0) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int e = 0; e < 8; ++e)
+      _mm512_store_si512(dst + 64 * e, _mm512_xor_si512(_mm512_loadu_si512(ch + u * 512 + 64 * e), flip));
+  } else {
+    constexpr int64_t unit_bytes = F == Q6_K ? 384 : 256;
+    constexpr char zero = F == Q4_0 ? 8 : F == Q5_0 ? 16 : F == Q6_K ? 32 : 0;
+    const __m512i low4 = _mm512_set1_epi8(0x0F), bit5 = _mm512_set1_epi8(0x10), top2 = _mm512_set1_epi8(0x30);
+    const __m512i z = _mm512_set1_epi8(zero);
+    const uint8_t* lines = ch + u * unit_bytes;
+    for (int l = 0; l < 4; ++l) {  // line l: k-group l in the low nibbles, l + 4 in the high ones
+      const __m512i v = _mm512_loadu_si512(lines + l * 64);
+      __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      if constexpr (F == Q5_0 || F == Q5_1) {
+        uint64_t ml, mh;
+        const uint8_t* masks = ch + 512 + u * 64;
+        std::memcpy(&ml, masks + 8 * l, 8);
+        std::memcpy(&mh, masks + 8 * (l + 4), 8);
+        lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(ml, bit5));
+        hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(mh, bit5));
+      }
+      if constexpr (F == Q6_K) {  // as quant_gemv.h: bits 2l..2l+1 of the two h-lines are the top 2 bits
+        const __m512i h0 = _mm512_loadu_si512(lines + 256), h1 = _mm512_loadu_si512(lines + 320);
+        const int s = 4 - 2 * l;
+        const __m512i t0 = s >= 0 ? _mm512_slli_epi16(h0, s) : _mm512_srli_epi16(h0, -s);
+        const __m512i t1 = s >= 0 ? _mm512_slli_epi16(h1, s) : _mm512_srli_epi16(h1, -s);
+        lo = _mm512_or_si512(lo, _mm512_and_si512(t0, top2));
+        hi = _mm512_or_si512(hi, _mm512_and_si512(t1, top2));
+      }
+      _mm512_store_si512(dst + 64 * l, _mm512_sub_epi8(lo, z));
+      _mm512_store_si512(dst + 64 * (l + 4), _mm512_sub_epi8(hi, z));
+    }
+  }
+}
+
+template <int F>
+inline void decode_group(const Part& p, int64_t gl, int64_t K, int8_t* dst) {
+  constexpr Info inf = info_of(F);
+  const uint8_t* base = p.data + gl * p.group_bytes;
+  for (int64_t c = 0; c < K / (32 * inf.units); ++c)
+    for (int u = 0; u < inf.units; ++u)
+      decode_unit<F>(base + c * inf.chunk_bytes, u, dst + (c * inf.units + u) * TILE_BYTES);
+}
+
+// Whole units: C 0..3 (16 x 16 int32), A 4..5 (16 rows x 32 k), B 6..7 (8 k-groups x 64 bytes). Halves (Q6_K):
+// C 0..1, A 2..3 (16 rows x 16 k), B 4..5 (4 k-groups).
+inline void configure(bool halves) {
+  struct alignas(64) {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    const bool c = halves ? t < 2 : t < 4, a = halves ? t == 2 || t == 3 : t == 4 || t == 5;
+    cfg.rows[t] = c || a ? 16 : halves ? 4 : 8;
+    cfg.colsb[t] = a ? (halves ? 16 : 32) : 64;
+    if (halves && t >= 6) cfg.rows[t] = cfg.colsb[t] = 0;
+  }
+  asm volatile("ldtilecfg %0" ::"m"(cfg));  // the whole 64 bytes (see amx_bf16.cpp)
+}
+
+inline void store16(at::BFloat16* p, __m512 v) { vec::store16(p, v); }
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+// Unit u's dot products into C tile T (0-3) from A tile 4 + T % 2 (xa) and B tile 6 + T % 2 (the decoded group wd),
+// and C tile T stored to c. (GCC's tile intrinsics paste their tile numbers into the instruction: literals only.)
+#define DEPLOYKIT_DP(C, A, B)                   \
+  do {                                          \
+    _tile_zero(C);                              \
+    _tile_loadd(A, xa + u * TILE_BYTES, 32);    \
+    _tile_loadd(B, wd + u * TILE_BYTES, 64);    \
+    _tile_dpbssd(C, A, B);                      \
+  } while (0)
+template <int T>
+[[gnu::always_inline]] inline void issue(const int8_t* xa, const int8_t* wd, int64_t u) {
+  if constexpr (T == 0) DEPLOYKIT_DP(0, 4, 6);
+  else if constexpr (T == 1) DEPLOYKIT_DP(1, 5, 7);
+  else if constexpr (T == 2) DEPLOYKIT_DP(2, 4, 6);
+  else DEPLOYKIT_DP(3, 5, 7);
+}
+#undef DEPLOYKIT_DP
+
+template <int T>
+[[gnu::always_inline]] inline void store(int32_t* c) {
+  if constexpr (T == 0) _tile_stored(0, c, 64);
+  else if constexpr (T == 1) _tile_stored(1, c, 64);
+  else if constexpr (T == 2) _tile_stored(2, c, 64);
+  else _tile_stored(3, c, 64);
+}
+
+// The activation scalars of a 16-row block, one table per unit: [4][16] = dh, ms, d, d sum q of its 16 rows (the values
+// ActScalars computes), so that the fold reads each as one broadcast from L1 rather than through the row's Act.
+constexpr int64_t TABLE_FLOATS = 64;
+struct TableScalars {
+  const float* p;  // row r of unit u's table
+  float dh() const { return p[0]; }
+  float ms() const { return p[16]; }
+  float d() const { return p[32]; }
+  float dsum() const { return p[48]; }
+};
+
+inline void fill_table(const Act* act, int64_t units, float* tab) {
+  for (int64_t u = 0; u < units; ++u)
+    for (int r = 0; r < 16; ++r) {
+      const ActScalars x{act[r], u};
+      float* t = tab + u * TABLE_FLOATS + r;
+      t[0] = x.dh();
+      t[16] = x.ms();
+      t[32] = x.d();
+      t[48] = x.dsum();
+    }
+}
+
+// accf[r] + unit u's term for the 16 rows, from its int32 dots ca (and cb, Q6_K's second halves) [16 rows][16].
+// Every index of accf is a constant (a pack expansion, not a loop), so the 16 sums stay in registers; a runtime index
+// anywhere kept them on the stack, stored and reloaded around every tile instruction (a "memory" asm), at 2.5x the
+// time.
+template <int F, size_t... R>
+[[gnu::always_inline]] inline void fold(__m512 (&accf)[16], const uint8_t* gbase, int64_t u, const int32_t* ca,
+                                        const int32_t* cb, const float* tab, std::index_sequence<R...>) {
+  constexpr Info inf = info_of(F);
+  const UnitScale<F> s(gbase + u / inf.units * inf.chunk_bytes, (int)(u % inf.units));
+  const auto tb = [&](int r) { return F == Q6_K ? _mm512_load_si512(cb + 16 * r) : _mm512_setzero_si512(); };
+  const float* tu = tab + u * TABLE_FLOATS;
+  ((accf[R] = s.apply(accf[R], _mm512_load_si512(ca + 16 * R), tb(R), TableScalars{tu + R})), ...);
+}
+
+template <size_t... R>
+[[gnu::always_inline]] inline void accf_zero(__m512 (&accf)[16], std::index_sequence<R...>) {
+  ((accf[R] = _mm512_setzero_ps()), ...);
+}
+
+template <class Out, size_t... R>
+[[gnu::always_inline]] inline void store_rows(const __m512 (&accf)[16], __m512 b, int rows, Out* out, int64_t ldo,
+                                              std::index_sequence<R...>) {
+  ((R < (size_t)rows ? store16(out + R * ldo, _mm512_add_ps(accf[R], b)) : void()), ...);
+}
+
+// Step v of a block's unit loop (T = v % 4): unit v + 1's sums (tdpbssd issued two steps ago) are stored, unit v + 3's
+// tdpbssd is issued, and unit v, stored a step ago, is folded. Each tdpbssd has two folds' time to finish before its
+// store waits on it, and each store one fold's time to reach L1 before the vector loads read it (a tile store does not
+// forward to them). With one step between issue and store, the stores stalled on the tdpbssd about half the time.
+template <int F, int T>
+[[gnu::always_inline]] inline void step(__m512 (&accf)[16], const int8_t* xa, const int8_t* wd, const uint8_t* gbase,
+                                        int64_t v, int64_t units, int32_t (&c)[2][256], const float* tab) {
+  if (v + 1 < units) store<(T + 1) % 4>(c[(T + 1) % 2]);
+  if (v + 3 < units) issue<(T + 3) % 4>(xa, wd, v + 3);
+  fold<F>(accf, gbase, v, c[T % 2], nullptr, tab, std::make_index_sequence<16>());
+}
+
+// out[r, col .. col + 16) for the `rows` valid rows of one 16-row block: xa its A tiles [units][16][32] and tab its
+// scalar tables (zero past `rows`), wd one decoded group [units][8][64] whose scales are in its packed chunks at gbase.
+template <int F, class Out>
+inline void block(const int8_t* xa, const float* tab, const int8_t* wd, const uint8_t* gbase, int64_t units, int rows,
+                  const float* bias, Out* out, int64_t ldo, int64_t col) {
+  constexpr auto rows16 = std::make_index_sequence<16>();
+  __m512 accf[16];  // the rows' fp32 sums over K, in registers
+  accf_zero(accf, rows16);
+  alignas(64) int32_t c[2][256];
+  if constexpr (F == Q6_K) {
+    for (int64_t u = 0; u < units; ++u) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_loadd(2, xa + u * TILE_BYTES, 32);
+      _tile_loadd(3, xa + u * TILE_BYTES + 16, 32);
+      _tile_loadd(4, wd + u * TILE_BYTES, 64);
+      _tile_loadd(5, wd + u * TILE_BYTES + 256, 64);
+      _tile_dpbssd(0, 2, 4);
+      _tile_dpbssd(1, 3, 5);
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      fold<F>(accf, gbase, u, c[0], c[1], tab, rows16);
+    }
+  } else {
+    issue<0>(xa, wd, 0);
+    if (units > 1) issue<1>(xa, wd, 1);
+    if (units > 2) issue<2>(xa, wd, 2);
+    store<0>(c[0]);
+    for (int64_t u = 0; u < units; u += 4) {
+      step<F, 0>(accf, xa, wd, gbase, u, units, c, tab);
+      if (u + 1 < units) step<F, 1>(accf, xa, wd, gbase, u + 1, units, c, tab);
+      if (u + 2 < units) step<F, 2>(accf, xa, wd, gbase, u + 2, units, c, tab);
+      if (u + 3 < units) step<F, 3>(accf, xa, wd, gbase, u + 3, units, c, tab);
+    }
+  }
+  const __m512 b = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
+  store_rows(accf, b, rows, out + col, ldo, rows16);
+}
+
+#define DEPLOYKIT_QUANT_FORMATS(X) X(Q8_0) X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q4_K) X(Q6_K)
+
+// out [M, N] for M quantized rows of x (acts: rows padded with zero rows to whole 16-row blocks) times w.
+template <class Out>
+void linear(const Act* acts, int64_t M, const Matrix& w, const float* bias, Out* out) {
+  const int64_t K = w.K, N = w.N, NG = N / 16, units = K / 32, blocks = (M + 15) / 16;
+  // A tiles: [block][unit][16 rows][32 k], one copy of the quantized rows (M K bytes).
+  int8_t* xa = static_cast<int8_t*>(std::aligned_alloc(64, blocks * units * TILE_BYTES));
+  float* tabs = static_cast<float*>(std::aligned_alloc(64, blocks * units * TABLE_FLOATS * sizeof(float)));
+  TORCH_CHECK(xa && tabs, "quant_linear: out of memory for the activation tiles");
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t u = 0; u < units; ++u)
+        for (int r = 0; r < 16; ++r)
+          std::memcpy(xa + (b * units + u) * TILE_BYTES + r * 32, acts[b * 16 + r].q + u * 32, 32);
+      fill_table(acts + 16 * b, units, tabs + b * units * TABLE_FLOATS);
+    }
+  });
+  const int64_t chunk_blocks = std::max<int64_t>(1, ROWS_BYTES / (16 * K * 9 / 8));
+  const int64_t per_pass = std::clamp<int64_t>(DECODED_BYTES / (16 * K), 1, 16);
+  at::parallel_for(0, NG, 1, [&](int64_t g0, int64_t g1) {
+    int8_t* dec = static_cast<int8_t*>(std::aligned_alloc(64, per_pass * units * TILE_BYTES));
+    TORCH_CHECK(dec, "quant_linear: out of memory for a decode buffer");
+    int config = -1;  // 0: whole units, 1: halves
+    for (int64_t c0 = 0; c0 < blocks; c0 += chunk_blocks)
+      for (int64_t gc = g0; gc < g1; gc += per_pass) {
+        const int64_t ge = std::min(g1, gc + per_pass);
+        for (int64_t g = gc; g < ge; ++g) {
+          const Part& p = part_of(w, g);
+          int8_t* dst = dec + (g - gc) * units * TILE_BYTES;
+          switch (p.format) {
+#define DECODE(F) \
+  case F: decode_group<F>(p, g - p.row0 / 16, K, dst); break;
+            DEPLOYKIT_QUANT_FORMATS(DECODE)
+#undef DECODE
+          }
+        }
+        for (int64_t b = c0; b < std::min(blocks, c0 + chunk_blocks); ++b)
+          for (int64_t g = gc; g < ge; ++g) {
+            const Part& p = part_of(w, g);
+            const int want = p.format == Q6_K;
+            if (want != config) {
+              config = want;
+              configure(want);
+            }
+            const uint8_t* gbase = p.data + (g - p.row0 / 16) * p.group_bytes;
+            const int rows = (int)std::min<int64_t>(16, M - 16 * b);
+            const int8_t* xb = xa + b * units * TILE_BYTES;
+            const float* tb = tabs + b * units * TABLE_FLOATS;
+            const int8_t* wd = dec + (g - gc) * units * TILE_BYTES;
+            switch (p.format) {
+#define BLOCK(F) \
+  case F: block<F>(xb, tb, wd, gbase, units, rows, bias, out + 16 * b * N, N, 16 * g); break;
+              DEPLOYKIT_QUANT_FORMATS(BLOCK)
+#undef BLOCK
+            }
+          }
+      }
+    if (config >= 0) _tile_release();
+    std::free(dec);
+  });
+  std::free(xa);
+  std::free(tabs);
+}
+
+#undef DEPLOYKIT_QUANT_FORMATS
+#pragma GCC diagnostic pop
+
+#else  // builds without AMX-INT8: `enabled` stays off and this is never called
+
+template <class Out>
+void linear(const quant::Act*, int64_t, const quant::Matrix&, const float*, Out*) {
+  TORCH_CHECK(false, "this kernel library was built without AMX-INT8");
+}
+
+#endif
+
+}  // namespace quant_amx
+}  // namespace deploykit
