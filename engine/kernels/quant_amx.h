@@ -123,8 +123,8 @@ inline void configure(bool halves) {
 inline void store16(at::BFloat16* p, __m512 v) { vec::store16(p, v); }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 
-// Unit u's dot products into C tile T (0-3) from A tile 4 + T % 2 (xa) and B tile 6 + T % 2 (the decoded group wd),
-// and C tile T stored to c. (GCC's tile intrinsics paste their tile numbers into the instruction: literals only.)
+// Unit u's dot products into C tile T (0-3) from A tile 4 + T % 2 (xa) and B tile 6 + T % 2 (the decoded group wd);
+// store<T> writes C tile T out. (GCC's tile intrinsics paste their tile numbers into the instruction: literals only.)
 #define DEPLOYKIT_DP(C, A, B)                   \
   do {                                          \
     _tile_zero(C);                              \
