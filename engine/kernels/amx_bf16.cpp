@@ -27,30 +27,16 @@ using bf16 = at::BFloat16;
 constexpr int ARCH_REQ_XCOMP_PERM = 0x1023;
 constexpr int XFEATURE_XTILEDATA = 18;
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 }  // namespace
 
 // Tile shapes for this thread: C 0..3, A 4..5 (rows0 / rows1 valid rows in the first / second
 // 16-row half of a 32-row M block), B 6..7; all 64 bytes wide. Shared with amx_plain_bf16.cpp.
 void amx_configure_tiles(int rows0, int rows1) {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = (uint8_t)rows[t];
-    cfg.colsb[t] = rows[t] ? 64 : 0;
-  }
-  // GCC 12's _tile_loadconfig declares an 8-byte memory operand, letting the compiler drop the
-  // stores to the rest of cfg; this operand covers all 64 bytes.
-  asm volatile("ldtilecfg %0" ::"m"(cfg));
+  const uint8_t rows[8] = {(uint8_t)rows0, (uint8_t)rows0, (uint8_t)rows1, (uint8_t)rows1,
+                           (uint8_t)rows0, (uint8_t)rows1, 16, 16};
+  uint16_t colsb[8];
+  for (int t = 0; t < 8; ++t) colsb[t] = rows[t] ? 64 : 0;
+  amx::configure(rows, colsb);
 }
 
 namespace {

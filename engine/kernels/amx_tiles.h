@@ -26,6 +26,24 @@ namespace amx {
 
 using bf16 = at::BFloat16;
 
+// Loads this thread's tile shapes: tile t has rows[t] rows of colsb[t] bytes (0 and 0: unused).
+inline void configure(const uint8_t (&rows)[8], const uint16_t (&colsb)[8]) {
+  struct alignas(64) {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = rows[t];
+    cfg.colsb[t] = colsb[t];
+  }
+  // GCC 12's _tile_loadconfig declares an 8-byte memory operand, letting the compiler drop the
+  // stores to the rest of cfg; this operand covers all 64 bytes.
+  asm volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
 // Where the A tiles of one M block live: tile k-step s of half h starts at base + h * half + s * step (elements)
 // with rows `ld` bytes apart.
 struct ATiles {

@@ -8,8 +8,8 @@
 // (quant_act.h) are copied into A tiles, [16-row block][unit][16 rows][32 k]. Every unit has its own scales, so a C
 // tile (16 rows x 16 columns of int32) holds one unit at a time: it is stored to L1 and folded into the 16 rows'
 // fp32 sums, which stay in registers over K. Four C tiles take units in turn, so later units' tdpbssd and tile stores
-// run under this one's fp32 steps (step() below). Q6_K's two 16-k halves have their own sub-scales: two C tiles a unit, from A tiles 16 bytes wide and B
-// tiles of 4 rows (a second tile configuration).
+// run under this one's fp32 steps (step() below). Q6_K's two 16-k halves have their own sub-scales: two C tiles a
+// unit, from A tiles 16 bytes wide and B tiles of 4 rows (a second tile configuration).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -29,8 +29,8 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BF16__)
 #include "amx_tiles.h"
+#include "quant_gemv.h"  // store16
 #include "quant_scale.h"
-#include "vec.h"
 #endif
 
 namespace deploykit {
@@ -104,24 +104,12 @@ inline void decode_group(const Part& p, int64_t gl, int64_t K, int8_t* dst) {
 // Whole units: C 0..3 (16 x 16 int32), A 4..5 (16 rows x 32 k), B 6..7 (8 k-groups x 64 bytes). Halves (Q6_K):
 // C 0..1, A 2..3 (16 rows x 16 k), B 4..5 (4 k-groups).
 inline void configure(bool halves) {
-  struct alignas(64) {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  } cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    const bool c = halves ? t < 2 : t < 4, a = halves ? t == 2 || t == 3 : t == 4 || t == 5;
-    cfg.rows[t] = c || a ? 16 : halves ? 4 : 8;
-    cfg.colsb[t] = a ? (halves ? 16 : 32) : 64;
-    if (halves && t >= 6) cfg.rows[t] = cfg.colsb[t] = 0;
-  }
-  asm volatile("ldtilecfg %0" ::"m"(cfg));  // the whole 64 bytes (see amx_bf16.cpp)
+  static constexpr uint8_t whole_rows[8] = {16, 16, 16, 16, 16, 16, 8, 8};
+  static constexpr uint16_t whole_colsb[8] = {64, 64, 64, 64, 32, 32, 64, 64};
+  static constexpr uint8_t half_rows[8] = {16, 16, 16, 16, 4, 4, 0, 0};
+  static constexpr uint16_t half_colsb[8] = {64, 64, 16, 16, 64, 64, 0, 0};
+  amx::configure(halves ? half_rows : whole_rows, halves ? half_colsb : whole_colsb);
 }
-
-inline void store16(at::BFloat16* p, __m512 v) { vec::store16(p, v); }
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 
 // Unit u's dot products into C tile T (0-3) from A tile 4 + T % 2 (xa) and B tile 6 + T % 2 (the decoded group wd);
 // store<T> writes C tile T out. (GCC's tile intrinsics paste their tile numbers into the instruction: literals only.)
@@ -248,8 +236,6 @@ inline void block(const int8_t* xa, const float* tab, const int8_t* wd, const ui
   store_rows(accf, b, rows, out + col, ldo, rows16);
 }
 
-#define DEPLOYKIT_QUANT_FORMATS(X) X(Q8_0) X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q4_K) X(Q6_K)
-
 // out [M, N] for M quantized rows of x (acts: rows padded with zero rows to whole 16-row blocks) times w.
 template <class Out>
 void linear(const Act* acts, int64_t M, const Matrix& w, const float* bias, Out* out) {
@@ -278,12 +264,7 @@ void linear(const Act* acts, int64_t M, const Matrix& w, const float* bias, Out*
         for (int64_t g = gc; g < ge; ++g) {
           const Part& p = part_of(w, g);
           int8_t* dst = dec + (g - gc) * units * TILE_BYTES;
-          switch (p.format) {
-#define DECODE(F) \
-  case F: decode_group<F>(p, g - p.row0 / 16, K, dst); break;
-            DEPLOYKIT_QUANT_FORMATS(DECODE)
-#undef DECODE
-          }
+          with_format(p.format, [&](auto f) { decode_group<decltype(f)::value>(p, g - p.row0 / 16, K, dst); });
         }
         for (int64_t b = c0; b < std::min(blocks, c0 + chunk_blocks); ++b)
           for (int64_t g = gc; g < ge; ++g) {
@@ -298,12 +279,9 @@ void linear(const Act* acts, int64_t M, const Matrix& w, const float* bias, Out*
             const int8_t* xb = xa + b * units * TILE_BYTES;
             const float* tb = tabs + b * units * TABLE_FLOATS;
             const int8_t* wd = dec + (g - gc) * units * TILE_BYTES;
-            switch (p.format) {
-#define BLOCK(F) \
-  case F: block<F>(xb, tb, wd, gbase, units, rows, bias, out + 16 * b * N, N, 16 * g); break;
-              DEPLOYKIT_QUANT_FORMATS(BLOCK)
-#undef BLOCK
-            }
+            with_format(p.format, [&](auto f) {
+              block<decltype(f)::value>(xb, tb, wd, gbase, units, rows, bias, out + 16 * b * N, N, 16 * g);
+            });
           }
       }
     if (config >= 0) _tile_release();
@@ -313,7 +291,6 @@ void linear(const Act* acts, int64_t M, const Matrix& w, const float* bias, Out*
   std::free(tabs);
 }
 
-#undef DEPLOYKIT_QUANT_FORMATS
 #pragma GCC diagnostic pop
 
 #else  // builds without AMX-INT8: `enabled` stays off and this is never called

@@ -31,6 +31,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace deploykit {
 namespace quant {
@@ -65,6 +66,21 @@ constexpr Info info_of(int32_t f) {
 inline Info info(int32_t f) {
   TORCH_CHECK(known(f), "unsupported quantized format ", f);
   return info_of(f);
+}
+
+// fn(std::integral_constant<int, F>{}) for the known format id f: a part's format made compile-time, for every kernel
+// that walks parts (quant_rows.h, quant_amx.h).
+template <class Fn>
+inline void with_format(int32_t f, Fn&& fn) {
+  switch (f) {
+    case Q8_0: return fn(std::integral_constant<int, Q8_0>{});
+    case Q4_0: return fn(std::integral_constant<int, Q4_0>{});
+    case Q4_1: return fn(std::integral_constant<int, Q4_1>{});
+    case Q5_0: return fn(std::integral_constant<int, Q5_0>{});
+    case Q5_1: return fn(std::integral_constant<int, Q5_1>{});
+    case Q4_K: return fn(std::integral_constant<int, Q4_K>{});
+    case Q6_K: return fn(std::integral_constant<int, Q6_K>{});
+  }
 }
 
 constexpr int64_t HEADER_BYTES = 256;

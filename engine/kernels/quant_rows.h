@@ -22,15 +22,7 @@ inline void part_range(const Act* act, const Part& p, int64_t g0, int64_t g1, in
 template <int MT, bool Ahead, class Out>
 inline void part_rows(const Act* act, const Part& p, int64_t g0, int64_t g1, int64_t K, const float* bias, Out* out,
                       int64_t ldo) {
-  switch (p.format) {
-    case Q8_0: part_range<Q8_0, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
-    case Q4_0: part_range<Q4_0, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
-    case Q4_1: part_range<Q4_1, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
-    case Q5_0: part_range<Q5_0, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
-    case Q5_1: part_range<Q5_1, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
-    case Q4_K: part_range<Q4_K, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
-    case Q6_K: part_range<Q6_K, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); break;
-  }
+  with_format(p.format, [&](auto f) { part_range<decltype(f)::value, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); });
 }
 
 template <int MT, class Out>
