@@ -15,13 +15,14 @@ The JSON also names the streaming the start-up measurement (engine/kernels/strea
 `--gguf FILE` profiles a (quantized) GGUF file instead, its roofline counted from the file's weight bytes.
 `--compact` alternates instead between the model held packed in 16 bits and compact in 12 (kernels/compact_bf16.h),
 both with the streaming picked at start-up, and reports each one's share of the roofline counted on the file's bytes
-and on the bytes it holds. `--gguf FILE --stream-ahead 0,4096,default` alternates between prefetch distances of the
-quantized GEMV for every format (kernels/quant_gemv.h; `default`: each format's own). `--pages` alternates between
+and on the bytes it holds. `--gguf FILE --stream-ahead 0,4096,l2:8192,nta:4096,default` alternates between prefetch distances of the
+quantized kernels for every format (kernels/quant_stream.h; `l2:`/`nta:` also set where the lines go, else the CPU's
+default hint; `default`: each format's own distance and the default hint). `--pages` alternates between
 the weights on 2 MiB pages (engine/hugepages.py, the default) and on 4 KiB pages (EngineConfig(huge_pages=False)),
 the same model loaded twice.
 
     flock /tmp/deploykit-heavy.lock python benchmarks/decode_profile.py [--rounds 5] [--tokens 64] [--gguf FILE]
-                                                                        [--compact | --stream-ahead B,B | --pages]
+                                                                        [--compact | --stream-ahead B,l2:B | --pages]
 """
 
 from __future__ import annotations
@@ -116,6 +117,14 @@ def summarize(rounds: list[dict], read_bytes: int, roofline_gbps: float, held_by
                              "native_forward_gbps": round(read_bytes / (nat / 1e3) / 1e9, 1)}}
 
 
+def ahead_setting(text: str) -> tuple[int, str | None]:
+    """`--stream-ahead` entry -> (bytes, hint or None for the CPU's default): "4096", "l2:8192", "nta:4096"."""
+    hint, _, n = text.rpartition(":")
+    if hint not in ("", "l2", "nta") or not n.isdigit():
+        raise SystemExit(f"--stream-ahead: {text!r} is not BYTES, l2:BYTES, nta:BYTES or default")
+    return int(n), hint or None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", type=Path, default=Path.home() / ".cache/deploykit/bench/qwen2-350m-bf16")
@@ -127,10 +136,10 @@ def main() -> None:
     variant.add_argument("--compact", action="store_true",
                          help="alternate between the model held packed (16 bits) and compact (12 bits) instead of "
                               "between the two streamings")
-    variant.add_argument("--stream-ahead", default=None, metavar="BYTES,BYTES,...",
-                         help="with --gguf: alternate between these prefetch distances of the quantized GEMV "
-                              "(kernels/quant_gemv.h; 0 = off, default = each format's own) instead of between the "
-                              "two streamings")
+    variant.add_argument("--stream-ahead", default=None, metavar="[HINT:]BYTES,...",
+                         help="with --gguf: alternate between these prefetch distances of the quantized kernels "
+                              "(kernels/quant_stream.h; 0 = off, default = each format's own; HINT l2 or nta sets "
+                              "where the lines go) instead of between the two streamings")
     variant.add_argument("--pages", action="store_true",
                          help="alternate between the weights on 2 MiB pages and on 4 KiB pages instead of between the "
                               "two streamings")
@@ -174,7 +183,8 @@ def main() -> None:
                     "4 KiB pages": (load(True, huge_pages=False), picked.streams, ahead)}
     elif a.stream_ahead:
         variants = {("each format's default" if n == "default" else f"{n} bytes ahead"):
-                    (core, picked.streams, None if n == "default" else int(n)) for n in a.stream_ahead.split(",")}
+                    (core, picked.streams, None if n == "default" else ahead_setting(n))
+                    for n in a.stream_ahead.split(",")}
     else:
         variants = {STREAMINGS[s]: (core, s, ahead) for s in STREAMINGS}
     for c in {id(c): c for c, _, _ in variants.values()}.values():
@@ -183,7 +193,7 @@ def main() -> None:
         timers.wrap(c, "sampler", "sampler")
     w = gguf_weight_stats(src) if a.gguf else weight_stats(a.model_dir)
     vocab = core.model_config.vocab_size
-    bw_before = read_bandwidth(3)
+    bw_before = read_bandwidth(3, working_set=w["decode_read_bytes"])
     for c, _, _ in variants.values():
         decode_round(c, timers, ops, vocab, 8)  # warm-up
     rounds: dict[str, list[dict]] = {name: [] for name in variants}
@@ -192,14 +202,15 @@ def main() -> None:
         for name in order[r % len(order):] + order[:r % len(order)]:
             c, s, n = variants[name]
             ops.set_gemv_streams(s)
-            if n is None:
-                ops.reset_quant_stream_ahead()
-            else:
-                ops.set_quant_stream_ahead(n)
+            ops.reset_quant_stream_ahead()
+            if n is not None:
+                ops.set_quant_stream_ahead(n[0])
+                if n[1]:
+                    ops.set_quant_stream_hint(n[1])
             rounds[name].append(decode_round(c, timers, ops, vocab, a.tokens))
     ops.set_gemv_streams(picked.streams)
     ops.reset_quant_stream_ahead()
-    bw_after = read_bandwidth(3)
+    bw_after = read_bandwidth(3, working_set=w["decode_read_bytes"])
     roof = max(bw_before["best_gbps"], bw_after["best_gbps"])
     flags = kernels.status()["isa"]
     print(json.dumps({

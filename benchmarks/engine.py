@@ -88,10 +88,11 @@ class Ours:
                 first = time.perf_counter()
         return {"ttft_s": first - t0, "decode_s": time.perf_counter() - first, "tokens": list(out.values())}
 
-    def bandwidth(self) -> dict:
-        """benchmarks/roofline.py's probe: the best of native streaming reads of 1 GiB and an MKL fp32 GEMV."""
+    def bandwidth(self, working_set: int) -> dict:
+        """benchmarks/roofline.py's probe: the best of native streaming reads of 1 GiB and of the decode's working set
+        and an MKL fp32 GEMV."""
         from benchmarks.roofline import read_bandwidth
-        return read_bandwidth(3, self.kernels.status()["library"] is not None)  # every build has the probe
+        return read_bandwidth(3, self.kernels.status()["library"] is not None, working_set)  # every build has it
 
     def matmul_peak(self) -> dict:
         """Seconds per [512, K] x [K, N] matmul for the model's fused layer shapes, per implementation."""
@@ -261,12 +262,13 @@ def stats(xs: list[float], nd: int = 2, lower_is_better: bool = False, samples: 
     return {**out, "samples": [round(x, nd) for x in xs]} if samples else out
 
 
-def jobs_for(kinds: list[str], vocab: int, tokens: int) -> list[tuple[str, str, str, dict]]:
-    """(result name, worker, op, arguments) of one round. Prompt ids skip 0-2, the special tokens."""
+def jobs_for(kinds: list[str], vocab: int, tokens: int, read_bytes: int) -> list[tuple[str, str, str, dict]]:
+    """(result name, worker, op, arguments) of one round. Prompt ids skip 0-2, the special tokens. read_bytes: what a
+    decode step reads from the file, the bandwidth probe's working set."""
     ids = range(3, vocab)
     p1, pre = [random.Random(1).choices(ids, k=PROMPT)], [random.Random(2).choices(ids, k=PREFILL)]
     p16 = [random.Random(100 + i).choices(ids, k=PROMPT) for i in range(BATCH)]
-    return ([("bandwidth", "ours", "bandwidth", {})]
+    return ([("bandwidth", "ours", "bandwidth", {"working_set": read_bytes})]
             + [(f"decode_b1/{k}", k, "generate", {"prompts": p1, "tokens": tokens}) for k in kinds]
             + [(f"decode_b{SMALL_BATCH}/{k}", k, "generate", {"prompts": p16[:SMALL_BATCH], "tokens": tokens})
                for k in kinds if k != "transformers"]
@@ -480,7 +482,7 @@ def main() -> None:
         if kern["path"] == "fallback" and not avx2_build and not a.allow_fallback:
             raise SystemExit(f"ours runs on the PyTorch fallback ({kern['reason']}): build the kernels with "
                              "`python -m engine.kernels build`, or pass --allow-fallback to measure that path")
-        jobs = jobs_for(kinds, cfg["vocab_size"], a.tokens)
+        jobs = jobs_for(kinds, cfg["vocab_size"], a.tokens, w["decode_read_bytes"])
         samples = run_rounds(workers, jobs, a.rounds, b.cpus, notes)
         print("batch against single sequences ...", file=sys.stderr)
         single = batch_vs_single(workers, samples, jobs, a.tokens)
@@ -522,7 +524,9 @@ def main() -> None:
         "method": METHOD, "notes": notes}, indent=1))
 
 
-METHOD = ("roofline = best bandwidth / bytes a decode step reads (all weights but the embedding table); prefill "
+METHOD = ("roofline = best bandwidth / bytes a decode step reads (all weights but the embedding table); bandwidth = "
+          "the best of native reads of 1 GiB and of a buffer of those bytes (1-8 streams a thread, with and without "
+          "an L2 prefetch 4 KiB ahead) and an MKL fp32 GEMV; prefill "
           "TFLOP/s = 2 * decoder-layer matmul params * 512 / TTFT; matmul peak = [512,K]x[K,N] on one layer's "
           "shapes (FLOP-weighted), each on its fastest implementation (bf16 ones, or MKL fp32 where faster)")
 

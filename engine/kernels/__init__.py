@@ -357,6 +357,12 @@ def quant_stream_ahead() -> dict[str, int] | None:
     return {name: int(_qops.quant_stream_ahead(i)) for name, i in GGML_IDS.items()}
 
 
+def quant_stream_hint() -> str | None:
+    """Where those requests put the lines: "l2" (PREFETCHT1, the default on Intel CPUs) or "nta" (on AMD's;
+    kernels/quant_stream.h); None where the int8 kernels do not run."""
+    return str(_qops.quant_stream_hint()) if _QUANT else None
+
+
 def status() -> dict:
     """Which matmul path is active and why, for the engine's start-up log."""
     # path: where bf16-activation matmuls run (the AVX2 build has none of them); quantized: whether block-quantized
@@ -385,4 +391,5 @@ def status() -> dict:
         "bf16_weights_in_fp32": _qops is not None,  # bf16w_linear.cpp: a bf16 checkpoint's matrices stay bf16
         "gemv_streams": int(_ops.gemv_streams()) if _ops is not None else None,
         "quant_stream_ahead": quant_stream_ahead(),
+        "quant_stream_hint": quant_stream_hint(),
     }

@@ -15,6 +15,7 @@
 #include <cpuid.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "op_args.h"
@@ -70,11 +71,14 @@ void run(const In* x, int64_t ldx, int64_t M, const Matrix& w, const float* bias
     at::parallel_for(0, NG, 8, [&](int64_t b0, int64_t b1) { rows(M, acts.data(), w, b0, b1, bias, out, N); });
     return;
   }
+  // The first tile streams the pair ahead where requested lines go to L2 (quant_stream.h), where the later tiles
+  // find them too; non-temporal ones would be gone.
+  const bool l2 = stream_ahead.hint.load(std::memory_order_relaxed) == Hint::L2;
   at::parallel_for(0, NG, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b += 2) {
       const int64_t e = std::min(b + 2, b1);
       for (int64_t m = 0; m < M; m += 4)
-        rows(std::min<int64_t>(4, M - m), acts.data() + m, w, b, e, bias, out + m * N, N, false);
+        rows(std::min<int64_t>(4, M - m), acts.data() + m, w, b, e, bias, out + m * N, N, l2 && m == 0);
     }
   });
 }
@@ -134,6 +138,15 @@ void set_quant_stream_ahead(int64_t bytes, std::optional<int64_t> format) {
 
 void reset_quant_stream_ahead() { quant::stream_ahead.reset(); }
 
+// Where the requested lines go, for every format: "nta" or "l2" (quant_stream.h Hint).
+void set_quant_stream_hint(c10::string_view hint) {
+  TORCH_CHECK(hint == "nta" || hint == "l2", "the quantized kernels' prefetch hint is \"nta\" or \"l2\", not \"",
+              std::string(hint), "\"");
+  quant::stream_ahead.hint.store(hint == "l2" ? quant::Hint::L2 : quant::Hint::NTA);
+}
+
+std::string quant_stream_hint() { return quant::stream_ahead.hint.load() == quant::Hint::L2 ? "l2" : "nta"; }
+
 int64_t quant_stream_ahead(int64_t format) {
   TORCH_CHECK(format >= 0 && format < 16 && quant::known(static_cast<int32_t>(format)),
               "not a quantized format's ggml type id: ", format);
@@ -145,6 +158,8 @@ TORCH_LIBRARY_FRAGMENT(deploykit, m) {
   m.def("set_quant_stream_ahead(int bytes, int? format=None) -> ()", &set_quant_stream_ahead);
   m.def("reset_quant_stream_ahead() -> ()", &reset_quant_stream_ahead);
   m.def("quant_stream_ahead(int format) -> int", &quant_stream_ahead);
+  m.def("set_quant_stream_hint(str hint) -> ()", &set_quant_stream_hint);
+  m.def("quant_stream_hint() -> str", &quant_stream_hint);
   m.def("set_quant_amx(bool on) -> bool", &set_quant_amx);
 }
 

@@ -31,6 +31,7 @@
 #include "amx_tiles.h"
 #include "quant_gemv.h"  // store16
 #include "quant_scale.h"
+#include "quant_stream.h"
 #endif
 
 namespace deploykit {
@@ -92,13 +93,19 @@ template <int F>
   }
 }
 
+// Group gl of part p -> dst [units][8][64], requesting the weights ahead of the decode as the GEMV does
+// (quant_stream.h): the groups are read once, in order, between the tiles' work on the previous ones.
 template <int F>
 inline void decode_group(const Part& p, int64_t gl, int64_t K, int8_t* dst) {
   constexpr Info inf = info_of(F);
   const uint8_t* base = p.data + gl * p.group_bytes;
+  const int64_t ahead = stream_ahead.bytes[F].load(std::memory_order_relaxed);
+  const Hint hint = stream_ahead.hint.load(std::memory_order_relaxed);
   for (int64_t c = 0; c < K / (32 * inf.units); ++c)
-    for (int u = 0; u < inf.units; ++u)
+    for (int u = 0; u < inf.units; ++u) {
+      if (ahead) request_ahead<F>(base + c * inf.chunk_bytes, u, ahead, hint);
       decode_unit<F>(base + c * inf.chunk_bytes, u, dst + (c * inf.units + u) * TILE_BYTES);
+    }
 }
 
 // Whole units: C 0..3 (16 x 16 int32), A 4..5 (16 rows x 32 k), B 6..7 (8 k-groups x 64 bytes). Halves (Q6_K):

@@ -56,8 +56,8 @@ inline __m512i bcast4(const int32_t* p) { return _mm512_set1_epi32(*p); }
 inline void store16(at::BFloat16* p, __m512 v) { vec::store16(p, v); }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 
-// out[m, 16 gl .. 16 gl + 16) of part p for MT activation rows: one 16-row group. Ahead: stream the weights ahead
-// non-temporally (above); an ahead of 0 turns that off.
+// out[m, 16 gl .. 16 gl + 16) of part p for MT activation rows: one 16-row group. Ahead: request the weights ahead
+// of the stream (quant_stream.h: how far, per format, and into which cache); a distance of 0 turns that off.
 template <int F, int MT, bool Ahead, class Out>
 inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const float* bias, Out* out, int64_t ldo) {
   constexpr Info inf = info_of(F);
@@ -73,13 +73,10 @@ inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const fl
   const __m512i low4 = _mm512_set1_epi8(0x0F), bit5 = _mm512_set1_epi8(0x10), top2 = _mm512_set1_epi8(0x30);
   const int64_t chunks = K / (32 * inf.units);
   const int64_t ahead = Ahead ? stream_ahead.bytes[F].load(std::memory_order_relaxed) : 0;
+  const Hint hint = stream_ahead.hint.load(std::memory_order_relaxed);
   for (int64_t c = 0; c < chunks; ++c) {
     for (int u = 0; u < inf.units; ++u) {
-      if (ahead) {  // this unit's share of the lines of chunk c, `ahead` bytes on
-        constexpr int lines = inf.chunk_bytes / 64, per = (lines + inf.units - 1) / inf.units;
-        for (int i = u * per; i < std::min(lines, (u + 1) * per); ++i)
-          _mm_prefetch(reinterpret_cast<const char*>(base + c * inf.chunk_bytes + ahead + i * 64), _MM_HINT_NTA);
-      }
+      if (ahead) request_ahead<F>(base + c * inf.chunk_bytes, u, ahead, hint);
       const int64_t unit = c * inf.units + u;
       __m512i acc[MT], accb[MT];  // two chains; Q6_K: accb is the unit's second 16 k (its own scale)
       for (int m = 0; m < MT; ++m) acc[m] = accb[m] = _mm512_setzero_si512();

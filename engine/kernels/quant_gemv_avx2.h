@@ -84,14 +84,11 @@ inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const fl
   const __m256i low4 = _mm256_set1_epi8(0x0F), bit5 = _mm256_set1_epi8(0x10), top2 = _mm256_set1_epi8(0x30);
   const int64_t chunks = K / (32 * inf.units);
   const int64_t ahead = Ahead ? stream_ahead.bytes[F].load(std::memory_order_relaxed) : 0;
+  const Hint hint = stream_ahead.hint.load(std::memory_order_relaxed);
   for (int64_t c = 0; c < chunks; ++c) {
     const uint8_t* ch = base + c * inf.chunk_bytes;
     for (int u = 0; u < inf.units; ++u) {
-      if (ahead) {  // this unit's share of the lines of chunk c, `ahead` bytes on (quant_stream.h)
-        constexpr int lines = inf.chunk_bytes / 64, per = (lines + inf.units - 1) / inf.units;
-        for (int i = u * per; i < std::min(lines, (u + 1) * per); ++i)
-          _mm_prefetch(reinterpret_cast<const char*>(ch + ahead + i * 64), _MM_HINT_NTA);
-      }
+      if (ahead) request_ahead<F>(ch, u, ahead, hint);  // quant_stream.h
       const int64_t unit = c * inf.units + u;
       for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7: bytes 32h .. 32h + 31 of every line
         __m256i acc[MT], accb[MT];   // int32 sums of code x q over the unit (Q6_K: accb is its second 16 k)

@@ -1,7 +1,11 @@
-// How far ahead the quantized GEMVs (quant_gemv.h on AVX-512, quant_gemv_avx2.h on AVX2) request the weight stream,
-// per format: one setting both kernels read, set and listed by the ops in qlinear.cpp.
+// How far ahead the quantized kernels (the GEMVs of quant_gemv.h on AVX-512 and quant_gemv_avx2.h on AVX2, the
+// tiles' decode in quant_amx.h) request the weight stream, per format, and into which cache level: one setting they
+// all read, set and listed by the ops in qlinear.cpp.
 #pragma once
 
+#include <immintrin.h>
+
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 
@@ -23,37 +27,65 @@ namespace quant {
 // %; two with DRAM slow, one mixed) and tied in 2; through quant_linear, without it Q8_0 was faster in 17 of 18 runs
 // and Q4_0 in most, by the most when DRAM was fast. Q4_K_M was faster with it in all 3 of its runs (7-16 %). The
 // formats not measured (Q4_1, Q5_0, Q5_1) keep it.
-// All of the above was measured on AMD CPUs. On Intel's the same PREFETCHNTA requests slow the stream down instead, so
-// no format streams ahead there: on a 2-vCPU Sapphire Rapids-class Xeon (benchmarks/README.md, session 20,
-// decode_profile.py --gguf --stream-ahead 0,4096, paired medians) 4 KiB ahead took 1.60x the time a token on Q4_K_M,
-// 2.6x on SmolLM2-135M's Q4_1 and 2.1x on Q4_0.
-// Settable at run time (set_quant_stream_ahead, for all formats or one; 0 turns it off) so distances can be compared in
-// one process; reset_quant_stream_ahead restores these defaults.
-constexpr int64_t STREAM_AHEAD = 4096;
+// All of the above was measured on AMD CPUs. On Intel's, PREFETCHNTA slows the stream down and PREFETCHT1 (into L2)
+// speeds it up, so there every format streams 8 KiB ahead into L2. On a 2-vCPU Sapphire Rapids-class Xeon with AMX
+// (benchmarks/README.md, session 21, decode_profile.py --gguf, distances alternated in one process, best of 3 rounds):
+//   PREFETCHNTA 256 B-4 KiB ahead: 1.6-1.9x the time a token (Q4_K_M), 2.1x (Q4_0), 2.6x (SmolLM2-135M's Q4_1);
+//   PREFETCHT0 1-2 KiB: 7 % faster; PREFETCHT2 4 KiB: 1.45x faster;
+//   PREFETCHT1 1, 2, 4, 6, 8, 16 KiB on Q4_K_M: 85 -> 100, 115, 128-132, 131, 128, 132 tok/s; Q4_0 2, 4, 8 KiB: 108 ->
+//   137, 164, 172; Q8_0: 65 -> 83, 90, 90.
+// L2 lines stay for the later 4-row tiles of a wider call (qlinear.cpp) and the tiles' decode (quant_amx.h), which
+// stream ahead too where the hint is L2; NTA lines would be gone by then.
+// Settable at run time (set_quant_stream_ahead for all formats or one, 0 turns it off; set_quant_stream_hint) so
+// distances and hints can be compared in one process; reset_quant_stream_ahead restores these defaults.
+constexpr int64_t STREAM_AHEAD = 4096, STREAM_AHEAD_L2 = 8192;
 inline bool amd_cpu() {
   __builtin_cpu_init();  // the defaults are set during static initialisation, maybe before libgcc's own
   return __builtin_cpu_is("amd");
 }
+// Where a requested line goes: NTA (PREFETCHNTA, close to the core and out of the way of the other caches) or L2
+// (PREFETCHT1).
+enum class Hint : int32_t { NTA = 0, L2 = 1 };
+inline Hint default_hint() { return amd_cpu() ? Hint::NTA : Hint::L2; }
 #ifdef __AVX512F__
 inline int64_t default_stream_ahead(int32_t format) {
-  return format == Q8_0 || format == Q4_0 || !amd_cpu() ? 0 : STREAM_AHEAD;
+  if (!amd_cpu()) return STREAM_AHEAD_L2;
+  return format == Q8_0 || format == Q4_0 ? 0 : STREAM_AHEAD;
 }
 #else
 // The AVX2 build streams every format ahead on AMD CPUs. Measured on a 2-vCPU Zen 3 EPYC (benchmarks/README.md,
 // "Quantized weights on AVX2"), the batch-1 engine step with 0, 1, 2, 4 and 8 KiB alternated in one process, median of
 // 4: 4 KiB against none, Q4_0 43.5 against 39.5 tok/s, Q8_0 29.9 against 27.4, Q4_K_M 35.6 against 21.2; 1-8 KiB were
 // within each other's spread.
-inline int64_t default_stream_ahead(int32_t) { return amd_cpu() ? STREAM_AHEAD : 0; }
+inline int64_t default_stream_ahead(int32_t) { return amd_cpu() ? STREAM_AHEAD : STREAM_AHEAD_L2; }
 #endif
 struct StreamAhead {
   std::atomic<int64_t> bytes[16];  // by ggml type id (quant_layout.h Format)
+  std::atomic<Hint> hint;
   static_assert(Q8_0 < 16 && Q4_K < 16 && Q6_K < 16);
   StreamAhead() { reset(); }
   void reset() {
     for (int32_t f = 0; f < 16; ++f) bytes[f].store(default_stream_ahead(f));
+    hint.store(default_hint());
   }
 };
 inline StreamAhead stream_ahead;
+
+// Requests unit u's share of the lines of the chunk at `chunk` (one 16-row group's chunk of format F), `ahead` bytes
+// further down the stream: a few lines per unit rather than a chunk's worth at once (measured on Zen 4: whole chunks
+// at once cost Q4_K_M 5-8 %, 37 lines in one burst). A prefetch never faults, so past the end of the weights is fine.
+template <int F>
+[[gnu::always_inline]] inline void request_ahead(const uint8_t* chunk, int u, int64_t ahead, Hint hint) {
+  constexpr Info inf = info_of(F);
+  constexpr int lines = inf.chunk_bytes / 64, per = (lines + inf.units - 1) / inf.units;
+  const char* p = reinterpret_cast<const char*>(chunk + ahead);
+  for (int i = u * per; i < std::min(lines, (u + 1) * per); ++i) {
+    if (hint == Hint::L2)
+      _mm_prefetch(p + i * 64, _MM_HINT_T1);
+    else
+      _mm_prefetch(p + i * 64, _MM_HINT_NTA);
+  }
+}
 
 }  // namespace quant
 }  // namespace deploykit

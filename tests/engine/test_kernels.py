@@ -168,7 +168,10 @@ def test_stream_read_probe_reads_every_line(kernels):
         t.zero_()
         t[index] = 1 << (index % 63)
         for streams in (1, 3, 4, 8):  # the roofline takes the best stream count; each must read everything
-            assert torch.ops.deploykit.stream_read(t, streams) == 1 << (index % 63)
+            for ahead in (0, 4096):  # with its prefetch running past the end too
+                assert torch.ops.deploykit.stream_read(t, streams, ahead) == 1 << (index % 63)
+    with pytest.raises(RuntimeError, match="multiple of 64 bytes up to 65536, not 100"):
+        torch.ops.deploykit.stream_read(t, 1, 100)
 
 
 # Shapes of the streaming/batching bitwise checks: the model's qkv and down, and a block count no multiple of 8.

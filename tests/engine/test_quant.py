@@ -192,37 +192,44 @@ def test_amx_tiles_give_each_row_the_bits_of_the_gemv(fmt):
 
 
 def test_the_prefetch_distance_never_changes_a_result():
-    """The GEMV's non-temporal prefetch distance (per format, settable at run time for measuring) moves bytes
-    earlier, never the result; out-of-range distances and unknown formats are refused with what is allowed, and a
-    reset restores each format's default. On AMD CPUs: in the AVX-512 build none for Q8_0 and Q4_0, which measured
-    faster without it, 4 KiB for the K formats, which measured faster with it; 4 KiB for all in the AVX2 build. On
-    Intel CPUs, where it measured 1.6-2.6x slower, none for any format."""
+    """The quantized kernels' prefetch distance (per format) and hint (where the lines go; both settable at run time
+    for measuring) move bytes earlier, never the result, in the GEMV, the 4-row tiles of a wider call and the AMX
+    tiles' decode; out-of-range distances, unknown formats and hints are refused with what is allowed, and a reset
+    restores the defaults. On Intel CPUs every format streams 8 KiB ahead into L2 (PREFETCHT1 measured 1.2-1.5x
+    faster a token there, PREFETCHNTA 1.6-2.6x slower). On AMD CPUs non-temporally: in the AVX-512 build none for Q8_0
+    and Q4_0, which measured faster without it, 4 KiB for the K formats; 4 KiB for all in the AVX2 build."""
     ops = torch.ops.deploykit
     ids = quant.GGML_IDS
     defaults = kernels.quant_stream_ahead()
     assert defaults == kernels.status()["quant_stream_ahead"]
     assert defaults == {f: int(ops.quant_stream_ahead(i)) for f, i in ids.items()}
     amd = "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
-    if not amd:  # quant_stream.h: Intel's PREFETCHNTA slowed the stream down
-        assert set(defaults.values()) == {0}
+    assert kernels.quant_stream_hint() == kernels.status()["quant_stream_hint"] == ("nta" if amd else "l2")
+    if not amd:  # quant_stream.h: Intel's L2 prefetcher wants the requests, its PREFETCHNTA slowed the stream down
+        assert set(defaults.values()) == {8192}
     elif kernels.status()["variant"] == "avx2":  # streamed ahead in every format (quant_stream.h)
         assert set(defaults.values()) == {4096}
     else:
         assert defaults["Q8_0"] == defaults["Q4_0"] == 0 and defaults["Q4_K"] == defaults["Q6_K"] == 4096
     blobs = {f: quant.pack([random_raw(f, 256, 2048)]) for f in ("Q4_0", "Q4_K")}  # 16 groups of 16 rows each
     # (Q4_0: 18 KiB a group); 64 KiB ahead runs past the blob (a prefetch never faults), shorter distances land in
-    # the next groups
-    x = torch.randn(4, 2048).bfloat16()
-    want = {f: [kernels.linear(x[:m], b) for m in (1, 4)] for f, b in blobs.items()}
+    # the next groups. 1 and 4 rows: the GEMV; 9: its 4-row tiles; 16: AMX tiles where the CPU has them.
+    counts = (1, 4, 9, 16)
+    x = torch.randn(max(counts), 2048).bfloat16()
+    want = {f: [kernels.linear(x[:m], b) for m in counts] for f, b in blobs.items()}
 
     def same() -> bool:
-        return all(torch.equal(kernels.linear(x[:m], b), w) for f, b in blobs.items() for m, w in zip((1, 4), want[f]))
+        return all(torch.equal(kernels.linear(x[:m], b), w) for f, b in blobs.items() for m, w in zip(counts, want[f]))
     try:
-        for ahead in (0, 64, 8192, 65536):
-            ops.set_quant_stream_ahead(ahead)
-            assert set(kernels.quant_stream_ahead().values()) == {ahead}
-            assert same()
+        for hint in ("nta", "l2"):
+            ops.set_quant_stream_hint(hint)
+            assert kernels.quant_stream_hint() == hint
+            for ahead in (0, 64, 8192, 65536):
+                ops.set_quant_stream_ahead(ahead)
+                assert set(kernels.quant_stream_ahead().values()) == {ahead}
+                assert same(), (hint, ahead)
         ops.reset_quant_stream_ahead()
+        assert kernels.quant_stream_hint() == ("nta" if amd else "l2")
         ops.set_quant_stream_ahead(128, ids["Q4_0"])  # one format only
         assert kernels.quant_stream_ahead() == {**defaults, "Q4_0": 128}
         assert same()
@@ -238,7 +245,10 @@ def test_the_prefetch_distance_never_changes_a_result():
                 ops.set_quant_stream_ahead(64, far)
             with pytest.raises(RuntimeError, match=f"not a quantized format's ggml type id: {far}"):
                 ops.quant_stream_ahead(far)
+        with pytest.raises(RuntimeError, match='prefetch hint is "nta" or "l2", not "t0"'):
+            ops.set_quant_stream_hint("t0")
         assert kernels.quant_stream_ahead() == {**defaults, "Q4_0": 128}
+        assert kernels.quant_stream_hint() == ("nta" if amd else "l2")
     finally:
         ops.reset_quant_stream_ahead()
     assert kernels.quant_stream_ahead() == defaults
