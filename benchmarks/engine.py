@@ -323,6 +323,9 @@ def summarize(samples: dict[str, list[dict]], w: dict, tokens: int) -> dict:
                                  "fp32_gemv": stats([s["fp32_gemv_gbps"] for s in bw], 1),
                                  "by_round": [round(g, 1) for g in by_round],
                                  "stream_probe": bw[0]["stream_read_probe"]}
+        for part in ("stream_read_1gib", "working_set"):  # what the stream read's best came from
+            if all(f"{part}_gbps" in s for s in bw):
+                out["bandwidth_gbps"][part] = stats([s[f"{part}_gbps"] for s in bw], 1)
         out["roofline_tok_s"] = round(best * 1e9 / w["decode_read_bytes"], 2)
         out["roofline_tok_s_by_round"] = [round(g * 1e9 / w["decode_read_bytes"], 2) for g in by_round]
     if mm := [s["shapes"] for s in samples.get("matmul_peak", ())]:
