@@ -15,7 +15,8 @@ from engine.kernels.reference import (fallback_add_rms_norm, fallback_head_rms_n
 
 __all__ = ["LIMITS", "PACK_COLS", "add_rms_norm", "argmax", "bf16w_ok", "compact_info", "compact_rows",
            "compact_unpack", "decode_attention", "decode_attention_supported", "decode_step_", "decode_step_supported",
-           "fused", "head_rms_norm_", "is_compact", "is_quantized", "linear", "logits", "prepare_bf16w",
+           "fused", "head_rms_norm_", "is_compact", "is_quantized", "linear", "logits", "prefill_attention",
+           "prefill_attention_supported", "prepare_bf16w",
            "prepare_bias", "prepare_weight", "quant_pack", "quant_parts", "quant_rows", "quantized_ok", "rotary_",
            "silu_mul", "status", "tune_streams"]
 
@@ -56,6 +57,7 @@ if _ops is not None:  # resolved once: the OpOverloadPacket lookup costs microse
     _head_rms_norm = _ops.head_rms_norm_.default
     _decode_step = _ops.decode_step_.default
     _decode_attention = _ops.decode_attention.default
+    _prefill_attention = _ops.prefill_attention.default
     _argmax_rows = _ops.argmax_rows.default
     _compact_linear = _ops.compact_linear.default
     _compact_unpack = _ops.compact_unpack.default
@@ -308,6 +310,21 @@ def decode_attention_supported(q: torch.Tensor) -> bool:
     if q.dtype == _F32:
         return _qops is not None and d % F32_HEAD_DIM_MULTIPLE == 0 and d <= F32_MAX_HEAD_DIM
     return fused(q) and d % LIMITS["head_dim_multiple"] == 0 and d <= LIMITS["max_head_dim"]
+
+
+def prefill_attention_supported(q: torch.Tensor) -> bool:
+    """q [L, Hq, D]: the native prefill attention (kernels/prefill_attention.cpp) runs on AMX-BF16 tiles, bf16 with D a
+    multiple of 64 up to 256; elsewhere layers.py's tiled SDPA runs."""
+    return _NATIVE.amx and q.dtype == _BF16 and q.shape[-1] % 64 == 0 and q.shape[-1] <= 256
+
+
+def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor, position: int, scale: float,
+                      window: int = 0) -> torch.Tensor:
+    """A prompt chunk's queries q [L, Hq, D] at positions [position, position + L), their K/V already in the cache,
+    against every key before them, read in place from the paged cache: kv_layer [blocks, block_size, 2, Hkv, D],
+    table int32 [W] the sequence's blocks. window > 0: only the last `window` keys (itself included) -> [L, Hq, D].
+    A query's result depends on its position and the keys alone, not on how its prompt was chunked."""
+    return _prefill_attention(q, kv_layer, table, position, scale, window)
 
 
 def decode_step_supported(q: torch.Tensor, intermediate_size: int) -> bool:

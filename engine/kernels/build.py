@@ -18,7 +18,7 @@ from torch.utils import cpp_extension
 
 SOURCES = ("gemv_bf16.cpp", "amx_bf16.cpp", "amx_plain_bf16.cpp", "stream_read.cpp", "decode_ops.cpp",
            "decode_attention.cpp", "decode_step.cpp", "quant_pack.cpp", "qlinear.cpp", "argmax.cpp",
-           "compact_bf16.cpp", "compact_amx.cpp", "f32_ops.cpp", "bf16w_linear.cpp")
+           "compact_bf16.cpp", "compact_amx.cpp", "f32_ops.cpp", "bf16w_linear.cpp", "prefill_attention.cpp")
 # The AVX2 build holds the quantized-weight ops, the fp32 ops and the roofline probe: a CPU without AVX-512 runs a
 # model in fp32, keeps GGUF blocks quantized and reads them with the AVX2 int8 GEMV, keeps a bf16 checkpoint's
 # matrices in bf16 and widens them in registers (bf16w_linear.cpp), and runs the rest of a decoder layer on

@@ -451,6 +451,70 @@ def test_decode_attention_reads_scattered_blocks_in_place(kernels, heads, kv_hea
         assert torch.allclose(out.double(), exact, rtol=2 ** -7, atol=2 ** -7), window
 
 
+needs_amx = pytest.mark.skipif(not HAS_AMX, reason="the native prefill attention runs on AMX-BF16 tiles only")
+
+
+def _prefill_case(g: torch.Generator, heads: int, kv_heads: int, d: int, block: int, end: int):
+    """A cache of 200 blocks, one sequence's out-of-order table covering `end` tokens, and a strided q view."""
+    kv = torch.randn(200, block, 2, kv_heads, d, generator=g).bfloat16()
+    table = torch.randperm(200, generator=g)[:-(-end // block) + 2].int()  # padded past the end, as the runner does
+    qkv = torch.randn(end, heads + 2 * kv_heads, d, generator=g).bfloat16()
+    return kv, table, qkv[:, :heads]
+
+
+@needs_amx
+@pytest.mark.parametrize("heads,kv_heads,d,block,position,length", [
+    (14, 2, 64, 16, 0, 1), (14, 2, 64, 16, 0, 37), (14, 2, 64, 16, 45, 100), (4, 1, 128, 32, 500, 64),
+    (8, 8, 256, 16, 5, 33), (8, 2, 64, 16, 0, 300)])
+def test_prefill_attention_matches_exact_causal_attention(kernels, heads, kv_heads, d, block, position, length):
+    """Each query of a prompt chunk against every key up to its own position (and only the last `window` of them),
+    read through the block table in place: the fp64 reference per query, to bf16's resolution."""
+    g = torch.Generator().manual_seed(heads * d + position + length)
+    end = position + length
+    kv, table, q_all = _prefill_case(g, heads, kv_heads, d, block, end)
+    q = q_all[position:]
+    # The reference as decode attention sees it: query i is a sequence of its own with context position + i + 1.
+    tables = table[None].expand(length, -1).contiguous()
+    lens = torch.arange(position + 1, end + 1, dtype=torch.int32)
+    for window in (0, 1, 7, 100):
+        out = kernels.prefill_attention(q, kv, table, position, d ** -0.5, window)
+        exact = attention_reference(q, kv, tables, lens, d ** -0.5, window)
+        assert out.shape == (length, heads, d)
+        assert torch.allclose(out.double(), exact, rtol=2 ** -7, atol=2 ** -7), window
+
+
+@needs_amx
+@pytest.mark.parametrize("window", [0, 50])
+def test_prefill_attention_gives_a_query_the_same_bits_however_its_prompt_is_chunked(kernels, window):
+    """Chunked prefill and prefix-cache hits compute a prompt's queries in pieces that start anywhere: each query's
+    output must be bitwise the one it gets with the whole prompt in one call."""
+    g = torch.Generator().manual_seed(window + 1)
+    kv, table, q = _prefill_case(g, 14, 2, 64, 16, 333)
+    whole = kernels.prefill_attention(q, kv, table, 0, 0.125, window)
+    for cuts in ([1, 2, 17, 100, 333], [63, 64, 65, 333], [250, 333], [5, 77, 200, 201, 333]):
+        start = 0
+        for cut in cuts:
+            part = kernels.prefill_attention(q[start:cut], kv, table, start, 0.125, window)
+            assert torch.equal(part, whole[start:cut]), (cuts, start, cut)
+            start = cut
+
+
+@needs_amx
+def test_prefill_attention_refuses_what_it_cannot_read(kernels):
+    kv = torch.zeros(4, 16, 2, 2, 64, dtype=torch.bfloat16)
+    q = torch.zeros(5, 4, 64, dtype=torch.bfloat16)
+    i32 = torch.int32
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.prefill_attention(q, kv, torch.tensor([9], dtype=i32), 0, 1.0)
+    with pytest.raises(RuntimeError, match="context length"):  # 5 queries from position 12 need 17 > 16 slots
+        kernels.prefill_attention(q, kv, torch.tensor([0], dtype=i32), 12, 1.0)
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 64"):
+        kernels.prefill_attention(torch.zeros(5, 4, 32, dtype=torch.bfloat16), kv[..., :32].contiguous(),
+                                  torch.tensor([0], dtype=i32), 0, 1.0)
+    assert not kernels.prefill_attention_supported(torch.zeros(5, 4, 32, dtype=torch.bfloat16))
+    assert kernels.prefill_attention_supported(q)
+
+
 @needs_bf16
 def test_python_limits_are_the_extensions_own_checks(kernels):
     """kernels.LIMITS comes from the extension: a head size is 'supported' exactly when the kernel accepts it, and a
