@@ -71,16 +71,29 @@ void make_tiles(const bf16* const* keys, int64_t voff, int64_t T, int64_t D, Hea
     }
 }
 
-// Lane r of the result: the max over the 16 lanes of acc[r] (the transposed tree of vec::reduce16).
-inline __m512 reduce16_max(__m512 acc[16]) {
-  static const vec::HalvingIdx idx[4] = {vec::HalvingIdx(8), vec::HalvingIdx(4), vec::HalvingIdx(2),
-                                         vec::HalvingIdx(1)};
-  for (int level = 0, n = 16; n > 1; ++level, n /= 2)
-    for (int i = 0; i < n / 2; ++i) {
-      const __m512 a = acc[2 * i], b = acc[2 * i + 1];
-      acc[i] = _mm512_max_ps(_mm512_permutex2var_ps(a, idx[level].lo, b), _mm512_permutex2var_ps(a, idx[level].hi, b));
-    }
-  return acc[0];
+// C tiles 0-3 += A tile 4 times the four 1 KiB B tiles from b, each through tile 5.
+[[gnu::always_inline]] inline void times_four(const bf16* b) {
+  _tile_loadd(5, b, 64);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(5, b + 512, 64);
+  _tile_dpbf16ps(1, 4, 5);
+  _tile_loadd(5, b + 1024, 64);
+  _tile_dpbf16ps(2, 4, 5);
+  _tile_loadd(5, b + 1536, 64);
+  _tile_dpbf16ps(3, 4, 5);
+}
+[[gnu::always_inline]] inline void zero_four() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+// C tiles 0-3 -> dst [16 rows][64 floats] (tile i: columns 16 i .. 16 i + 15).
+[[gnu::always_inline]] inline void store_four(float (*dst)[64]) {
+  _tile_stored(0, &dst[0][0], sizeof(dst[0]));
+  _tile_stored(1, &dst[0][16], sizeof(dst[0]));
+  _tile_stored(2, &dst[0][32], sizeof(dst[0]));
+  _tile_stored(3, &dst[0][48], sizeof(dst[0]));
 }
 
 // Query head rows [0, rows) of q (positions pos0 + r, rows ldq apart) -> out rows (ldo apart). lo, hi: the key
@@ -100,10 +113,7 @@ void tile_task(const bf16* q, int64_t ldq, int64_t rows, int64_t pos0, int64_t w
   const __mmask16 real = (__mmask16)((1u << rows) - 1);
   for (int64_t b = lo; b < hi; ++b) {
     // S = Q K^T over the D/32 d-chunks: keys 16 i .. 16 i + 15 in C tile i.
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_four();
     for (int64_t c = 0; c < dk; ++c) {
       if (rows == 16) {
         _tile_loadd(4, q + c * 32, ldq * (int64_t)sizeof(bf16));
@@ -112,20 +122,9 @@ void tile_task(const bf16* q, int64_t ldq, int64_t rows, int64_t pos0, int64_t w
         for (int64_t r = 0; r < rows; ++r) std::memcpy(qpad[r], q + r * ldq + c * 32, 64);
         _tile_loadd(4, qpad, 64);
       }
-      const bf16* kt = t.kt.data() + (b * dk + c) * 4 * 512;
-      _tile_loadd(5, kt, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(5, kt + 512, 64);
-      _tile_dpbf16ps(1, 4, 5);
-      _tile_loadd(5, kt + 1024, 64);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(5, kt + 1536, 64);
-      _tile_dpbf16ps(3, 4, 5);
+      times_four(t.kt.data() + (b * dk + c) * 4 * 512);
     }
-    _tile_stored(0, &s[0][0], sizeof(s[0]));
-    _tile_stored(1, &s[0][16], sizeof(s[0]));
-    _tile_stored(2, &s[0][32], sizeof(s[0]));
-    _tile_stored(3, &s[0][48], sizeof(s[0]));
+    store_four(s);
     // Scaled and masked scores (hidden keys -inf) and each row's max; rows that see no key of this block are left
     // untouched below.
     __m512i k[4];
@@ -148,7 +147,8 @@ void tile_task(const bf16* q, int64_t ldq, int64_t rows, int64_t pos0, int64_t w
       if (any) live |= (__mmask16)(1u << r);
     }
     live &= real;
-    const __m512 mnew = _mm512_mask_max_ps(m, live, m, reduce16_max(mx));
+    const auto max = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
+    const __m512 mnew = _mm512_mask_max_ps(m, live, m, vec::reduce16(mx, max));  // lane r: row r's max
     // e^(m_old - m_new): exactly 1 where the max did not move; ~1e-38 (vec::exp's floor) where nothing was seen
     // yet, which multiplies O = l = 0.
     _mm512_store_ps(alpha, _mm512_maskz_mov_ps(live, vec::exp(_mm512_sub_ps(m, mnew))));
@@ -175,32 +175,20 @@ void tile_task(const bf16* q, int64_t ldq, int64_t rows, int64_t pos0, int64_t w
     m = mnew;
     // O = O alpha + P V, 64 d at a time (4 C tiles of 16 d), the block's two 32-key halves summed in the tiles.
     for (int64_t c0 = 0; c0 < dv; c0 += 4) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      zero_four();
       for (int half = 0; half < 2; ++half) {
         _tile_loadd(4, &p[0][32 * half], sizeof(p[0]));
-        const bf16* vp = t.vp.data() + ((b * 2 + half) * dv + c0) * 512;
-        _tile_loadd(5, vp, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(5, vp + 512, 64);
-        _tile_dpbf16ps(1, 4, 5);
-        _tile_loadd(5, vp + 1024, 64);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(5, vp + 1536, 64);
-        _tile_dpbf16ps(3, 4, 5);
+        times_four(t.vp.data() + ((b * 2 + half) * dv + c0) * 512);
       }
-      _tile_stored(0, &pv[0][0], sizeof(pv[0]));
-      _tile_stored(1, &pv[0][16], sizeof(pv[0]));
-      _tile_stored(2, &pv[0][32], sizeof(pv[0]));
-      _tile_stored(3, &pv[0][48], sizeof(pv[0]));
+      store_four(pv);
       for (int r = 0; r < 16; ++r) {
         if (!(live >> r & 1)) continue;
         const __m512 a = _mm512_set1_ps(alpha[r]);
         float* orow = o + r * D + c0 * 16;
-        for (int i = 0; i < 4; ++i)
-          _mm512_store_ps(orow + 16 * i, _mm512_fmadd_ps(_mm512_load_ps(orow + 16 * i), a, _mm512_load_ps(&pv[r][16 * i])));
+        for (int i = 0; i < 4; ++i) {
+          const __m512 scaled = _mm512_fmadd_ps(_mm512_load_ps(orow + 16 * i), a, _mm512_load_ps(&pv[r][16 * i]));
+          _mm512_store_ps(orow + 16 * i, scaled);
+        }
       }
     }
   }
@@ -208,7 +196,8 @@ void tile_task(const bf16* q, int64_t ldq, int64_t rows, int64_t pos0, int64_t w
   _mm512_store_ps(lrow, l);
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 inv = _mm512_set1_ps(1.0f / lrow[r]);  // a query always sees itself, so l > 0
-    for (int64_t d = 0; d < D; d += 16) vec::store16(out + r * ldo + d, _mm512_mul_ps(_mm512_load_ps(o + r * D + d), inv));
+    for (int64_t d = 0; d < D; d += 16)
+      vec::store16(out + r * ldo + d, _mm512_mul_ps(_mm512_load_ps(o + r * D + d), inv));
   }
 }
 

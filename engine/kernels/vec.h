@@ -73,17 +73,21 @@ struct HalvingIdx {
   }
 };
 
-// acc[r] holds 16 partial sums of row r; returns lane r = sum(acc[r]) for r < 16. Lanes are paired (j, j + 8), then
-// (j, j + 4), (j, j + 2), (j, j + 1): the tree of GCC's _mm512_reduce_add_ps, so each lane is bitwise that sum.
-inline __m512 reduce16(__m512 acc[16]) {
+// acc[r] holds 16 partial values of row r; returns lane r = op over acc[r]'s lanes for r < 16 (op: the sum, or any
+// other pairwise vector op, e.g. _mm512_max_ps). Lanes are paired (j, j + 8), then (j, j + 4), (j, j + 2), (j, j + 1):
+// the tree of GCC's _mm512_reduce_add_ps, so each lane of the sum is bitwise that reduction.
+template <class Op>
+inline __m512 reduce16(__m512 acc[16], Op op) {
   static const HalvingIdx idx[4] = {HalvingIdx(8), HalvingIdx(4), HalvingIdx(2), HalvingIdx(1)};
   for (int level = 0, n = 16; n > 1; ++level, n /= 2)
     for (int i = 0; i < n / 2; ++i) {
       const __m512 a = acc[2 * i], b = acc[2 * i + 1];
-      acc[i] = _mm512_add_ps(_mm512_permutex2var_ps(a, idx[level].lo, b),
-                             _mm512_permutex2var_ps(a, idx[level].hi, b));
+      acc[i] = op(_mm512_permutex2var_ps(a, idx[level].lo, b), _mm512_permutex2var_ps(a, idx[level].hi, b));
     }
   return acc[0];
+}
+inline __m512 reduce16(__m512 acc[16]) {
+  return reduce16(acc, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
 }
 
 // exp(x) = 2^t, t = x log2(e) = 2^n * 2^f with n = round(t), f in [-0.5, 0.5] (the compiler has no vector
