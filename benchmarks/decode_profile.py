@@ -15,9 +15,9 @@ The JSON also names the streaming the start-up measurement (engine/kernels/strea
 `--gguf FILE` profiles a (quantized) GGUF file instead, its roofline counted from the file's weight bytes.
 `--compact` alternates instead between the model held packed in 16 bits and compact in 12 (kernels/compact_bf16.h),
 both with the streaming picked at start-up, and reports each one's share of the roofline counted on the file's bytes
-and on the bytes it holds. `--gguf FILE --stream-ahead 0,4096,l2:8192,nta:4096,default` alternates between prefetch distances of the
-quantized kernels for every format (kernels/quant_stream.h; `l2:`/`nta:` also set where the lines go, else the CPU's
-default hint; `default`: each format's own distance and the default hint). `--pages` alternates between
+and on the bytes it holds. `--gguf FILE --stream-ahead 0,4096,l2:8192,nta:4096,default` alternates between prefetch
+distances of the quantized kernels for every format (kernels/quant_stream.h; `l2:`/`nta:` also set where the lines go,
+else the CPU's default hint; `default`: each format's own distance and the default hint). `--pages` alternates between
 the weights on 2 MiB pages (engine/hugepages.py, the default) and on 4 KiB pages (EngineConfig(huge_pages=False)),
 the same model loaded twice.
 

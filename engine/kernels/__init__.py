@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from deploykit import isa
 from deploykit.memory import WIDEN_ROWS
-from engine.kernels import loader, streaming
+from engine.kernels import attention, loader, streaming
 # The element-wise ops' PyTorch references (tests compare the native ops with them), re-exported here.
 from engine.kernels.reference import (fallback_add_rms_norm, fallback_head_rms_norm_, fallback_rotary_,  # noqa: F401
                                       fallback_silu_mul)
@@ -56,19 +56,16 @@ if _ops is not None:  # resolved once: the OpOverloadPacket lookup costs microse
     _rotary = _ops.rotary_.default
     _head_rms_norm = _ops.head_rms_norm_.default
     _decode_step = _ops.decode_step_.default
-    _decode_attention = _ops.decode_attention.default
-    _prefill_attention = _ops.prefill_attention.default
     _argmax_rows = _ops.argmax_rows.default
     _compact_linear = _ops.compact_linear.default
     _compact_unpack = _ops.compact_unpack.default
 if _qops is not None:
     _quant_linear = _qops.quant_linear.default
-    # fp32 element-wise ops and decode attention (f32_ops.cpp, AVX2 + FMA): in every build.
+    # fp32 element-wise ops (f32_ops.cpp, AVX2 + FMA): in every build.
     _add_rms_norm_f32 = _qops.add_rms_norm_f32.default
     _silu_mul_f32 = _qops.silu_mul_f32.default
     _rotary_f32 = _qops.rotary_f32_.default
     _head_rms_norm_f32 = _qops.head_rms_norm_f32_.default
-    _decode_attention_f32 = _qops.decode_attention_f32.default
     # fp32 activations times bf16 weights widened in registers (bf16w_linear.cpp, AVX2 + FMA): in every build.
     _bf16w_linear = _qops.linear_bf16w.default
 
@@ -299,46 +296,10 @@ def head_rms_norm_(x: torch.Tensor, w: torch.Tensor, eps: float) -> None:
     (_head_rms_norm_f32 if x.dtype == _F32 else _head_rms_norm)(x, w, eps)
 
 
-# fp32 decode attention takes head sizes in whole AVX2 vectors (f32_ops.cpp).
-F32_HEAD_DIM_MULTIPLE, F32_MAX_HEAD_DIM = 8, 256
-
-
-def decode_attention_supported(q: torch.Tensor) -> bool:
-    """q [B, Hq, D]: the native paged decode attention handles bf16 with D a multiple of 32 up to 256 (LIMITS), and
-    fp32 with D a multiple of 8 up to 256."""
-    d = q.shape[-1]
-    if q.dtype == _F32:
-        return _qops is not None and d % F32_HEAD_DIM_MULTIPLE == 0 and d <= F32_MAX_HEAD_DIM
-    return fused(q) and d % LIMITS["head_dim_multiple"] == 0 and d <= LIMITS["max_head_dim"]
-
-
-def prefill_attention_supported(q: torch.Tensor) -> bool:
-    """q [L, Hq, D]: the native prefill attention (kernels/prefill_attention.cpp) runs on AMX-BF16 tiles, bf16 with D a
-    multiple of 64 up to 256; elsewhere layers.py's tiled SDPA runs."""
-    return _NATIVE.amx and q.dtype == _BF16 and q.shape[-1] % 64 == 0 and q.shape[-1] <= 256
-
-
-def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor, position: int, scale: float,
-                      window: int = 0) -> torch.Tensor:
-    """A prompt chunk's queries q [L, Hq, D] at positions [position, position + L), their K/V already in the cache,
-    against every key before them, read in place from the paged cache: kv_layer [blocks, block_size, 2, Hkv, D],
-    table int32 [W] the sequence's blocks. window > 0: only the last `window` keys (itself included) -> [L, Hq, D].
-    A query's result depends on its position and the keys alone, not on how its prompt was chunked."""
-    return _prefill_attention(q, kv_layer, table, position, scale, window)
-
-
 def decode_step_supported(q: torch.Tensor, intermediate_size: int) -> bool:
     """Whether decode_step_ takes a model with heads like q [B, Hq, D] (bf16 only) and this MLP width (gate and up
     blocks of the packed gate_up weight must not straddle the two halves)."""
     return q.dtype == _BF16 and decode_attention_supported(q) and intermediate_size % _block_n == 0
-
-
-def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                     scale: float, window: int = 0) -> torch.Tensor:
-    """One query per sequence against its cached context, read in place from the paged cache.
-    q [B, Hq, D], kv_layer [blocks, block_size, 2, Hkv, D] (q's dtype), tables int32 [B, W], lens int32 [B]
-    -> [B, Hq, D]. window > 0: only the last `window` tokens of each context (sliding-window attention)."""
-    return (_decode_attention_f32 if q.dtype == _F32 else _decode_attention)(q, kv_layer, tables, lens, scale, window)
 
 
 def decode_step_(h: torch.Tensor, weights: list, kv: list[torch.Tensor], windows: list[int], cos: torch.Tensor,
@@ -410,3 +371,9 @@ def status() -> dict:
         "quant_stream_ahead": quant_stream_ahead(),
         "quant_stream_hint": quant_stream_hint(),
     }
+
+
+# The attention ops (engine/kernels/attention.py), bound to this library.
+attention.bind(_NATIVE, _ops, _qops, LIMITS)
+decode_attention_supported, decode_attention = attention.decode_attention_supported, attention.decode_attention
+prefill_attention_supported, prefill_attention = attention.prefill_attention_supported, attention.prefill_attention
