@@ -58,6 +58,7 @@ if _ops is not None:  # resolved once: the OpOverloadPacket lookup costs microse
     _decode_step = _ops.decode_step_.default
     _argmax_rows = _ops.argmax_rows.default
     _compact_linear = _ops.compact_linear.default
+    _gate_up_silu = _ops.compact_gate_up_silu_amx.default
     _compact_unpack = _ops.compact_unpack.default
 if _qops is not None:
     _quant_linear = _qops.quant_linear.default
@@ -252,6 +253,22 @@ def _linear_compact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None)
     if x.dtype != _BF16:
         return fallback_linear(x, w, bias)
     return _rows_2d(_compact_linear, x, w, bias)
+
+
+def gate_up_silu_ok(w: torch.Tensor) -> bool:
+    """Whether gate_up_silu takes this gate_up weight [2I, K] ([gate; up]): compact, on AMX tiles, whole 16-column
+    blocks of gate and of up, K % 32 == 0."""
+    if not (_compact_amx and is_compact(w)):
+        return False
+    n, k, _ = compact_info(w)
+    return n % 32 == 0 and k % _block_k == 0
+
+
+def gate_up_silu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x W_gate^T + b_gate) * (x W_up^T + b_up) [..., I] for a weight gate_up_silu_ok took, bf16 x: the tiles'
+    epilogue pairs gate block j with up block j and applies it, bit for bit what silu_mul(linear(x, w, bias)) gives,
+    without writing the [..., 2I] intermediate (kernels/compact_amx.cpp)."""
+    return _rows_2d(_gate_up_silu, x, w, bias)
 
 
 def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

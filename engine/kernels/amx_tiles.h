@@ -14,6 +14,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "vec.h"
+
 namespace deploykit {
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -101,9 +103,16 @@ struct Partial {
   bool first, last;
 };
 
+// v rounded to bf16 and widened back, bit for bit what storing it as bf16 and loading it gives.
+inline __m512 bf16_round(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// silu (NB == 2: nb[0] a gate block, nb[1] its up block): out[r, 16 nb[0] + c] = silu(gate) * up instead, computed
+// from the two blocks' bf16 outputs exactly as silu_mul computes it from a stored gate_up row.
 template <int MB, int NB, class Source>
 inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t Kh, const int64_t nb[NB],
-                       const float* bias, bf16* out, int64_t ldo, const Partial* partial = nullptr) {
+                       const float* bias, bf16* out, int64_t ldo, const Partial* partial = nullptr, bool silu = false) {
   if (partial && !partial->first) {
     _tile_loadd(0, partial->c, 64);
     if constexpr (NB > 1) _tile_loadd(1, partial->c + 256, 64);
@@ -147,6 +156,20 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
     _tile_stored(2, c[2], 64);
     if constexpr (NB > 1) _tile_stored(3, c[3], 64);
   }
+  if constexpr (NB > 1) {
+    if (silu) {
+      const __m512 bg = bias ? _mm512_loadu_ps(bias + nb[0] * 16) : _mm512_setzero_ps();
+      const __m512 bu = bias ? _mm512_loadu_ps(bias + nb[1] * 16) : _mm512_setzero_ps();
+      for (int h = 0; h < MB; ++h)
+        for (int r = 0, rows = h == 0 ? rows0 : rows1; r < rows; ++r) {
+          // Rounded to bf16 first, as a stored gate_up row is.
+          const __m512 g = bf16_round(_mm512_add_ps(_mm512_load_ps(c[h * 2] + r * 16), bg));
+          const __m512 u = bf16_round(_mm512_add_ps(_mm512_load_ps(c[h * 2 + 1] + r * 16), bu));
+          vec::store16(out + (h * 16 + r) * ldo + nb[0] * 16, vec::silu_mul(g, u));
+        }
+      return;
+    }
+  }
   for (int h = 0; h < MB; ++h) {
     const int rows = h == 0 ? rows0 : rows1;
     for (int j = 0; j < NB; ++j) {
@@ -163,12 +186,13 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
 // tile_block for a runtime rows1 (0: one half) and block count (1 or 2).
 template <class Source>
 inline void tile_blocks(const ATiles& a, int rows0, int rows1, Source& b, int64_t Kh, const int64_t* nb, int n,
-                        const float* bias, bf16* out, int64_t ldo, const Partial* partial = nullptr) {
+                        const float* bias, bf16* out, int64_t ldo, const Partial* partial = nullptr,
+                        bool silu = false) {
   if (rows1 > 0) {
-    if (n > 1) tile_block<2, 2>(a, rows0, rows1, b, Kh, nb, bias, out, ldo, partial);
+    if (n > 1) tile_block<2, 2>(a, rows0, rows1, b, Kh, nb, bias, out, ldo, partial, silu);
     else tile_block<2, 1>(a, rows0, rows1, b, Kh, nb, bias, out, ldo, partial);
   } else {
-    if (n > 1) tile_block<1, 2>(a, rows0, 0, b, Kh, nb, bias, out, ldo, partial);
+    if (n > 1) tile_block<1, 2>(a, rows0, 0, b, Kh, nb, bias, out, ldo, partial, silu);
     else tile_block<1, 1>(a, rows0, 0, b, Kh, nb, bias, out, ldo, partial);
   }
 }

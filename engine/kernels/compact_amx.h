@@ -87,13 +87,13 @@ struct Tiles {
 };
 
 // out[m, 16 nb[j] + c] for M <= 32 rows of x read in place (tiles configured for them: Tiles(M))
-// and n = 1 or 2 column blocks of any ids.
+// and n = 1 or 2 column blocks of any ids; silu: a gate block and its up block, out[m, 16 nb[0] + c] = silu(g) * u.
 inline void blocks(int64_t M, const bf16* x, int64_t ldx, const compact::Matrix& w, const int64_t* nb, int n,
-                   const float* bias, bf16* out, int64_t ldo) {
+                   const float* bias, bf16* out, int64_t ldo, bool silu = false) {
   alignas(64) bf16 buf[2 * 1024];
   CompactB b(w, nb, n, buf);
   const int rows0 = (int)std::min<int64_t>(M, 16);
-  amx::tile_blocks(amx::plain_a(x, ldx), rows0, (int)M - rows0, b, w.K / 2, nb, n, bias, out, ldo);
+  amx::tile_blocks(amx::plain_a(x, ldx), rows0, (int)M - rows0, b, w.K / 2, nb, n, bias, out, ldo, nullptr, silu);
 }
 
 // Column blocks [b0, b1) for M <= 32 rows, two at a time; configures this thread's tiles for the call.
@@ -113,7 +113,7 @@ struct Tiles {
 };
 
 inline void blocks(int64_t, const at::BFloat16*, int64_t, const compact::Matrix&, const int64_t*, int, const float*,
-                   at::BFloat16*, int64_t) {
+                   at::BFloat16*, int64_t, bool = false) {
   TORCH_CHECK(false, "this kernel library was built without AMX");
 }
 inline void rows(int64_t, const at::BFloat16*, int64_t, const compact::Matrix&, int64_t, int64_t, const float*,

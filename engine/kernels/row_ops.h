@@ -44,17 +44,9 @@ inline void rms_norm(const bf16* row, const bf16* w, int64_t H, float eps, bf16*
 
 // out[0:n] = silu(gate) * up.
 inline void silu_mul(const bf16* gate, const bf16* up, int64_t n, bf16* out) {
-  const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t k = 0; k < n; k += 16) {
     const __mmask16 mk = k + 16 <= n ? (__mmask16)0xFFFF : tail_mask(n - k);
-    const __m512 x = load16_masked(gate + k, mk);
-    const __m512 e = vec::exp(_mm512_sub_ps(_mm512_setzero_ps(), x));  // silu(x) = x / (1 + exp(-x))
-    // x / d through a reciprocal estimate and one Newton step (2^-28 relative): a zmm divide would make this
-    // op divider-bound.
-    const __m512 d = _mm512_add_ps(one, e);
-    __m512 r = _mm512_rcp14_ps(d);
-    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
-    store16_masked(out + k, _mm512_mul_ps(_mm512_mul_ps(x, r), load16_masked(up + k, mk)), mk);
+    store16_masked(out + k, vec::silu_mul(load16_masked(gate + k, mk), load16_masked(up + k, mk)), mk);
   }
 }
 

@@ -70,6 +70,9 @@ class LlamaModel:
         self.pages = self.arena.placement()
         log.info("weight arena: %s", self.pages.text())
         self.step_weights = self._step_weights()  # None: small decode steps take the per-op path as well
+        # gate_up and silu * up in one pass on AMX tiles (compact weights): the same bits, no [N, 2I] intermediate.
+        self.gate_up_silu = (self.act_fused and self.dtype == torch.bfloat16
+                             and all(kernels.gate_up_silu_ok(L.gate_up) for L in self.layers))
 
     def _load(self, r, held: quant.Loader, take) -> None:
         """take(t) -> the arena's copy of t; each weight is taken once it has its final form."""
@@ -251,7 +254,9 @@ class LlamaModel:
             for i in range(0, n, MLP_ROWS):
                 d[i:i + MLP_ROWS] = self.mlp(L, x[i:i + MLP_ROWS])
             return d
-        if self.act_fused:
+        if self.gate_up_silu:
+            y = kernels.gate_up_silu(x, L.gate_up, L.gate_up_bias)            # [N, I]
+        elif self.act_fused:
             y = silu_and_mul(linear(x, L.gate_up, L.gate_up_bias))            # [N, I]
         else:
             gate, up = linear(x, L.gate_up, L.gate_up_bias).chunk(2, dim=-1)  # [N, I] each

@@ -112,14 +112,16 @@ def test_compact_linear_is_close_to_fp32_and_row_invariant(m, n, k):
 @pytest.mark.parametrize("k", [896, 4864])
 def test_amx_tiles_on_compact_weights_decode_once_or_again_to_the_same_bits(m, k):
     # A prefill decodes each pair of column blocks once (in k-slices of 192 pairs, the C tiles' sums kept between
-    # them) for a chunk of 4+ 32-row blocks, else again for every block; the AVX-512 compact kernels (the switch off)
-    # sum in another order: close to the tiles, not bitwise.
+    # them) for a chunk of 4+ 32-row blocks, else again for every block; where K is so long that fewer than 4 blocks
+    # fit a chunk (K = 4864: 3), the k-slices go outermost and each pair is decoded once per slice for up to 16
+    # blocks (the default, 4, at m = 130 and 300). The AVX-512 compact kernels (the switch off) sum in another
+    # order: close to the tiles, not bitwise.
     w, x = weights(208, k, seed=m), torch.randn(m, k).bfloat16()
     w[3, 5], w[40, k - 800], w[207, k - 1] = 1e4, -1e-25, 7e3  # escapes, patched into each decoded k-tile
     blob, bias = compact(w), torch.randn(208)
     outs = []
     try:
-        for once in (1, 1_000):
+        for once in (1, 4, 1_000):
             ops.set_compact_amx_decode_once(once)
             outs.append(kernels.linear(x, blob, bias))
         assert ops.set_compact_amx(False) is False
@@ -127,12 +129,37 @@ def test_amx_tiles_on_compact_weights_decode_once_or_again_to_the_same_bits(m, k
     finally:
         ops.set_compact_amx_decode_once(4)
         assert ops.set_compact_amx(True) is True
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     assert_close(outs[0], x, w, bias)
     assert_close(avx512, x, w, bias)
     assert ops.compact_amx_enabled()
     with pytest.raises(RuntimeError, match="at least one 32-row block"):
         ops.set_compact_amx_decode_once(0)
+
+
+@pytest.mark.skipif(not kernels.status()["compact_amx"], reason="compact matrices run on AMX tiles only on AMX CPUs")
+@pytest.mark.parametrize("m", [1, 5, 32, 40, 130, 300])
+@pytest.mark.parametrize("k", [896, 4864])
+def test_gate_up_with_silu_in_the_tiles_gives_silu_mul_of_the_linear_bit_for_bit(m, k):
+    # The MLP's gate_up [gate; up] with silu(gate) * up applied as the tiles store gate block j and up block j: each
+    # row the bits silu_mul gives from the stored gate_up row, in every path (rows in place, decoded again or once per
+    # chunk, k-slices outermost), and the [m, 2I] intermediate never written.
+    w, x = weights(416, k, seed=m), torch.randn(m, k).bfloat16()  # I = 208: 13 blocks of gate, 13 of up
+    w[3, 5], w[300, k - 1] = 1e4, -7e3  # escapes in a gate block and in an up block
+    blob = compact(w)
+    assert kernels.gate_up_silu_ok(blob)
+    try:
+        for once in (1, 4, 1_000):
+            ops.set_compact_amx_decode_once(once)
+            for bias in (None, torch.randn(416)):
+                want = kernels.silu_mul(kernels.linear(x, blob, bias))
+                got = kernels.gate_up_silu(x, blob, bias)
+                assert got.shape == (m, 208) and torch.equal(got, want), (once, bias is None)
+    finally:
+        ops.set_compact_amx_decode_once(4)
+    assert not kernels.gate_up_silu_ok(compact(weights(48, 64)))  # 3 blocks: gate and up do not split into blocks
+    with pytest.raises(RuntimeError, match="whole 16-column blocks of gate and of up"):
+        kernels.gate_up_silu(torch.randn(2, 64).bfloat16(), compact(weights(48, 64)))
 
 
 @pytest.mark.parametrize("m", [5, 32, 37, 70])
@@ -237,3 +264,28 @@ def test_a_tied_embedding_is_held_once_compact_and_looked_up_there(tiny_model):
     for a, b in zip(logits, ref_logits):
         assert torch.allclose(a, b, rtol=0.02, atol=0.02)
     assert tokens == ref_tokens
+
+
+@pytest.mark.skipif(not kernels.status()["compact_amx"], reason="compact matrices run on AMX tiles only on AMX CPUs")
+def test_a_compact_model_on_amx_runs_gate_up_and_silu_as_one_op_with_the_same_outputs(tiny_model):
+    core = EngineCore(EngineConfig(tiny_model("qwen2"), dtype="bfloat16", max_model_len=128, compact_weights=True))
+    assert core.model.gate_up_silu
+    logits: list[torch.Tensor] = []
+    compute = core.model.compute_logits
+    core.model.compute_logits = lambda hidden: logits.append(compute(hidden)) or logits[-1]
+    prompts = [[5, 9, 200, 31, 7], list(range(40, 100))]  # a prompt of 60 rows: the prefill path past 32 rows
+
+    def greedy(fused: bool) -> list[list[int]]:
+        core.model.gate_up_silu = fused
+        for i, p in enumerate(prompts):
+            core.add_request(f"{fused}{i}", p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        out: dict[str, list[int]] = {}
+        while core.has_unfinished_requests():
+            for o in core.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return [out[f"{fused}{i}"] for i in range(len(prompts))]
+
+    fused = greedy(True)
+    n = len(logits)
+    assert greedy(False) == fused
+    assert len(logits) == 2 * n and all(torch.equal(a, b) for a, b in zip(logits[:n], logits[n:]))
