@@ -68,7 +68,8 @@ class EngineCore:
                  "caching %s", mc.architecture, "native" if is_native(mc) else "transformers", self.dtype_name,
                  self.max_model_len, num_blocks, config.block_size, num_blocks * config.block_size
                  * bytes_per_token / 2**20, "on" if self.allocator.prefix_caching else "off")
-        _log_kernels(self.dtype, getattr(self.model, "step_weights", None) is not None)
+        _log_kernels(self.dtype, getattr(self.model, "step_max_rows", 0)
+                     if getattr(self.model, "step_weights", None) is not None else 0)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:
@@ -142,8 +143,9 @@ class EngineCore:
                            prefix_cache_queries_total=a.queries, prefix_cache_hits_total=a.hits)
 
 
-def _log_kernels(dtype: torch.dtype, fused_step: bool) -> None:
-    """Say which matmul path runs: a missing or stale kernel library must not slow bf16 decode down silently."""
+def _log_kernels(dtype: torch.dtype, fused_step: int) -> None:
+    """Say which matmul path runs: a missing or stale kernel library must not slow bf16 decode down silently.
+    fused_step: the most sequences the fused decode step takes (0: it does not run)."""
     from engine import kernels
     st = kernels.status()
     if dtype != torch.bfloat16:
@@ -158,4 +160,4 @@ def _log_kernels(dtype: torch.dtype, fused_step: bool) -> None:
     if dtype == torch.bfloat16 and (choice := kernels.tune_streams()) is not None:
         log.info("bf16 GEMV: %s", choice.describe())
     if fused_step:
-        log.info("decode steps of up to %d sequences run as one fused native call", kernels.STEP_MAX_ROWS)
+        log.info("decode steps of up to %d sequences run as one fused native call", fused_step)

@@ -78,6 +78,7 @@ if _qops is not None:
 #   and the limits are empty.
 LIMITS: dict[str, int] = dict(_ops.limits()) if _ops is not None else {}
 STEP_MAX_ROWS = LIMITS.get("step_max_rows", 0)
+STEP_MAX_TILE_ROWS = LIMITS.get("step_max_tile_rows", STEP_MAX_ROWS)  # where every matrix runs on AMX tiles
 # Output columns a packed line holds (pack below): what the AVX-512 GEMVs read (LIMITS block_n) and, in every build,
 # the bf16-weight GEMM (bf16w_linear.cpp checks it); the planner's rule for bf16-held matrices counts on it.
 PACK_COLS = WIDEN_ROWS
@@ -255,13 +256,15 @@ def _linear_compact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None)
     return _rows_2d(_compact_linear, x, w, bias)
 
 
+def on_tiles(w: torch.Tensor) -> bool:
+    """Whether this matrix runs on AMX tiles at every row count: compact, on a CPU with AMX, K % 32 == 0."""
+    return _compact_amx and is_compact(w) and compact_info(w)[1] % _block_k == 0
+
+
 def gate_up_silu_ok(w: torch.Tensor) -> bool:
-    """Whether gate_up_silu takes this gate_up weight [2I, K] ([gate; up]): compact, on AMX tiles, whole 16-column
-    blocks of gate and of up, K % 32 == 0."""
-    if not (_compact_amx and is_compact(w)):
-        return False
-    n, k, _ = compact_info(w)
-    return n % 32 == 0 and k % _block_k == 0
+    """Whether gate_up_silu takes this gate_up weight [2I, K] ([gate; up]): on AMX tiles, with whole 16-column
+    blocks of gate and of up."""
+    return on_tiles(w) and compact_info(w)[0] % 32 == 0
 
 
 def gate_up_silu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -322,7 +325,8 @@ def decode_step_supported(q: torch.Tensor, intermediate_size: int) -> bool:
 def decode_step_(h: torch.Tensor, weights: list, kv: list[torch.Tensor], windows: list[int], cos: torch.Tensor,
                  sin: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                  slots: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float, scale: float) -> None:
-    """The whole forward pass of a decode step of B <= STEP_MAX_ROWS sequences, one token each, in one call
+    """The whole forward pass of a decode step of B <= STEP_MAX_ROWS sequences (STEP_MAX_TILE_ROWS where every
+    matrix is on_tiles), one token each, in one call
     (decode_step.cpp): h [B, H], the embedding rows, becomes the last residual stream; each layer's K/V are written
     at `slots`. positions, slots int64 [B]; tables int32 [B, W], lens int32 [B] as decode_attention takes them.
     weights: 11 per layer (ln1, qkv, qkv_bias, qk_norm, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias),

@@ -1,4 +1,5 @@
-// The whole forward pass of a decode step of up to MAX_ROWS sequences (one new token each) in one native call.
+// The whole forward pass of a decode step of up to MAX_ROWS sequences (MAX_TILE_ROWS on AMX tiles; one new token
+// each) in one native call.
 //
 // At such batches a step streams every weight once (~25 ms for the 717 MB benchmark model on 2 cores) and the
 // per-op path adds ~25 PyTorch dispatches and OpenMP fork/joins per layer (~100 us, ~10 % of the step). Here
@@ -43,8 +44,11 @@ namespace {
 
 using bf16 = at::BFloat16;
 
-// Rows of one call: up to 4, each weight line is loaded once for all of them (gemv::packed_range).
-constexpr int64_t MAX_ROWS = 4;
+// Rows of one call: up to 4, each weight line is loaded once for all of them (gemv::packed_range); up to 16 where
+// every matrix runs on AMX tiles (compact, compact_amx::on), whose k-tiles take 16 rows for about the time of one.
+// Past 4 rows the per-op path ran each of ~12 ops a layer from Python: a 16-sequence step of the benchmark model
+// took 1.5x a 1-sequence one.
+constexpr int64_t MAX_ROWS = 4, MAX_TILE_ROWS = 16;
 
 // Per-layer entries of the `weights` list, in this order (None where the model has no such tensor).
 enum Slot { LN1, QKV, QKV_BIAS, QK_NORM, O, O_BIAS, LN2, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, PER_LAYER };
@@ -167,9 +171,9 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt) {
 
 }  // namespace
 
-// h [B, H] bf16, B <= MAX_ROWS sequences: each one's token embedding in, the last layer's residual stream out
-// (before the final norm). weights: PER_LAYER entries per layer (see Slot), matrices packed as gemv.h describes,
-// biases fp32. kv: per layer [NB, bs, 2, Hkv, D]. cos, sin: the rotary tables [max_len, D] (sin signed,
+// h [B, H] bf16, B <= MAX_ROWS (MAX_TILE_ROWS) sequences: each one's token embedding in, the last layer's residual
+// stream out (before the final norm). weights: PER_LAYER entries per layer (see Slot), matrices packed as gemv.h
+// describes, biases fp32. kv: per layer [NB, bs, 2, Hkv, D]. cos, sin: the rotary tables [max_len, D] (sin signed,
 // rotate-half). Per row: position int64 [B], table int32 [B, W] block ids (padded with anything), length int32
 // [B] context incl. this token, slot int64 [B] where this token's K/V go.
 void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tensor>>& weights,
@@ -177,9 +181,9 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
                   const at::Tensor& sin, const at::Tensor& position, const at::Tensor& table,
                   const at::Tensor& length, const at::Tensor& slot, int64_t num_heads, int64_t num_kv_heads,
                   double eps, double scale) {
-  TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= MAX_ROWS && h.scalar_type() == at::kBFloat16 &&
+  TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= MAX_TILE_ROWS && h.scalar_type() == at::kBFloat16 &&
                   h.is_contiguous(),
-              "h must be a contiguous bf16 [B, H] tensor with 1 <= B <= ", MAX_ROWS);
+              "h must be a contiguous bf16 [B, H] tensor with 1 <= B <= ", MAX_TILE_ROWS);
   const int64_t B = h.size(0), L = (int64_t)kv.size(), H = h.size(1), Hq = num_heads, Hkv = num_kv_heads;
   TORCH_CHECK(L > 0 && (int64_t)weights.size() == L * PER_LAYER && (int64_t)windows.size() == L,
               "expected ", PER_LAYER, " weights and one window per KV cache layer");
@@ -236,6 +240,9 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
     bs = c.size(1);
     y.kv = c.data_ptr<bf16>();
     y.window = windows[l];
+    for (const Weight* m : {&y.qkv, &y.o, &y.gate_up, &y.down})
+      TORCH_CHECK(B <= MAX_ROWS || (m->kind == Weight::COMPACT && compact_amx::on(m->c)), "layer ", l, ": ", B,
+                  " rows take every matrix compact on AMX tiles; with others 1 <= B <= ", MAX_ROWS);
   }
   // Validate every index before the parallel region (errors cannot leave it): a bad one would read or write
   // outside the tables and the cache.
@@ -408,6 +415,7 @@ std::vector<std::string> step_profile_phases() {
 c10::Dict<std::string, int64_t> limits() {
   c10::Dict<std::string, int64_t> out;
   out.insert("step_max_rows", MAX_ROWS);
+  out.insert("step_max_tile_rows", MAX_TILE_ROWS);
   out.insert("head_dim_multiple", attention::HEAD_DIM_MULTIPLE);
   out.insert("max_head_dim", attention::MAX_HEAD_DIM);
   out.insert("block_n", op_args::BLOCK_N);

@@ -70,6 +70,10 @@ class LlamaModel:
         self.pages = self.arena.placement()
         log.info("weight arena: %s", self.pages.text())
         self.step_weights = self._step_weights()  # None: small decode steps take the per-op path as well
+        # The fused step takes up to 16 sequences where every matrix runs on AMX tiles, else 4.
+        matrices = [w for L in self.layers for w in (L.qkv, L.o, L.gate_up, L.down)]
+        self.step_max_rows = (kernels.STEP_MAX_TILE_ROWS if matrices and all(map(kernels.on_tiles, matrices))
+                              else kernels.STEP_MAX_ROWS)
         # gate_up and silu * up in one pass on AMX tiles (compact weights): the same bits, no [N, 2I] intermediate.
         self.gate_up_silu = (self.act_fused and self.dtype == torch.bfloat16
                              and all(kernels.gate_up_silu_ok(L.gate_up) for L in self.layers))
@@ -215,7 +219,7 @@ class LlamaModel:
         n = input_ids.shape[0]
         nh, nkv, hd = s.num_heads, s.num_kv_heads, s.head_dim
         h = embed_rows(self.embed if self.embed is not None else self.lm_head, input_ids, self.dtype)  # [N, H]
-        if meta.num_decode == n <= kernels.STEP_MAX_ROWS and self.step_weights is not None:
+        if meta.num_decode == n <= self.step_max_rows and self.step_weights is not None:
             # Decode of a few sequences, the latency path: every layer in one native call, not ~25 ops per layer.
             h = h.contiguous()
             kernels.decode_step_(h, self.step_weights, kv.layers, self.windows, self.rotary.cos, self.rotary.sin,

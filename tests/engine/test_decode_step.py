@@ -1,4 +1,5 @@
-"""The fused decode step (kernels.decode_step_: every layer in one native call, for 1 to 4 sequences) computes
+"""The fused decode step (kernels.decode_step_: every layer in one native call, for 1 to 4 sequences, up to 16 where
+every matrix runs on AMX tiles) computes
 bitwise what the per-op native path computes: the same logits at every step and the same K/V in the cache.
 test_bf16_decode holds the per-op path to fp32 transformers, so this carries that guarantee over to the latency path.
 """
@@ -100,7 +101,9 @@ def test_fused_step_is_used_only_where_it_applies(tiny_model, caplog):
     assert gelu.model.step_weights is None  # the kernel fuses SiLU only
     bf16 = EngineCore(EngineConfig(tiny_model("qwen3", **SHAPE), dtype="bfloat16"))
     assert len(bf16.model.step_weights) == 11 * bf16.model.config.num_layers
-    assert "decode steps of up to 4 sequences run as one fused native call" in caplog.text  # said at start-up
+    tiles = kernels.status()["compact_amx"]  # compact matrices (the default) on AMX tiles: up to 16 sequences
+    assert bf16.model.step_max_rows == (kernels.STEP_MAX_TILE_ROWS if tiles else kernels.STEP_MAX_ROWS)
+    assert f"decode steps of up to {bf16.model.step_max_rows} sequences run as one fused native call" in caplog.text
     kw = dict(CASES["llama-all-biases-18-blocks"])
     biased = EngineCore(EngineConfig(tiny_model(kw.pop("arch"), **kw), dtype="bfloat16")).model.step_weights
     assert sum(w is None for w in biased) == len(biased) // 11  # only qk_norm absent: every bias slot is tested
@@ -137,12 +140,21 @@ def test_fused_step_rejects_indices_outside_the_cache_and_tables(tiny_model):
                          ({"length": 0}, "context length 0 of row 2"), ({"position": -1}, "position -1 of row 2")]:
         with pytest.raises(RuntimeError, match=message):  # every row's indices are checked, not only the first
             call(rows=3, **bad)
-    # One row more than the step takes is the per-op path's job; the engine routes by this same constant.
-    n = kernels.STEP_MAX_ROWS + 1
-    with pytest.raises(RuntimeError, match=f"1 <= B <= {kernels.STEP_MAX_ROWS}"):
-        kernels.decode_step_(torch.zeros(n, s.hidden_size, dtype=torch.bfloat16), m.step_weights,
-                             core.runner.kv.layers, m.windows, m.rotary.cos, m.rotary.sin, *[torch.zeros(n)] * 4,
+    # One row more than the step takes is the per-op path's job; the engine routes by these same constants.
+    def rows(n: int, weights: list) -> None:
+        i32, i64 = torch.int32, torch.int64
+        kernels.decode_step_(torch.zeros(n, s.hidden_size, dtype=torch.bfloat16), weights, core.runner.kv.layers,
+                             m.windows, m.rotary.cos, m.rotary.sin, torch.zeros(n, dtype=i64),
+                             torch.zeros(n, 1, dtype=i32), torch.ones(n, dtype=i32), torch.zeros(n, dtype=i64),
                              s.num_heads, s.num_kv_heads, s.rms_norm_eps, 1.0)
+
+    with pytest.raises(RuntimeError, match=f"1 <= B <= {kernels.STEP_MAX_TILE_ROWS}"):
+        rows(kernels.STEP_MAX_TILE_ROWS + 1, m.step_weights)
+    packed = EngineCore(EngineConfig(tiny_model("llama", **SHAPE), dtype="bfloat16", compact_weights=False))
+    assert packed.model.step_max_rows == kernels.STEP_MAX_ROWS  # 16-bit packed matrices: the GEMV's 4 rows
+    with pytest.raises(RuntimeError, match=f"rows take every matrix compact on AMX tiles; with others 1 <= B <= "
+                                           f"{kernels.STEP_MAX_ROWS}"):
+        rows(kernels.STEP_MAX_ROWS + 1, packed.model.step_weights)
 
 
 def test_step_profile_counts_every_phase_and_barrier(tiny_model):
@@ -166,3 +178,41 @@ def test_step_profile_counts_every_phase_and_barrier(tiny_model):
         core.step()
     phases, steps = ops.step_profile_(False)
     assert steps == 0 and int(phases.sum()) == 0  # off: nothing recorded
+
+
+# Ten requests side by side: steps of 10 rows down to 1, ending one after another.
+MANY = [(list(range(40 + 3 * i, 47 + 5 * i)), 6 + 3 * i) for i in range(10)]
+
+
+@pytest.mark.skipif(not kernels.status()["compact_amx"], reason="past 4 rows the fused step needs AMX tiles")
+@pytest.mark.parametrize("name", ["qwen3-qk-norm", "mistral-window", "llama-all-biases-18-blocks"])
+def test_on_amx_tiles_the_fused_step_takes_up_to_16_rows_bitwise_the_per_op_path(tiny_model, name, monkeypatch):
+    kw = dict(CASES[name])
+    model_dir = tiny_model(kw.pop("arch"), **kw)
+
+    def run(fused: bool) -> tuple[list[torch.Tensor], torch.Tensor, set[int]]:
+        core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", block_size=8, max_model_len=256))
+        model = core.model
+        assert model.step_max_rows == kernels.STEP_MAX_TILE_ROWS == 16
+        if not fused:
+            model.step_weights = None
+        logits: list[torch.Tensor] = []
+        compute = model.compute_logits
+        monkeypatch.setattr(model, "compute_logits", lambda hidden: logits.append(compute(hidden)) or logits[-1])
+        rows: set[int] = set()
+        step = kernels.decode_step_
+        monkeypatch.setattr(kernels, "decode_step_", lambda *a: rows.add(a[0].shape[0]) or step(*a))
+        for i, (prompt, n) in enumerate(MANY):
+            core.add_request(str(i), prompt, SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0))
+        while core.has_unfinished_requests():
+            core.step()
+        return logits, core.runner.kv._pool.clone(), rows
+
+    ref_logits, ref_kv, ref_rows = run(False)
+    assert ref_rows == set()
+    logits, kv, rows = run(True)
+    assert rows == set(range(1, 11)), rows
+    assert len(logits) == len(ref_logits)
+    for i, (a, b) in enumerate(zip(logits, ref_logits)):
+        assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max():.3g}"
+    assert torch.equal(kv, ref_kv)
