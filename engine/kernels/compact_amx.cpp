@@ -36,6 +36,8 @@ constexpr int64_t SLICE = 192;
 // K = 4864 (3 blocks a chunk) decoding again 1.04x. Runtime-settable so that tests compare both paths bitwise.
 std::atomic<int64_t> decode_once_min_blocks{4};
 
+namespace {
+
 // A long K leaves too few 32-row blocks in a chunk that stays in L2 (K = 4864: 3) to decode a pair once for them, so
 // every block decoded the pair again, from memory (a 512-token prefill's down projection at 1.3 TFLOP/s against 2.1
 // for gate_up). There the k-slices go outermost instead: for each slice, every pair of the thread is decoded once
@@ -161,6 +163,8 @@ void run(int64_t M, const bf16* x, int64_t ldx, const at::Tensor& xt, const comp
     std::free(cbuf);
   });
 }
+
+}  // namespace
 
 // x [M, K] bf16, a compact blob [N, K] with K % 32 == 0, bias [N] or None -> [M, N] bf16.
 at::Tensor compact_linear_amx(const at::Tensor& x, const at::Tensor& blob, const std::optional<at::Tensor>& bias) {
