@@ -520,7 +520,8 @@ def test_python_limits_are_the_extensions_own_checks(kernels):
     """kernels.LIMITS comes from the extension: a head size is 'supported' exactly when the kernel accepts it, and a
     weight is packed exactly when its shape fits the packed blocks."""
     lim, bf16 = kernels.LIMITS, torch.bfloat16
-    assert set(lim) == {"step_max_rows", "head_dim_multiple", "max_head_dim", "block_n", "block_k"}
+    assert set(lim) == {"step_max_rows", "step_max_tile_rows", "head_dim_multiple", "max_head_dim", "block_n",
+                        "block_k"}
     assert kernels.STEP_MAX_ROWS == lim["step_max_rows"] >= 1
     mult, top = lim["head_dim_multiple"], lim["max_head_dim"]
     for d in (mult, top, top + mult, mult + mult // 2):
