@@ -8,6 +8,7 @@ import torch
 
 from deploykit import memory, modelconfig
 from deploykit.errors import DeploykitError
+from engine import vml
 from engine.config import EngineConfig, dtype_name, mem_available_bytes
 from engine.errors import ModelLoadError, RequestError
 from engine.grammar import Grammars
@@ -29,6 +30,7 @@ DEFAULT_KV_SHARE = 4
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
+        vml.resolve()  # before the model's first parallel cos (its rotary tables): engine/vml.py says why
         torch.manual_seed(config.seed)
         self.dtype_name = dtype_name(config.dtype)  # "bfloat16" | "float32"
         self.dtype = getattr(torch, self.dtype_name)

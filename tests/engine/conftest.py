@@ -4,7 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import vml
 from engine.tinymodel import make_tiny_model
+
+# transformers' references run in this process, some before any EngineCore: settle oneMKL VML's dispatch first
+# (engine/vml.py), so a reference is the same bits in every session.
+vml.resolve()
 
 
 @pytest.fixture(scope="session")
