@@ -78,7 +78,7 @@ if _qops is not None:
 #   and the limits are empty.
 LIMITS: dict[str, int] = dict(_ops.limits()) if _ops is not None else {}
 STEP_MAX_ROWS = LIMITS.get("step_max_rows", 0)
-STEP_MAX_TILE_ROWS = LIMITS.get("step_max_tile_rows", STEP_MAX_ROWS)  # where every matrix runs on AMX tiles
+STEP_MAX_TILE_ROWS = LIMITS.get("step_max_tile_rows", STEP_MAX_ROWS)  # every matrix quantized or on AMX tiles
 # Output columns a packed line holds (pack below): what the AVX-512 GEMVs read (LIMITS block_n) and, in every build,
 # the bf16-weight GEMM (bf16w_linear.cpp checks it); the planner's rule for bf16-held matrices counts on it.
 PACK_COLS = WIDEN_ROWS
@@ -326,7 +326,7 @@ def decode_step_(h: torch.Tensor, weights: list, kv: list[torch.Tensor], windows
                  sin: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                  slots: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float, scale: float) -> None:
     """The whole forward pass of a decode step of B <= STEP_MAX_ROWS sequences (STEP_MAX_TILE_ROWS where every
-    matrix is on_tiles), one token each, in one call
+    matrix is quantized or on_tiles), one token each, in one call
     (decode_step.cpp): h [B, H], the embedding rows, becomes the last residual stream; each layer's K/V are written
     at `slots`. positions, slots int64 [B]; tables int32 [B, W], lens int32 [B] as decode_attention takes them.
     weights: 11 per layer (ln1, qkv, qkv_bias, qk_norm, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias),

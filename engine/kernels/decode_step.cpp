@@ -1,5 +1,5 @@
-// The whole forward pass of a decode step of up to MAX_ROWS sequences (MAX_TILE_ROWS on AMX tiles; one new token
-// each) in one native call.
+// The whole forward pass of a decode step of up to MAX_ROWS sequences (MAX_TILE_ROWS where every matrix is
+// quantized or on AMX tiles; one new token each) in one native call.
 //
 // At such batches a step streams every weight once (~25 ms for the 717 MB benchmark model on 2 cores) and the
 // per-op path adds ~25 PyTorch dispatches and OpenMP fork/joins per layer (~100 us, ~10 % of the step). Here
@@ -31,37 +31,19 @@
 #include <vector>
 
 #include "attention.h"
-#include "compact_amx.h"
-#include "compact_bf16.h"
-#include "gemv.h"
 #include "op_args.h"
-#include "quant_gemv.h"
 #include "row_ops.h"
+#include "step_matrix.h"
 #include "step_profile.h"
 
 namespace deploykit {
 namespace {
 
 using bf16 = at::BFloat16;
-
-// Rows of one call: up to 4, each weight line is loaded once for all of them (gemv::packed_range); up to 16 where
-// every matrix runs on AMX tiles (compact, compact_amx::on), whose k-tiles take 16 rows for about the time of one.
-// Past 4 rows the per-op path ran each of ~12 ops a layer from Python: a 16-sequence step of the benchmark model
-// took 1.5x a 1-sequence one.
-constexpr int64_t MAX_ROWS = 4, MAX_TILE_ROWS = 16;
+using step::MAX_ROWS, step::MAX_TILE_ROWS, step::Weight;
 
 // Per-layer entries of the `weights` list, in this order (None where the model has no such tensor).
 enum Slot { LN1, QKV, QKV_BIAS, QK_NORM, O, O_BIAS, LN2, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, PER_LAYER };
-
-// A matrix of the step: packed bf16 (gemv.h), compact bf16 (compact_bf16.h) or block-quantized (quant_layout.h),
-// chosen per weight at load.
-struct Weight {
-  enum Kind { PACKED, COMPACT, QUANTIZED } kind = PACKED;
-  const bf16* packed = nullptr;
-  compact::Matrix c{};
-  quant::Matrix q{};
-  bool quantized() const { return kind == QUANTIZED; }
-};
 
 struct Layer {
   const bf16 *ln1, *qk_norm, *ln2;
@@ -77,51 +59,6 @@ struct Matrix {
   const char* name;
 };
 
-Weight weight(const at::Tensor& w, int64_t N, int64_t K, int64_t layer, const char* name) {
-  Weight out;
-  if (compact::is_blob(w)) {
-    out.kind = Weight::COMPACT;
-    out.c = compact::matrix(w);
-    TORCH_CHECK(out.c.N == N && out.c.K == K, "layer ", layer, " ", name, ": the compact weight is [", out.c.N, ", ",
-                out.c.K, "], expected [", N, ", ", K, "]");
-    return out;
-  }
-  if (quant::is_blob(w)) {
-    out.kind = Weight::QUANTIZED;
-    out.q = quant::matrix(w);
-    TORCH_CHECK(out.q.N == N && out.q.K == K, "layer ", layer, " ", name, ": the quantized weight is [", out.q.N,
-                ", ", out.q.K, "], expected [", N, ", ", K, "]");
-    return out;
-  }
-  TORCH_CHECK(w.dim() == 4 && w.size(0) * 16 == N && w.size(1) * 2 == K && w.size(2) == 16 && w.size(3) == 2 &&
-                  w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
-              "layer ", layer, " ", name, ": expected a packed bf16 [", N / 16, ", ", K / 2, ", 16, 2] weight, a "
-              "compact or a quantized one");
-  out.packed = w.data_ptr<bf16>();
-  return out;
-}
-
-// y[:, 16 b0 .. 16 b1) = x W^T + bias for B rows of x [B, K]: the same code as the per-op linear of W's kind. acts:
-// this thread's room for x quantized (quantized weights take int8 activations).
-void matvec(int64_t B, const bf16* x, int64_t K, const Weight& w, quant::ActBuffer& acts, int64_t b0, int64_t b1,
-            const float* bias, bf16* y, int64_t ldy) {
-  if (w.kind == Weight::PACKED) {
-    gemv::packed_rows(B, x, K, w.packed, K / 2, b0, b1, bias, y, ldy);
-    return;
-  }
-  if (w.kind == Weight::COMPACT) {
-    if (compact_amx::on(w.c)) compact_amx::rows(B, x, K, w.c, b0, b1, bias, y, ldy);
-    else compact::rows(B, x, K, w.c, b0, b1, bias, y, ldy);
-    return;
-  }
-  quant::Act a[MAX_ROWS];
-  for (int64_t b = 0; b < B; ++b) {
-    a[b] = acts.row(b);
-    quant::quantize(x + b * K, K, a[b]);
-  }
-  quant::rows(B, a, w.q, b0, b1, bias, y, ldy);
-}
-
 const float* bias_ptr(const std::optional<at::Tensor>& b, int64_t N, int64_t layer, const char* name) {
   if (!b.has_value() || !b->defined()) return nullptr;
   TORCH_CHECK(b->dim() == 1 && b->size(0) == N && b->scalar_type() == at::kFloat && b->is_contiguous(), "layer ",
@@ -134,33 +71,6 @@ const bf16* vector_ptr(const std::optional<at::Tensor>& t, int64_t n, int64_t la
                   t->is_contiguous(),
               "layer ", layer, " ", name, ": expected a contiguous bf16 tensor of ", n, " elements");
   return t->data_ptr<bf16>();
-}
-
-// gu[:, gate blocks j and up blocks J + j] for j in [j0, j1), on one thread so it can apply silu(gate) * up to
-// its own columns without waiting: P + P pairs at a time keep 2P weight streams in flight (P = 4, or 2 from 3 rows
-// on, as packed_range groups its blocks).
-template <int MT>
-inline void gate_up_pairs(const bf16* x, int64_t ldx, const bf16* w, int64_t Kh, int64_t J, int64_t j0, int64_t j1,
-                          const float* bias, bf16* gu, int64_t ldo) {
-  constexpr int P = MT <= 2 ? 4 : 2;
-  int64_t j = j0;
-  if (gemv::one_stream()) {  // gate block j, then up block j: one stream at a time (gemv.h Streams)
-    for (; j < j1; ++j) {
-      const int64_t gate[1] = {j}, up[1] = {J + j};
-      gemv::packed_blocks<1, MT, false>(x, ldx, w, Kh, gate, bias, gu, ldo);
-      gemv::packed_blocks<1, MT, false>(x, ldx, w, Kh, up, bias, gu, ldo);
-    }
-    return;
-  }
-  for (; j + P <= j1; j += P) {
-    int64_t ids[2 * P];
-    for (int p = 0; p < P; ++p) ids[p] = j + p, ids[P + p] = J + j + p;
-    gemv::packed_blocks<2 * P, MT>(x, ldx, w, Kh, ids, bias, gu, ldo);
-  }
-  for (; j < j1; ++j) {
-    const int64_t ids[2] = {j, J + j};
-    gemv::packed_blocks<2, MT>(x, ldx, w, Kh, ids, bias, gu, ldo);
-  }
 }
 
 // [begin, end) of n items for thread tid of nt, contiguous and as equal as possible.
@@ -221,7 +131,7 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
     for (int i = 0; i < 4; ++i) {
       const Matrix& m = matrices[i];
       TORCH_CHECK(w(m.slot).has_value() && w(m.slot)->defined(), "layer ", l, " ", m.name, " is missing");
-      *dst[i] = weight(*w(m.slot), m.rows, m.cols, l, m.name);
+      *dst[i] = step::weight(*w(m.slot), m.rows, m.cols, l, m.name);
     }
     y.ln1 = vector_ptr(w(LN1), H, l, "input_layernorm");
     y.ln2 = vector_ptr(w(LN2), H, l, "post_attention_layernorm");
@@ -241,8 +151,8 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
     y.kv = c.data_ptr<bf16>();
     y.window = windows[l];
     for (const Weight* m : {&y.qkv, &y.o, &y.gate_up, &y.down})
-      TORCH_CHECK(B <= MAX_ROWS || (m->kind == Weight::COMPACT && compact_amx::on(m->c)), "layer ", l, ": ", B,
-                  " rows take every matrix compact on AMX tiles; with others 1 <= B <= ", MAX_ROWS);
+      TORCH_CHECK(B <= MAX_ROWS || m->wide(), "layer ", l, ": ", B, " rows take every matrix quantized or compact on "
+                  "AMX tiles; with others 1 <= B <= ", MAX_ROWS);
   }
   // Validate every index before the parallel region (errors cannot leave it): a bad one would read or write
   // outside the tables and the cache.
@@ -275,8 +185,8 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
   std::vector<bf16> own(stride * max_threads + 32);
   bf16* own0 = reinterpret_cast<bf16*>((reinterpret_cast<uintptr_t>(own.data()) + 63) & ~uintptr_t{63});
   std::vector<attention::Scratch> scratches(max_threads);
-  std::vector<quant::ActBuffer> acts(max_threads);
-  for (auto& a : acts) a.reserve(B, std::max({H, Hq * D, I}));
+  std::vector<step::Room> rooms(max_threads);
+  for (auto& r : rooms) r.reserve(B, std::max({H, Hq * D, I}));
   for (auto& s : scratches) {
     s.scores.reserve(G * longest);
     s.keys.reserve(longest);
@@ -295,7 +205,7 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
     bf16* x = res + B * H;
     std::copy(hp, hp + B * H, res);
     attention::Scratch& scratch = scratches[tid];
-    quant::ActBuffer& act_q = acts[tid];
+    step::Room& room = rooms[tid];
     const auto [qb0, qb1] = share(NQKV / 16, tid, nt);
     const auto [ob0, ob1] = share(H / 16, tid, nt);
     const auto [jb0, jb1] = share(I / 16, tid, nt);
@@ -305,7 +215,7 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
     for (int64_t b = 0; b < B; ++b) rows::rms_norm(res + b * H, layers[0].ln1, H, feps, x + b * H);
     for (int64_t l = 0; l < L; ++l) {
       const Layer& y = layers[l];
-      matvec(B, x, H, y.qkv, act_q, qb0, qb1, y.qkv_bias, qkv.data(), NQKV);
+      step::matvec(B, x, H, y.qkv, room, qb0, qb1, y.qkv_bias, qkv.data(), NQKV);
       clock.mark(step_profile::QKV);
 #pragma omp barrier
       clock.mark(step_profile::BARRIER);
@@ -329,7 +239,7 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
       clock.mark(step_profile::ATTENTION);
 #pragma omp barrier
       clock.mark(step_profile::BARRIER);
-      matvec(B, o.data(), Hq * D, y.o, act_q, ob0, ob1, y.o_bias, d.data(), H);
+      step::matvec(B, o.data(), Hq * D, y.o, room, ob0, ob1, y.o_bias, d.data(), H);
       clock.mark(step_profile::O_PROJ);
 #pragma omp barrier
       clock.mark(step_profile::BARRIER);
@@ -337,37 +247,7 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
         rows::add_(res + b * H, d.data() + b * H, H);
         rows::rms_norm(res + b * H, y.ln2, H, feps, x + b * H);
       }
-      if (y.gate_up.quantized()) {  // gate groups [jb0, jb1) and the same up groups: silu(gate) * up stays local
-        matvec(B, x, H, y.gate_up, act_q, jb0, jb1, y.gate_up_bias, gu.data(), 2 * I);
-        quant::Act a[MAX_ROWS];
-        for (int64_t b = 0; b < B; ++b) a[b] = act_q.row(b);  // x is still quantized from the gate call
-        quant::rows(B, a, y.gate_up.q, J + jb0, J + jb1, y.gate_up_bias, gu.data(), 2 * I);
-      } else if (y.gate_up.kind == Weight::COMPACT && compact_amx::on(y.gate_up.c)) {  // gate j and up j as a pair
-        compact_amx::Tiles tiles(B);
-        for (int64_t j = jb0; j < jb1; ++j) {
-          const int64_t ids[2] = {j, J + j};
-          compact_amx::blocks(B, x, H, y.gate_up.c, ids, 2, y.gate_up_bias, gu.data(), 2 * I);
-        }
-      } else if (y.gate_up.kind == Weight::COMPACT) {  // gate block j, then up block j (no wait for silu * up)
-        gemv::with_rows(B, [&](auto mt) {
-          constexpr int MT = decltype(mt)::value;
-          const bool one = gemv::one_stream();  // one stream at a time, or both blocks at once (gemv.h Streams)
-          for (int64_t j = jb0; j < jb1; ++j) {
-            const int64_t ids[2] = {j, J + j};
-            if (one) {
-              compact::blocks<1, MT, false>(x, H, y.gate_up.c, ids, y.gate_up_bias, gu.data(), 2 * I);
-              compact::blocks<1, MT, false>(x, H, y.gate_up.c, ids + 1, y.gate_up_bias, gu.data(), 2 * I);
-            } else {
-              compact::blocks<2, MT, true>(x, H, y.gate_up.c, ids, y.gate_up_bias, gu.data(), 2 * I);  // 4 MT acc
-            }
-          }
-        });
-      } else {
-        gemv::with_rows(B, [&](auto mt) {
-          gate_up_pairs<decltype(mt)::value>(x, H, y.gate_up.packed, H / 2, J, jb0, jb1, y.gate_up_bias, gu.data(),
-                                             2 * I);
-        });
-      }
+      step::gate_up(B, x, H, y.gate_up, J, jb0, jb1, y.gate_up_bias, room, gu.data());
       for (int64_t b = 0; b < B; ++b) {
         const bf16* g = gu.data() + b * 2 * I;
         rows::silu_mul(g + jb0 * 16, g + I + jb0 * 16, (jb1 - jb0) * 16, act.data() + b * I + jb0 * 16);
@@ -375,7 +255,7 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
       clock.mark(step_profile::GATE_UP);
 #pragma omp barrier
       clock.mark(step_profile::BARRIER);
-      matvec(B, act.data(), I, y.down, act_q, ob0, ob1, y.down_bias, d.data(), H);
+      step::matvec(B, act.data(), I, y.down, room, ob0, ob1, y.down_bias, d.data(), H);
       clock.mark(step_profile::DOWN);
 #pragma omp barrier
       clock.mark(step_profile::BARRIER);

@@ -6,8 +6,8 @@
 // x is quantized to int8 per block of 32 once per call (quant_act.h). Up to 4 rows take the GEMV of quant_gemv.h
 // with each weight line loaded once for all of them, the 16-row groups split evenly between threads (the fused
 // decode step runs the same code). More rows (batched decode, prefill) go in tiles of 4 over a pair of groups at a
-// time, so the pair's weights are read from memory once and from L1/L2 for the later tiles; on AMX-INT8 CPUs they
-// run on tiles instead (quant_amx.h), with the same bits.
+// time (quant_rows.h tiled_rows, which the fused step runs for 5-16 rows too); on AMX-INT8 CPUs from 16 rows they
+// run on AMX tiles instead (quant_amx.h), with the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -46,16 +46,10 @@ bool cpu_runs_it() {
 }
 #endif
 
-// From this many rows on, an AMX-INT8 CPU runs the tiles (quant_amx.h), which give every row the same bits as the
-// GEMV below. The tiles always take 16 rows: measured on a 2-core Sapphire Rapids-class Xeon over the benchmark
-// model's 4 shapes (Q4_0, Q8_0), their time / the GEMV's at 10 rows 1.13-1.29, 12 rows 1.06-1.11, 16 rows 0.82-0.98,
-// 64 rows 0.59-0.65, 512 rows 0.50-0.56 (Q4_K 0.49, Q6_K 0.54).
-constexpr int64_t AMX_MIN_M = 16;
-
 template <class In, class Out>
 void run(const In* x, int64_t ldx, int64_t M, const Matrix& w, const float* bias, Out* out) {
   const int64_t K = w.K, N = w.N, NG = N / 16;
-  const bool tiles = M >= AMX_MIN_M && quant_amx::enabled.load(std::memory_order_relaxed);
+  const bool tiles = M >= quant_amx::MIN_ROWS && quant_amx::enabled.load(std::memory_order_relaxed);
   const int64_t padded = tiles ? (M + 15) / 16 * 16 : M;  // the tiles take whole 16-row blocks; the rest stay zero
   ActBuffer buf(padded, K);
   std::vector<Act> acts(padded);
@@ -67,20 +61,8 @@ void run(const In* x, int64_t ldx, int64_t M, const Matrix& w, const float* bias
     quant_amx::linear(acts.data(), M, w, bias, out);
     return;
   }
-  if (M <= 4) {
-    at::parallel_for(0, NG, 8, [&](int64_t b0, int64_t b1) { rows(M, acts.data(), w, b0, b1, bias, out, N); });
-    return;
-  }
-  // The first tile streams the pair ahead where requested lines go to L2 (quant_stream.h), where the later tiles
-  // find them too; non-temporal ones would be gone.
-  const bool l2 = stream_ahead.hint.load(std::memory_order_relaxed) == Hint::L2;
-  at::parallel_for(0, NG, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; b += 2) {
-      const int64_t e = std::min(b + 2, b1);
-      for (int64_t m = 0; m < M; m += 4)
-        rows(std::min<int64_t>(4, M - m), acts.data() + m, w, b, e, bias, out + m * N, N, l2 && m == 0);
-    }
-  });
+  at::parallel_for(0, NG, M <= 4 ? 8 : 1,
+                   [&](int64_t b0, int64_t b1) { tiled_rows(M, acts.data(), w, b0, b1, bias, out, N); });
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 #include "quant_act.h"
@@ -39,6 +40,11 @@ namespace quant_amx {
 
 // Turned on at load where the CPU has AMX-INT8 and the OS grants tile state (engine/kernels/__init__.py).
 inline std::atomic<bool> enabled{false};
+// From this many rows on, an AMX-INT8 CPU runs the tiles, which give every row the same bits as the GEMV. The tiles
+// always take 16 rows: measured on a 2-core Sapphire Rapids-class Xeon over the benchmark model's 4 shapes (Q4_0,
+// Q8_0), their time / the GEMV's at 10 rows 1.13-1.29, 12 rows 1.06-1.11, 16 rows 0.82-0.98, 64 rows 0.59-0.65, 512
+// rows 0.50-0.56 (Q4_K 0.49, Q6_K 0.54).
+constexpr int64_t MIN_ROWS = 16;
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BF16__)
 
@@ -243,60 +249,97 @@ inline void block(const int8_t* xa, const float* tab, const int8_t* wd, const ui
   store_rows(accf, b, rows, out + col, ldo, rows16);
 }
 
+// 16-row block b of the quantized rows acts[16 b ..] as A tiles [units][16 rows][32 k] at xa and its scalar tables
+// at tab (rows past the caller's padded with zero rows).
+inline void pack_block(const Act* acts, int64_t units, int8_t* xa, float* tab) {
+  for (int64_t u = 0; u < units; ++u)
+    for (int r = 0; r < 16; ++r) std::memcpy(xa + u * TILE_BYTES + r * 32, acts[r].q + u * 32, 32);
+  fill_table(acts, units, tab);
+}
+
+// Decoded groups per pass over the rows, and so the groups a decode buffer holds.
+inline int64_t per_pass(int64_t K) { return std::clamp<int64_t>(DECODED_BYTES / (16 * K), 1, 16); }
+
+// out[:, 16 g0 .. 16 g1) (row stride ldo) for M rows packed by pack_block (xa, tabs: every 16-row block, in order)
+// times w's 16-column groups [g0, g1), on this thread. dec: room for per_pass(K) decoded groups.
+template <class Out>
+void groups(const int8_t* xa, const float* tabs, int64_t M, const Matrix& w, int64_t g0, int64_t g1,
+            const float* bias, Out* out, int64_t ldo, int8_t* dec) {
+  const int64_t K = w.K, units = K / 32, blocks = (M + 15) / 16;
+  const int64_t chunk_blocks = std::max<int64_t>(1, ROWS_BYTES / (16 * K * 9 / 8)), pass = per_pass(K);
+  int config = -1;  // 0: whole units, 1: halves
+  for (int64_t c0 = 0; c0 < blocks; c0 += chunk_blocks)
+    for (int64_t gc = g0; gc < g1; gc += pass) {
+      const int64_t ge = std::min(g1, gc + pass);
+      for (int64_t g = gc; g < ge; ++g) {
+        const Part& p = part_of(w, g);
+        int8_t* dst = dec + (g - gc) * units * TILE_BYTES;
+        with_format(p.format, [&](auto f) { decode_group<decltype(f)::value>(p, g - p.row0 / 16, K, dst); });
+      }
+      for (int64_t b = c0; b < std::min(blocks, c0 + chunk_blocks); ++b)
+        for (int64_t g = gc; g < ge; ++g) {
+          const Part& p = part_of(w, g);
+          const int want = p.format == Q6_K;
+          if (want != config) {
+            config = want;
+            configure(want);
+          }
+          const uint8_t* gbase = p.data + (g - p.row0 / 16) * p.group_bytes;
+          const int rows = (int)std::min<int64_t>(16, M - 16 * b);
+          const int8_t* xb = xa + b * units * TILE_BYTES;
+          const float* tb = tabs + b * units * TABLE_FLOATS;
+          const int8_t* wd = dec + (g - gc) * units * TILE_BYTES;
+          with_format(p.format, [&](auto f) {
+            block<decltype(f)::value>(xb, tb, wd, gbase, units, rows, bias, out + 16 * b * ldo, ldo, 16 * g);
+          });
+        }
+    }
+  if (config >= 0) _tile_release();
+}
+
 // out [M, N] for M quantized rows of x (acts: rows padded with zero rows to whole 16-row blocks) times w.
 template <class Out>
 void linear(const Act* acts, int64_t M, const Matrix& w, const float* bias, Out* out) {
-  const int64_t K = w.K, N = w.N, NG = N / 16, units = K / 32, blocks = (M + 15) / 16;
+  const int64_t K = w.K, NG = w.N / 16, units = K / 32, blocks = (M + 15) / 16;
   // A tiles: [block][unit][16 rows][32 k], one copy of the quantized rows (M K bytes).
   int8_t* xa = static_cast<int8_t*>(std::aligned_alloc(64, blocks * units * TILE_BYTES));
   float* tabs = static_cast<float*>(std::aligned_alloc(64, blocks * units * TABLE_FLOATS * sizeof(float)));
   TORCH_CHECK(xa && tabs, "quant_linear: out of memory for the activation tiles");
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t u = 0; u < units; ++u)
-        for (int r = 0; r < 16; ++r)
-          std::memcpy(xa + (b * units + u) * TILE_BYTES + r * 32, acts[b * 16 + r].q + u * 32, 32);
-      fill_table(acts + 16 * b, units, tabs + b * units * TABLE_FLOATS);
-    }
+    for (int64_t b = b0; b < b1; ++b)
+      pack_block(acts + 16 * b, units, xa + b * units * TILE_BYTES, tabs + b * units * TABLE_FLOATS);
   });
-  const int64_t chunk_blocks = std::max<int64_t>(1, ROWS_BYTES / (16 * K * 9 / 8));
-  const int64_t per_pass = std::clamp<int64_t>(DECODED_BYTES / (16 * K), 1, 16);
   at::parallel_for(0, NG, 1, [&](int64_t g0, int64_t g1) {
-    int8_t* dec = static_cast<int8_t*>(std::aligned_alloc(64, per_pass * units * TILE_BYTES));
+    int8_t* dec = static_cast<int8_t*>(std::aligned_alloc(64, per_pass(K) * units * TILE_BYTES));
     TORCH_CHECK(dec, "quant_linear: out of memory for a decode buffer");
-    int config = -1;  // 0: whole units, 1: halves
-    for (int64_t c0 = 0; c0 < blocks; c0 += chunk_blocks)
-      for (int64_t gc = g0; gc < g1; gc += per_pass) {
-        const int64_t ge = std::min(g1, gc + per_pass);
-        for (int64_t g = gc; g < ge; ++g) {
-          const Part& p = part_of(w, g);
-          int8_t* dst = dec + (g - gc) * units * TILE_BYTES;
-          with_format(p.format, [&](auto f) { decode_group<decltype(f)::value>(p, g - p.row0 / 16, K, dst); });
-        }
-        for (int64_t b = c0; b < std::min(blocks, c0 + chunk_blocks); ++b)
-          for (int64_t g = gc; g < ge; ++g) {
-            const Part& p = part_of(w, g);
-            const int want = p.format == Q6_K;
-            if (want != config) {
-              config = want;
-              configure(want);
-            }
-            const uint8_t* gbase = p.data + (g - p.row0 / 16) * p.group_bytes;
-            const int rows = (int)std::min<int64_t>(16, M - 16 * b);
-            const int8_t* xb = xa + b * units * TILE_BYTES;
-            const float* tb = tabs + b * units * TABLE_FLOATS;
-            const int8_t* wd = dec + (g - gc) * units * TILE_BYTES;
-            with_format(p.format, [&](auto f) {
-              block<decltype(f)::value>(xb, tb, wd, gbase, units, rows, bias, out + 16 * b * N, N, 16 * g);
-            });
-          }
-      }
-    if (config >= 0) _tile_release();
+    groups(xa, tabs, M, w, g0, g1, bias, out, w.N, dec);
     std::free(dec);
   });
   std::free(xa);
   std::free(tabs);
 }
+
+// One thread's room for 16 rows on the tiles inside the fused decode step (decode_step.cpp), sized up front: their A
+// tiles and tables, and the decode buffer.
+struct Rows16 {
+  std::unique_ptr<int8_t[]> xa, dec;  // not zeroed: every byte is written before it is read
+  std::unique_ptr<float[]> tabs;
+  void reserve(int64_t K) {  // K: the longest of the step's matrices
+    xa.reset(new int8_t[K / 32 * TILE_BYTES + 64]);
+    dec.reset(new int8_t[std::max<int64_t>(DECODED_BYTES, 16 * K) + 64]);  // per_pass(k) groups of 16 k bytes, k <= K
+    tabs.reset(new float[K / 32 * TABLE_FLOATS]);
+  }
+  // y[:, 16 g0 .. 16 g1) = the 16 rows a (quantized) times w's groups [g0, g1): what linear() gives them.
+  template <class Out>
+  void run(const Act* a, const Matrix& w, int64_t g0, int64_t g1, const float* bias, Out* y, int64_t ldy) {
+    int8_t* x = align(xa.get());
+    pack_block(a, w.K / 32, x, tabs.get());
+    groups(x, tabs.get(), 16, w, g0, g1, bias, y, ldy, align(dec.get()));
+  }
+  static int8_t* align(int8_t* p) {
+    return reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+  }
+};
 
 #pragma GCC diagnostic pop
 
@@ -306,6 +349,14 @@ template <class Out>
 void linear(const quant::Act*, int64_t, const quant::Matrix&, const float*, Out*) {
   TORCH_CHECK(false, "this kernel library was built without AMX-INT8");
 }
+
+struct Rows16 {
+  void reserve(int64_t) {}
+  template <class Out>
+  void run(const quant::Act*, const quant::Matrix&, int64_t, int64_t, const float*, Out*, int64_t) {
+    TORCH_CHECK(false, "this kernel library was built without AMX-INT8");
+  }
+};
 
 #endif
 

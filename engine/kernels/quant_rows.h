@@ -9,6 +9,7 @@
 
 #include "quant_act.h"
 #include "quant_layout.h"
+#include "quant_stream.h"
 
 namespace deploykit {
 namespace quant {
@@ -51,6 +52,26 @@ inline void rows(int64_t M, const Act* act, const Matrix& w, int64_t b0, int64_t
       case 3: part_rows<3>(ahead, act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
       default: part_rows<4>(ahead, act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
     }
+  }
+}
+
+// The same for any M: more than 4 rows go in tiles of 4 over a pair of groups at a time, so the pair's weights are
+// read from memory once and from L1/L2 for the later tiles. The first tile streams the pair ahead where requested
+// lines go to L2 (quant_stream.h), where the later tiles find them too; non-temporal ones would be gone. Every row
+// gets the bits rows() gives it alone (its int32 sums are exact, its fp32 steps its own). quant_linear's many-row
+// path and the fused decode step's 5-16 rows run this.
+template <class Out>
+inline void tiled_rows(int64_t M, const Act* act, const Matrix& w, int64_t b0, int64_t b1, const float* bias,
+                       Out* out, int64_t ldo) {
+  if (M <= 4) {
+    rows(M, act, w, b0, b1, bias, out, ldo);
+    return;
+  }
+  const bool l2 = stream_ahead.hint.load(std::memory_order_relaxed) == Hint::L2;
+  for (int64_t b = b0; b < b1; b += 2) {
+    const int64_t e = std::min(b + 2, b1);
+    for (int64_t m = 0; m < M; m += 4)
+      rows(std::min<int64_t>(4, M - m), act + m, w, b, e, bias, out + m * ldo, ldo, l2 && m == 0);
   }
 }
 

@@ -1,5 +1,5 @@
 """The fused decode step (kernels.decode_step_: every layer in one native call, for 1 to 4 sequences, up to 16 where
-every matrix runs on AMX tiles) computes
+every matrix is quantized or runs on AMX tiles) computes
 bitwise what the per-op native path computes: the same logits at every step and the same K/V in the cache.
 test_bf16_decode holds the per-op path to fp32 transformers, so this carries that guarantee over to the latency path.
 """
@@ -152,8 +152,8 @@ def test_fused_step_rejects_indices_outside_the_cache_and_tables(tiny_model):
         rows(kernels.STEP_MAX_TILE_ROWS + 1, m.step_weights)
     packed = EngineCore(EngineConfig(tiny_model("llama", **SHAPE), dtype="bfloat16", compact_weights=False))
     assert packed.model.step_max_rows == kernels.STEP_MAX_ROWS  # 16-bit packed matrices: the GEMV's 4 rows
-    with pytest.raises(RuntimeError, match=f"rows take every matrix compact on AMX tiles; with others 1 <= B <= "
-                                           f"{kernels.STEP_MAX_ROWS}"):
+    with pytest.raises(RuntimeError, match=f"rows take every matrix quantized or compact on AMX tiles; with others "
+                                           f"1 <= B <= {kernels.STEP_MAX_ROWS}"):
         rows(kernels.STEP_MAX_ROWS + 1, packed.model.step_weights)
 
 
@@ -180,20 +180,34 @@ def test_step_profile_counts_every_phase_and_barrier(tiny_model):
     assert steps == 0 and int(phases.sum()) == 0  # off: nothing recorded
 
 
-# Ten requests side by side: steps of 10 rows down to 1, ending one after another.
-MANY = [(list(range(40 + 3 * i, 47 + 5 * i)), 6 + 3 * i) for i in range(10)]
+# Requests side by side: steps of n rows down to 1, ending one after another.
+def side_by_side(n: int) -> list[tuple[list[int], int]]:
+    return [(list(range(40 + 3 * i, 47 + 5 * i)), 6 + 3 * i) for i in range(n)]
 
 
-@pytest.mark.skipif(not kernels.status()["compact_amx"], reason="past 4 rows the fused step needs AMX tiles")
-@pytest.mark.parametrize("name", ["qwen3-qk-norm", "mistral-window", "llama-all-biases-18-blocks"])
-def test_on_amx_tiles_the_fused_step_takes_up_to_16_rows_bitwise_the_per_op_path(tiny_model, name, monkeypatch):
+# Past 4 rows the step takes matrices quantized (any AVX512-VNNI CPU) or compact on AMX tiles; in the 18-block case
+# down_proj stays bf16 beside quantized matrices (see HELD), so there it needs AMX tiles too.
+# q4_0 on qwen3 runs 16 sequences: at 16 rows the per-op path takes AMX-INT8 tiles where the CPU has them.
+WIDE = ([("none", "qwen3-qk-norm", 10), ("none", "mistral-window", 10), ("none", "llama-all-biases-18-blocks", 10)]
+        if kernels.status()["compact_amx"] else []) + ([("q4_0", "qwen3-qk-norm", 16), ("q8_0", "mistral-window", 10)]
+                                                       + ([("q4_0", "llama-all-biases-18-blocks", 10)]
+                                                          if kernels.status()["compact_amx"] else [])
+                                                       if kernels.quantized_ok() else [])
+
+
+@pytest.mark.skipif(not WIDE, reason="past 4 rows the fused step needs quantized matrices (VNNI) or AMX tiles")
+@pytest.mark.parametrize("quantization,name,n", WIDE)
+def test_the_fused_step_takes_up_to_16_rows_bitwise_the_per_op_path(tiny_model, quantization, name, n, monkeypatch):
     kw = dict(CASES[name])
     model_dir = tiny_model(kw.pop("arch"), **kw)
 
     def run(fused: bool) -> tuple[list[torch.Tensor], torch.Tensor, set[int]]:
-        core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", block_size=8, max_model_len=256))
+        core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", block_size=8, max_model_len=256,
+                                       quantization=quantization, max_num_seqs=16))
         model = core.model
         assert model.step_max_rows == kernels.STEP_MAX_TILE_ROWS == 16
+        held = [w for w in model.step_weights if w is not None and kernels.is_quantized(w)]
+        assert bool(held) == (quantization != "none"), "quantized on load, or not at all"
         if not fused:
             model.step_weights = None
         logits: list[torch.Tensor] = []
@@ -202,8 +216,8 @@ def test_on_amx_tiles_the_fused_step_takes_up_to_16_rows_bitwise_the_per_op_path
         rows: set[int] = set()
         step = kernels.decode_step_
         monkeypatch.setattr(kernels, "decode_step_", lambda *a: rows.add(a[0].shape[0]) or step(*a))
-        for i, (prompt, n) in enumerate(MANY):
-            core.add_request(str(i), prompt, SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0))
+        for i, (prompt, tokens) in enumerate(side_by_side(n)):
+            core.add_request(str(i), prompt, SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0))
         while core.has_unfinished_requests():
             core.step()
         return logits, core.runner.kv._pool.clone(), rows
@@ -211,7 +225,7 @@ def test_on_amx_tiles_the_fused_step_takes_up_to_16_rows_bitwise_the_per_op_path
     ref_logits, ref_kv, ref_rows = run(False)
     assert ref_rows == set()
     logits, kv, rows = run(True)
-    assert rows == set(range(1, 11)), rows
+    assert rows == set(range(1, n + 1)), rows
     assert len(logits) == len(ref_logits)
     for i, (a, b) in enumerate(zip(logits, ref_logits)):
         assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max():.3g}"

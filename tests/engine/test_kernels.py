@@ -293,6 +293,12 @@ def test_stale_library_is_not_loaded(kernels, tmp_path):
     assert status["path"] == "fallback" and "stale" in status["reason"]
 
 
+def test_every_kernel_source_counts_in_the_source_hash():
+    """A header outside build.HEADERS could change without making the built library stale."""
+    on_disk = {p.name for p in build.SOURCE_DIR.iterdir() if p.suffix in (".h", ".cpp")}
+    assert on_disk == set(build.SOURCES + build.HEADERS)
+
+
 def test_cpu_without_avx2_is_reported():
     native = loader.load(flags=frozenset({"sse4_2", "avx"}))  # Sandy Bridge: no build runs here
     assert not native.loaded and not native.full and "AVX2" in native.reason

@@ -1,0 +1,168 @@
+// The matrices of the fused decode step (decode_step.cpp) and their products with the step's B rows: packed bf16
+// (gemv.h), compact bf16 (compact_bf16.h) or block-quantized (quant_layout.h), chosen per weight at load, each run by
+// the same code as the per-op linear of its kind, so the step and the per-op path agree bitwise.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "compact_amx.h"
+#include "compact_bf16.h"
+#include "gemv.h"
+#include "quant_amx.h"
+#include "quant_gemv.h"
+
+namespace deploykit {
+namespace step {
+
+using bf16 = at::BFloat16;
+
+// Rows of one call: up to 4, each weight line is loaded once for all of them (gemv::packed_range); up to 16 where
+// every matrix runs on AMX tiles (compact, compact_amx::on), whose k-tiles take 16 rows for about the time of one,
+// or is quantized (as quant_linear runs them: 16 rows on AMX-INT8 tiles where the CPU has them, else tiles of 4 rows
+// over each pair of groups, quant::tiled_rows). Past 4 rows the per-op path ran each of ~12 ops a layer from Python:
+// a 16-sequence step of the benchmark model took 1.5x a 1-sequence one.
+constexpr int64_t MAX_ROWS = 4, MAX_TILE_ROWS = 16;
+static_assert(MAX_TILE_ROWS <= quant_amx::MIN_ROWS, "Room::tiles takes one block of 16 rows");
+
+// One thread's room for the rows quantized (quantized weights take int8 activations) and for 16 of them on AMX-INT8
+// tiles, sized up front: nothing inside the step's parallel region allocates.
+struct Room {
+  quant::ActBuffer acts;
+  quant_amx::Rows16 tiles;
+  void reserve(int64_t B, int64_t K) {  // K: the longest of the step's matrices
+    acts.reserve(B, K);
+    if (B == quant_amx::MIN_ROWS) tiles.reserve(K);
+  }
+};
+
+// y[:, 16 g0 .. 16 g1) for B rows a (quantized) of a quantized matrix: on the tiles where quant_linear would take them.
+inline void quant_rows(int64_t B, const quant::Act* a, const quant::Matrix& w, int64_t g0, int64_t g1,
+                       const float* bias, bf16* y, int64_t ldy, Room& room) {
+  if (B == quant_amx::MIN_ROWS && quant_amx::enabled.load(std::memory_order_relaxed))
+    room.tiles.run(a, w, g0, g1, bias, y, ldy);
+  else
+    quant::tiled_rows(B, a, w, g0, g1, bias, y, ldy);
+}
+
+struct Weight {
+  enum Kind { PACKED, COMPACT, QUANTIZED } kind = PACKED;
+  const bf16* packed = nullptr;
+  compact::Matrix c{};
+  quant::Matrix q{};
+  bool quantized() const { return kind == QUANTIZED; }
+  // Whether it takes up to MAX_TILE_ROWS rows.
+  bool wide() const { return quantized() || (kind == COMPACT && compact_amx::on(c)); }
+};
+
+inline Weight weight(const at::Tensor& w, int64_t N, int64_t K, int64_t layer, const char* name) {
+  Weight out;
+  if (compact::is_blob(w)) {
+    out.kind = Weight::COMPACT;
+    out.c = compact::matrix(w);
+    TORCH_CHECK(out.c.N == N && out.c.K == K, "layer ", layer, " ", name, ": the compact weight is [", out.c.N, ", ",
+                out.c.K, "], expected [", N, ", ", K, "]");
+    return out;
+  }
+  if (quant::is_blob(w)) {
+    out.kind = Weight::QUANTIZED;
+    out.q = quant::matrix(w);
+    TORCH_CHECK(out.q.N == N && out.q.K == K, "layer ", layer, " ", name, ": the quantized weight is [", out.q.N,
+                ", ", out.q.K, "], expected [", N, ", ", K, "]");
+    return out;
+  }
+  TORCH_CHECK(w.dim() == 4 && w.size(0) * 16 == N && w.size(1) * 2 == K && w.size(2) == 16 && w.size(3) == 2 &&
+                  w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
+              "layer ", layer, " ", name, ": expected a packed bf16 [", N / 16, ", ", K / 2, ", 16, 2] weight, a "
+              "compact or a quantized one");
+  out.packed = w.data_ptr<bf16>();
+  return out;
+}
+
+// y[:, 16 b0 .. 16 b1) = x W^T + bias for B rows of x [B, K].
+inline void matvec(int64_t B, const bf16* x, int64_t K, const Weight& w, Room& room, int64_t b0, int64_t b1,
+                   const float* bias, bf16* y, int64_t ldy) {
+  if (w.kind == Weight::PACKED) {
+    gemv::packed_rows(B, x, K, w.packed, K / 2, b0, b1, bias, y, ldy);
+    return;
+  }
+  if (w.kind == Weight::COMPACT) {
+    if (compact_amx::on(w.c)) compact_amx::rows(B, x, K, w.c, b0, b1, bias, y, ldy);
+    else compact::rows(B, x, K, w.c, b0, b1, bias, y, ldy);
+    return;
+  }
+  quant::Act a[MAX_TILE_ROWS];
+  for (int64_t b = 0; b < B; ++b) {
+    a[b] = room.acts.row(b);
+    quant::quantize(x + b * K, K, a[b]);
+  }
+  quant_rows(B, a, w.q, b0, b1, bias, y, ldy, room);
+}
+
+// gu[:, gate blocks j and up blocks J + j] for j in [j0, j1), on one thread so it can apply silu(gate) * up to
+// its own columns without waiting: P + P pairs at a time keep 2P weight streams in flight (P = 4, or 2 from 3 rows
+// on, as packed_range groups its blocks).
+template <int MT>
+inline void gate_up_pairs(const bf16* x, int64_t ldx, const bf16* w, int64_t Kh, int64_t J, int64_t j0, int64_t j1,
+                          const float* bias, bf16* gu, int64_t ldo) {
+  constexpr int P = MT <= 2 ? 4 : 2;
+  int64_t j = j0;
+  if (gemv::one_stream()) {  // gate block j, then up block j: one stream at a time (gemv.h Streams)
+    for (; j < j1; ++j) {
+      const int64_t gate[1] = {j}, up[1] = {J + j};
+      gemv::packed_blocks<1, MT, false>(x, ldx, w, Kh, gate, bias, gu, ldo);
+      gemv::packed_blocks<1, MT, false>(x, ldx, w, Kh, up, bias, gu, ldo);
+    }
+    return;
+  }
+  for (; j + P <= j1; j += P) {
+    int64_t ids[2 * P];
+    for (int p = 0; p < P; ++p) ids[p] = j + p, ids[P + p] = J + j + p;
+    gemv::packed_blocks<2 * P, MT>(x, ldx, w, Kh, ids, bias, gu, ldo);
+  }
+  for (; j < j1; ++j) {
+    const int64_t ids[2] = {j, J + j};
+    gemv::packed_blocks<2, MT>(x, ldx, w, Kh, ids, bias, gu, ldo);
+  }
+}
+
+// gu[:, gate blocks [j0, j1)] and gu[:, up blocks J + [j0, j1)] = x [B, H] W_gate_up^T + bias ([B, 2I], I = 16 J),
+// on this thread, so that it can go on to silu(gate) * up for its own columns.
+inline void gate_up(int64_t B, const bf16* x, int64_t H, const Weight& w, int64_t J, int64_t j0, int64_t j1,
+                    const float* bias, Room& room, bf16* gu) {
+  const int64_t ldo = 32 * J;
+  if (w.quantized()) {
+    matvec(B, x, H, w, room, j0, j1, bias, gu, ldo);
+    quant::Act a[MAX_TILE_ROWS];
+    for (int64_t b = 0; b < B; ++b) a[b] = room.acts.row(b);  // x is still quantized from the gate call
+    quant_rows(B, a, w.q, J + j0, J + j1, bias, gu, ldo, room);
+  } else if (w.kind == Weight::COMPACT && compact_amx::on(w.c)) {  // gate j and up j as a pair
+    compact_amx::Tiles tiles(B);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t ids[2] = {j, J + j};
+      compact_amx::blocks(B, x, H, w.c, ids, 2, bias, gu, ldo);
+    }
+  } else if (w.kind == Weight::COMPACT) {  // gate block j, then up block j (no wait for silu * up)
+    gemv::with_rows(B, [&](auto mt) {
+      constexpr int MT = decltype(mt)::value;
+      const bool one = gemv::one_stream();  // one stream at a time, or both blocks at once (gemv.h Streams)
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t ids[2] = {j, J + j};
+        if (one) {
+          compact::blocks<1, MT, false>(x, H, w.c, ids, bias, gu, ldo);
+          compact::blocks<1, MT, false>(x, H, w.c, ids + 1, bias, gu, ldo);
+        } else {
+          compact::blocks<2, MT, true>(x, H, w.c, ids, bias, gu, ldo);  // 4 MT accumulators
+        }
+      }
+    });
+  } else {
+    gemv::with_rows(B, [&](auto mt) {
+      gate_up_pairs<decltype(mt)::value>(x, H, w.packed, H / 2, J, j0, j1, bias, gu, ldo);
+    });
+  }
+}
+
+}  // namespace step
+}  // namespace deploykit
