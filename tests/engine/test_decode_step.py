@@ -187,10 +187,11 @@ def side_by_side(n: int) -> list[tuple[list[int], int]]:
 
 # Past 4 rows the step takes matrices quantized (any AVX512-VNNI CPU) or compact on AMX tiles; in the 18-block case
 # down_proj stays bf16 beside quantized matrices (see HELD), so there it needs AMX tiles too.
-# q4_0 on qwen3 runs 16 sequences: at 16 rows the per-op path takes AMX-INT8 tiles where the CPU has them.
+# The q4_0 cases run 16 sequences: at 16 rows the per-op path takes AMX-INT8 tiles where the CPU has them (and in
+# the 18-block case the compact down_proj AMX-BF16 tiles, the two configurations in turn on a thread).
 WIDE = ([("none", "qwen3-qk-norm", 10), ("none", "mistral-window", 10), ("none", "llama-all-biases-18-blocks", 10)]
         if kernels.status()["compact_amx"] else []) + ([("q4_0", "qwen3-qk-norm", 16), ("q8_0", "mistral-window", 10)]
-                                                       + ([("q4_0", "llama-all-biases-18-blocks", 10)]
+                                                       + ([("q4_0", "llama-all-biases-18-blocks", 16)]
                                                           if kernels.status()["compact_amx"] else [])
                                                        if kernels.quantized_ok() else [])
 
