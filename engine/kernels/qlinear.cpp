@@ -49,7 +49,7 @@ bool cpu_runs_it() {
 template <class In, class Out>
 void run(const In* x, int64_t ldx, int64_t M, const Matrix& w, const float* bias, Out* out) {
   const int64_t K = w.K, N = w.N, NG = N / 16;
-  const bool tiles = M >= quant_amx::MIN_ROWS && quant_amx::enabled.load(std::memory_order_relaxed);
+  const bool tiles = quant_amx::takes(M);
   const int64_t padded = tiles ? (M + 15) / 16 * 16 : M;  // the tiles take whole 16-row blocks; the rest stay zero
   ActBuffer buf(padded, K);
   std::vector<Act> acts(padded);

@@ -45,6 +45,8 @@ inline std::atomic<bool> enabled{false};
 // Q8_0), their time / the GEMV's at 10 rows 1.13-1.29, 12 rows 1.06-1.11, 16 rows 0.82-0.98, 64 rows 0.59-0.65, 512
 // rows 0.50-0.56 (Q4_K 0.49, Q6_K 0.54).
 constexpr int64_t MIN_ROWS = 16;
+// Whether quant_linear takes M rows on the tiles (the fused decode step asks the same of its 16).
+inline bool takes(int64_t M) { return M >= MIN_ROWS && enabled.load(std::memory_order_relaxed); }
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BF16__)
 

@@ -40,7 +40,7 @@ struct Room {
 // y[:, 16 g0 .. 16 g1) for B rows a (quantized) of a quantized matrix: on the tiles where quant_linear would take them.
 inline void quant_rows(int64_t B, const quant::Act* a, const quant::Matrix& w, int64_t g0, int64_t g1,
                        const float* bias, bf16* y, int64_t ldy, Room& room) {
-  if (B == quant_amx::MIN_ROWS && quant_amx::enabled.load(std::memory_order_relaxed))
+  if (B == quant_amx::MIN_ROWS && quant_amx::takes(B))  // Room::tiles holds one 16-row block
     room.tiles.run(a, w, g0, g1, bias, y, ldy);
   else
     quant::tiled_rows(B, a, w, g0, g1, bias, y, ldy);
