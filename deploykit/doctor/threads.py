@@ -16,6 +16,7 @@ from . import engines, fixes, l3, openmp
 from .findings import FAIL, INFO, OK, WARN, Finding, Section
 
 BUSY = 0.3  # a thread using this much of a CPU over the window is "busy" (two sharing one CPU get 0.5 each at best)
+SLACK = 0.1  # sampling error of a CPU-time sum: threads that shared one CPU used at most 1 + SLACK of it
 ACTIVE = 0.1  # working at all: threads taking turns on one CPU each get a share of it
 LOCAL = 0.8  # below this share of memory on the busy threads' nodes, memory placement is a problem
 
@@ -108,11 +109,19 @@ def _busy(procs, use, ctx: Context, seconds: float, worst: int) -> Finding:
     window = f"over {seconds:.1f} s" + (f" of {ctx.driven}" if ctx.driven else "")
     if ctx.omp_tids is not None:
         omp = [(p, t) for p in procs for t in p.threads if t.tid in ctx.omp_tids]
-        omp_busy = [t for p, t in omp if use[p.pid].get(t.tid, 0.0) >= BUSY]
-        cpus = sorted({t.last_cpu for t in omp_busy})
-        title = (f"{len(omp_busy)} of {len(omp)} OpenMP threads busy {window}, on {len(cpus)} CPU(s) "
-                 f"{cpulist.format(cpus)}; {used:.2f} CPUs used of {limit}")
-        level = OK if len(omp_busy) == len(omp) and len(cpus) == len(omp_busy) else FAIL
+        omp_busy = [(t, use[p.pid].get(t.tid, 0.0)) for p, t in omp if use[p.pid].get(t.tid, 0.0) >= BUSY]
+        cpus = sorted({t.last_cpu for t, _ in omp_busy})
+        # last_cpu is where a thread ran last. Pinned threads run nowhere else; unpinned ones move, and busy threads
+        # last seen on one CPU that used more than one CPU between them took turns on no CPU.
+        seen: dict[int, list[float]] = defaultdict(list)
+        for t, u in omp_busy:
+            seen[t.last_cpu].append(u)
+        shared = [c for c, us in seen.items() if len(us) >= 2 and sum(us) <= 1.0 + SLACK]
+        pinned = all(len(t.allowed) == 1 for t, _ in omp_busy)
+        where = (f"on {len(cpus)} CPU(s) {cpulist.format(cpus)}" if pinned else
+                 f"unpinned, last seen on CPU(s) {cpulist.format(cpus)}")
+        title = f"{len(omp_busy)} of {len(omp)} OpenMP threads busy {window}, {where}; {used:.2f} CPUs used of {limit}"
+        level = OK if len(omp_busy) == len(omp) and not shared else FAIL
         return Finding("threads.busy", max(level, [OK, INFO, WARN, FAIL][worst], key=_rank), title,
                        evidence=tuple(evidence))
     cpus = sorted({t.last_cpu for _, t, _ in busy})

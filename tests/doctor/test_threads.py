@@ -105,6 +105,23 @@ def test_pinned_threads_on_both_siblings_of_a_core(epyc):
     assert rep.find("memory.numa").level == "ok"
 
 
+@pytest.mark.parametrize("allowed, busy, level", [
+    ((0, 1), (0.83, 0.73), "ok"),  # unpinned, both last seen on CPU 1, 1.56 CPUs used: they did not share it
+    ((0, 1), (0.5, 0.5), "fail"),  # one CPU's worth between them: they took turns on CPU 1
+    ((1,), (0.5, 0.5), "fail"),  # pinned to one CPU
+])
+def test_an_engines_openmp_team_on_one_cpu_is_judged_by_the_cpu_time_it_used(epyc, allowed, busy, level):
+    """Where a thread was last seen is a snapshot: an unpinned pair of engine threads last seen on one CPU that used
+    1.56 CPUs between them ran in parallel (CI, session 24: `--binding none` judged critical one run in four)."""
+    ts = [Thread(950 + i, "python", allowed, 1, 0) for i in range(2)]
+    p = proc(950, 1, "deploykit engine", ts, pages={"default": {0: GIB}})
+    ctx = Context(epyc, omp_tids=frozenset(t.tid for t in ts))
+    f = Report("x", tuple(analyse(sample([p], dict(zip((950, 951), busy))), ctx))).find("threads.busy")
+    assert f.level == level
+    assert f.title.startswith("2 of 2 OpenMP threads busy over 2.0 s, " + (
+        "on 1 CPU(s) 1;" if len(allowed) == 1 else "unpinned, last seen on CPU(s) 1;")), f.title
+
+
 def test_idle_process_is_not_judged(epyc):
     p = proc(700, 1, "idle", [Thread(700, "idle", tuple(range(384)), 3, 0)], pages={"default": {0: GIB}})
     f = Report("x", tuple(analyse(sample([p], {}), Context(epyc)))).find("threads.busy")
