@@ -8,7 +8,9 @@ import torch.nn.functional as F
 
 from deploykit import isa
 from deploykit.memory import WIDEN_ROWS
-from engine.kernels import attention, loader, streaming
+from engine.kernels import attention, loader, quant_ops, streaming
+# The quantized-weight helpers, re-exported (bound to this library below).
+from engine.kernels.quant_ops import quant_pack, quant_parts, quant_rows, quant_stream_ahead, quant_stream_hint
 # The element-wise ops' PyTorch references (tests compare the native ops with them), re-exported here.
 from engine.kernels.reference import (fallback_add_rms_norm, fallback_head_rms_norm_, fallback_rotary_,  # noqa: F401
                                       fallback_silu_mul)
@@ -32,6 +34,7 @@ _I8 = torch.int8
 # Block-quantized weights (engine/quant.py) run on the int8 kernels: the library has them and the CPU runs them
 # (AVX512-VNNI in an AVX-512 build, AVX2 in the AVX2 one).
 _QUANT = _qops is not None and isa.quantized_kernels(isa.cpu_flags())
+quant_ops.bind(_qops, _QUANT)
 
 # Measured with benchmarks/kernels.py on Sapphire Rapids (2 cores): vdpbf16ps GEMV streams at
 # the memory roofline up to M≈4, past that it turns compute-bound and AMX tiles win at every M.
@@ -95,21 +98,6 @@ def is_quantized(w: torch.Tensor) -> bool:
     return w.dtype == _U8 and w.dim() == 1
 
 
-def quant_pack(raws: list[torch.Tensor], formats: list[int], k: int) -> torch.Tensor:
-    """GGUF blocks of each row part [rows, bytes] (uint8) in ggml type `formats[i]` -> one quantized matrix blob."""
-    return _qops.quant_pack(raws, formats, k)
-
-
-def quant_parts(blob: torch.Tensor) -> list[int]:
-    """[N, K, format, rows, format, rows, ...] of a quantized matrix."""
-    return list(_qops.quant_parts(blob))
-
-
-def quant_rows(blob: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows `ids` [n] of a quantized matrix, dequantized -> [n, K] (an embedding lookup)."""
-    return _qops.quant_rows(blob, ids, dtype)
-
-
 def is_packed(w: torch.Tensor) -> bool:
     """Packed weights are [N/16, K/2, 16, 2] (16 = block_n); a linear weight is otherwise always 2-D."""
     return w.dim() == 4 and w.shape[2] == _block_n and w.shape[3] == 2
@@ -149,8 +137,7 @@ def compact_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def compact_info(w: torch.Tensor) -> tuple[int, int, int]:
     """(N, K, escaped weights) of a compact matrix."""
-    n, k, e = _ops.compact_info(w)
-    return n, k, e
+    return tuple(int(v) for v in _ops.compact_info(w))
 
 
 def prepare_weight(w: torch.Tensor, compact: bool = False) -> torch.Tensor:
@@ -208,10 +195,15 @@ def _rows_2d(op, x: torch.Tensor, *args) -> torch.Tensor:
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear semantics: x [..., K], w [N, K] or prepare_weight(w), bias [N] -> [..., N]."""
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           prompt_from: int | None = None) -> torch.Tensor:
+    """F.linear semantics: x [..., K], w [N, K] or prepare_weight(w), bias [N] -> [..., N]. prompt_from: x's rows
+    from this one on are prompt rows (the model's prefill); a quantized matrix runs them on AMX-BF16 tiles where the
+    CPU has them (kernels/quant_prompt_amx.cpp), each row the same bits in any chunk. None: no prompt rows."""
     # Hot path of every decode step (~100 calls per token): keep the Python work minimal.
     if w.dtype == _U8:  # block-quantized (exists only where _QUANT): bf16 or fp32 activations
+        if prompt_from is not None and _quant_prompt and x.dtype == _BF16 and prompt_from < x.shape[0]:
+            return _rows_2d(_quant_prompt_linear, x, w, bias, prompt_from)
         return _rows_2d(_quant_linear, x, w, bias, False)
     if w.dtype == _I8:  # compact bf16 (exists only where the library is loaded)
         return _linear_compact(x, w, bias)
@@ -248,6 +240,10 @@ _compact_amx = bool(_ops.set_compact_amx(True)) if _ops is not None and _NATIVE.
 # Block-quantized matrices take AMX-INT8 tiles from 16 rows where the CPU has them (kernels/quant_amx.h): the same
 # int32 sums and fp32 steps as the VNNI GEMV, so no switch per process is needed for batch invariance.
 _quant_amx = bool(_ops.set_quant_amx(True)) if _ops is not None and _QUANT and _NATIVE.amx else False
+# A prompt's rows take AMX-BF16 tiles on weights decoded to bf16 in L1 instead (kernels/quant_prompt_amx.cpp).
+_quant_prompt = bool(_ops.set_quant_prompt_amx(True)) if _ops is not None and _QUANT and _NATIVE.amx else False
+_quant_prompt_linear = _ops.quant_prompt_linear.default if _quant_prompt else None
+_quant_prompt_silu = _ops.quant_prompt_gate_up_silu.default if _quant_prompt else None
 
 
 def _linear_compact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -267,11 +263,17 @@ def gate_up_silu_ok(w: torch.Tensor) -> bool:
     return on_tiles(w) and compact_info(w)[0] % 32 == 0
 
 
+def prompt_gate_up_silu_ok(w: torch.Tensor) -> bool:
+    """Whether gate_up_silu takes this quantized gate_up weight for prompt rows: on AMX-BF16 tiles, whole blocks."""
+    return _quant_prompt and is_quantized(w) and quant_parts(w)[0] % 32 == 0
+
+
 def gate_up_silu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(x W_gate^T + b_gate) * (x W_up^T + b_up) [..., I] for a weight gate_up_silu_ok took, bf16 x: the tiles'
-    epilogue pairs gate block j with up block j and applies it, bit for bit what silu_mul(linear(x, w, bias)) gives,
-    without writing the [..., 2I] intermediate (kernels/compact_amx.cpp)."""
-    return _rows_2d(_gate_up_silu, x, w, bias)
+    """silu(x W_gate^T + b_gate) * (x W_up^T + b_up) [..., I] for a weight gate_up_silu_ok took (or, where every row of
+    x is a prompt's, prompt_gate_up_silu_ok), bf16 x: the tiles' epilogue pairs gate block j with up block j and applies
+    it, bit for bit what silu_mul(linear(x, w, bias)) gives (prompt_from=0 for a quantized w), without writing the
+    [..., 2I] intermediate (kernels/compact_amx.cpp, quant_prompt_amx.cpp)."""
+    return _rows_2d(_quant_prompt_silu if w.dtype == _U8 else _gate_up_silu, x, w, bias)
 
 
 def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -347,21 +349,6 @@ def tune_streams() -> streaming.Choice | None:
     return _streams
 
 
-def quant_stream_ahead() -> dict[str, int] | None:
-    """How far ahead the quantized GEMV streams each format's weights, in bytes (0: not at all; kernels/quant_gemv.h);
-    None where the int8 kernels do not run."""
-    if not _QUANT:
-        return None
-    from engine.quant import GGML_IDS  # engine.quant imports this module
-    return {name: int(_qops.quant_stream_ahead(i)) for name, i in GGML_IDS.items()}
-
-
-def quant_stream_hint() -> str | None:
-    """Where those requests put the lines: "l2" (PREFETCHT1, the default on Intel CPUs) or "nta" (on AMD's;
-    kernels/quant_stream.h); None where the int8 kernels do not run."""
-    return str(_qops.quant_stream_hint()) if _QUANT else None
-
-
 def status() -> dict:
     """Which matmul path is active and why, for the engine's start-up log."""
     # path: where bf16-activation matmuls run (the AVX2 build has none of them); quantized: whether block-quantized
@@ -386,6 +373,7 @@ def status() -> dict:
         "compact_amx": _compact_amx,  # compact bf16 matrices on AMX tiles at every M (kernels/compact_amx.h)
         "quantized": _QUANT,
         "quant_amx": _quant_amx,  # block-quantized matrices on AMX-INT8 tiles from 16 rows (kernels/quant_amx.h)
+        "quant_prompt_amx": _quant_prompt,  # a prompt's rows on them on AMX-BF16 tiles (quant_prompt_amx.cpp)
         "fp32_ops": _qops is not None,  # f32_ops.cpp: fp32 norms, rotary, SiLU and decode attention native
         "bf16_weights_in_fp32": _qops is not None,  # bf16w_linear.cpp: a bf16 checkpoint's matrices stay bf16
         "gemv_streams": int(_ops.gemv_streams()) if _ops is not None else None,

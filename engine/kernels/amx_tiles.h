@@ -46,6 +46,14 @@ inline void configure(const uint8_t (&rows)[8], const uint16_t (&colsb)[8]) {
   asm volatile("ldtilecfg %0" ::"m"(cfg));
 }
 
+// The tiles of this thread configured for M <= 32 rows of A (two 16-row halves) for its lifetime.
+struct Tiles {
+  explicit Tiles(int64_t M) { amx_configure_tiles((int)std::min<int64_t>(M, 16), (int)std::max<int64_t>(M - 16, 0)); }
+  ~Tiles() { _tile_release(); }
+  Tiles(const Tiles&) = delete;
+  Tiles& operator=(const Tiles&) = delete;
+};
+
 // Where the A tiles of one M block live: tile k-step s of half h starts at base + h * half + s * step (elements)
 // with rows `ld` bytes apart.
 struct ATiles {

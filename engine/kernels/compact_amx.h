@@ -78,13 +78,7 @@ struct CompactB {
   }
 };
 
-// The tiles of this thread configured for M <= 32 rows of A (two 16-row halves) for its lifetime.
-struct Tiles {
-  explicit Tiles(int64_t M) { amx_configure_tiles((int)std::min<int64_t>(M, 16), (int)std::max<int64_t>(M - 16, 0)); }
-  ~Tiles() { _tile_release(); }
-  Tiles(const Tiles&) = delete;
-  Tiles& operator=(const Tiles&) = delete;
-};
+using Tiles = amx::Tiles;
 
 // out[m, 16 nb[j] + c] for M <= 32 rows of x read in place (tiles configured for them: Tiles(M))
 // and n = 1 or 2 column blocks of any ids; silu: a gate block and its up block, out[m, 16 nb[0] + c] = silu(g) * u.

@@ -77,6 +77,9 @@ class LlamaModel:
         # gate_up and silu * up in one pass on AMX tiles (compact weights): the same bits, no [N, 2I] intermediate.
         self.gate_up_silu = (self.act_fused and self.dtype == torch.bfloat16
                              and all(kernels.gate_up_silu_ok(L.gate_up) for L in self.layers))
+        # The same for a prompt's rows on quantized weights (decode rows keep the int8 kernels).
+        self.prompt_gate_up_silu = (self.act_fused and self.dtype == torch.bfloat16
+                                    and all(kernels.prompt_gate_up_silu_ok(L.gate_up) for L in self.layers))
 
     def _load(self, r, held: quant.Loader, take) -> None:
         """take(t) -> the arena's copy of t; each weight is taken once it has its final form."""
@@ -227,45 +230,46 @@ class LlamaModel:
                                  s.rms_norm_eps, self.scale)
             return h
         cos, sin = self.rotary.tables(positions)                       # [N, 1, D]
+        nd = meta.num_decode  # rows [nd, N) are prompt rows: kernels.linear's prompt_from
         last = len(self.layers) - 1
         x = self.layers[0].ln1(h)
         for i, L in enumerate(self.layers):
-            qkv = linear(x, L.qkv, L.qkv_bias).view(n, nh + 2 * nkv, hd)  # [N, Hq + 2 Hkv, D]
+            qkv = linear(x, L.qkv, L.qkv_bias, nd).view(n, nh + 2 * nkv, hd)  # [N, Hq + 2 Hkv, D]
             qk = qkv[:, :nh + nkv]                                     # q and k heads, normed/rotated in place
             if L.qk_norm is not None:
                 head_norm_(qk, L.qk_norm, s.rms_norm_eps)
             rotate_(qk, cos, sin)
             o = paged_attention(qkv[:, :nh], qkv[:, nh:].view(n, 2, nkv, hd), kv.layers[i], meta, self.scale,
                                 self.windows[i])
-            x = L.ln2(h, linear(o.reshape(n, nh * hd), L.o, L.o_bias))            # h += o_proj; norm
-            d = self.mlp(L, x)
+            x = L.ln2(h, linear(o.reshape(n, nh * hd), L.o, L.o_bias, nd))        # h += o_proj; norm
+            d = self.mlp(L, x, nd)
             if i < last:
                 x = self.layers[i + 1].ln1(h, d)                                  # h += down_proj; next norm
             else:
                 h += d
         return h
 
-    def mlp(self, L: _Layer, x: torch.Tensor) -> torch.Tensor:
-        """x [N, H] -> down(act(gate) * up) [N, H], MLP_ROWS rows at a time. Its [N, 2I] intermediate is the largest
-        tensor of a prefill (80 MB at 2,048 rows of I = 4,864 in fp32): in slices it stays in the L3 cache for the
-        activation and the down projection, and under glibc's 32 MB mmap ceiling, so its memory is reused rather than
-        mapped and page-faulted afresh at every layer. Where the linears are batch-invariant (bf16 weights under fp32,
-        quantized weights) each row's result is the same in any slice; elsewhere it may differ in the last bits, as
-        it does between any two batch sizes."""
+    def mlp(self, L: _Layer, x: torch.Tensor, nd: int) -> torch.Tensor:
+        """x [N, H], its rows from nd on a prompt's -> down(act(gate) * up) [N, H], MLP_ROWS rows at a time. Its
+        [N, 2I] intermediate is the largest tensor of a prefill (80 MB at 2,048 rows of I = 4,864 in fp32): in slices
+        it stays in the L3 cache for the activation and the down projection, and under glibc's 32 MB mmap ceiling, so
+        its memory is reused rather than mapped and page-faulted afresh at every layer. Where the linears are
+        batch-invariant (bf16 weights under fp32, quantized weights, compact ones on AMX tiles) each row's result is
+        the same in any slice; elsewhere it may differ in the last bits, as it does between any two batch sizes."""
         n = x.shape[0]
         if n > MLP_ROWS:
             d = torch.empty_like(x)
             for i in range(0, n, MLP_ROWS):
-                d[i:i + MLP_ROWS] = self.mlp(L, x[i:i + MLP_ROWS])
+                d[i:i + MLP_ROWS] = self.mlp(L, x[i:i + MLP_ROWS], min(max(nd - i, 0), MLP_ROWS))
             return d
-        if self.gate_up_silu:
+        if self.gate_up_silu or (nd == 0 and self.prompt_gate_up_silu):
             y = kernels.gate_up_silu(x, L.gate_up, L.gate_up_bias)            # [N, I]
         elif self.act_fused:
-            y = silu_and_mul(linear(x, L.gate_up, L.gate_up_bias))            # [N, I]
+            y = silu_and_mul(linear(x, L.gate_up, L.gate_up_bias, nd))        # [N, I]
         else:
-            gate, up = linear(x, L.gate_up, L.gate_up_bias).chunk(2, dim=-1)  # [N, I] each
+            gate, up = linear(x, L.gate_up, L.gate_up_bias, nd).chunk(2, dim=-1)  # [N, I] each
             y = self.act(gate) * up
-        return linear(y, L.down, L.down_bias)
+        return linear(y, L.down, L.down_bias, nd)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

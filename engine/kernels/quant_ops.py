@@ -1,0 +1,45 @@
+"""The Python face of the block-quantized weights' ops (kernels/quant_*.h, qlinear.cpp): packing GGUF blocks into
+the kernels' layout, a blob's parts, embedding rows, and how the int8 GEMV streams weights. engine.kernels binds the
+library and re-exports these."""
+
+from __future__ import annotations
+
+import torch
+
+_qops = None  # the loaded library's ops (any build), or None
+_QUANT = False  # whether the int8 kernels run here (engine.kernels._QUANT)
+
+
+def bind(qops, quant: bool) -> None:
+    global _qops, _QUANT
+    _qops, _QUANT = qops, quant
+
+
+def quant_pack(raws: list[torch.Tensor], formats: list[int], k: int) -> torch.Tensor:
+    """GGUF blocks of each row part [rows, bytes] (uint8) in ggml type `formats[i]` -> one quantized matrix blob."""
+    return _qops.quant_pack(raws, formats, k)
+
+
+def quant_parts(blob: torch.Tensor) -> list[int]:
+    """[N, K, format, rows, format, rows, ...] of a quantized matrix."""
+    return list(_qops.quant_parts(blob))
+
+
+def quant_rows(blob: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` [n] of a quantized matrix, dequantized -> [n, K] (an embedding lookup)."""
+    return _qops.quant_rows(blob, ids, dtype)
+
+
+def quant_stream_ahead() -> dict[str, int] | None:
+    """How far ahead the quantized GEMV streams each format's weights, in bytes (0: not at all; kernels/quant_gemv.h);
+    None where the int8 kernels do not run."""
+    if not _QUANT:
+        return None
+    from engine.quant import GGML_IDS  # engine.quant imports this module
+    return {name: int(_qops.quant_stream_ahead(i)) for name, i in GGML_IDS.items()}
+
+
+def quant_stream_hint() -> str | None:
+    """Where those requests put the lines: "l2" (PREFETCHT1, the default on Intel CPUs) or "nta" (on AMD's;
+    kernels/quant_stream.h); None where the int8 kernels do not run."""
+    return str(_qops.quant_stream_hint()) if _QUANT else None
