@@ -138,7 +138,7 @@ def test_a_long_prompts_mlp_runs_in_row_slices_with_the_same_result(f32_kernels,
     core = EngineCore(EngineConfig(model_dir, dtype="float32", prefix_caching=False))
     rows: list[int] = []
     mlp = llama.LlamaModel.mlp
-    monkeypatch.setattr(llama.LlamaModel, "mlp", lambda self, L, x: rows.append(x.shape[0]) or mlp(self, L, x))
+    monkeypatch.setattr(llama.LlamaModel, "mlp", lambda self, L, x, nd: rows.append(x.shape[0]) or mlp(self, L, x, nd))
     whole = next_token_logprobs(core, PROMPTS)  # the four prompts' 50 rows in one step
     assert max(rows) == 50
     rows.clear()
