@@ -4,7 +4,7 @@
 // Up to 32 rows, x is read in place and each thread decodes its column blocks' k-tiles into L1 as the tiles take
 // them. Past 32 rows (prefill), x is copied into tile blocks, and a chunk of 32-row blocks either decodes each pair
 // of column blocks again per block, or once, in k-slices that every block of the chunk reads from L1; a long K takes
-// the k-slices outermost (see below). Every way gives each row the same tdpbf16ps sequence.
+// the k-slices outermost (amx_slices.h). Every way gives each row the same tdpbf16ps sequence.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
