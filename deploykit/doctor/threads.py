@@ -215,13 +215,21 @@ def _smt(procs, use, topo: Topology) -> Finding:
 
 WAITING = 0.25  # runnable but not running for this share of the window: the thread waits for a CPU
 OWN_SLACK = 0.5  # CPUs of demand above the allowed ones before the process itself is the one oversubscribing
+OWN_CAUSE = "more compute threads than CPUs: every OpenMP barrier waits for a descheduled thread"
+OWN_FIX = ("OMP_NUM_THREADS = the physical cores the process may use, one thread pinned to each",)
 
 
 def _oversubscribed(procs, use, wait) -> Finding:
     """Threads that wanted a CPU and waited for one (schedstat's run-queue time). Whose fault it is decides the
     verdict: when the process's own demand (each thread's ran + waited share) exceeds the CPUs those threads may use,
     it has more compute threads than CPUs; when it does not, other processes took the CPUs (a shared host or a
-    neighbour on the same cpuset). A background thread at a few percent never counts."""
+    neighbour on the same cpuset). A background thread at a few percent never counts. More working threads in one
+    process than its CPUs is its own oversubscription even when the run queue hid it (_crowded_team)."""
+    queued = _queued(procs, use, wait)
+    return queued if queued.level == FAIL else _crowded_team(procs, use, wait) or queued
+
+
+def _queued(procs, use, wait) -> Finding:
     waiting = [(p, t, use[p.pid].get(t.tid, 0.0), wait[p.pid].get(t.tid, 0.0)) for p in procs for t in p.threads
                if wait[p.pid].get(t.tid, 0.0) >= WAITING]
     if len(waiting) < 2:
@@ -237,14 +245,37 @@ def _oversubscribed(procs, use, wait) -> Finding:
                  f"may use",)
     if demand > len(union) + OWN_SLACK:
         return Finding("threads.oversubscribed", FAIL, title, evidence=evidence,
-                       cause="more compute threads than CPUs: every OpenMP barrier waits for a descheduled thread",
-                       fix=("OMP_NUM_THREADS = the physical cores the process may use, one thread pinned to each",))
+                       cause=OWN_CAUSE, fix=OWN_FIX)
     return Finding("threads.oversubscribed", WARN, title + ": other processes ran on them", evidence=evidence,
                    cause=f"the process asked for no more than its {len(union)} CPU(s); the waiting is other work "
                          "sharing them, so speed depends on the neighbours",
                    fix=("give the deployment CPUs of its own: a cpuset nothing else uses (deploykit's placement "
                         "with placement.reserved_cpus for the rest of the host; on Kubernetes, Guaranteed pods "
                         "with integer CPUs under the static CPU manager policy)",))
+
+
+def _crowded_team(procs, use, wait) -> Finding | None:
+    """More working threads in one process than the CPUs they may use, and those CPUs full: the process itself
+    oversubscribes, whatever the run queue showed. An OpenMP thread that waits at a barrier for a descheduled
+    teammate sleeps there instead of queueing, so two threads taking turns on one CPU may each queue well under
+    WAITING (measured: 41 % and 20 %, torch's pool under a one-CPU cpuset)."""
+    for p in procs:
+        team = [(t, use[p.pid].get(t.tid, 0.0), wait[p.pid].get(t.tid, 0.0)) for t in p.threads
+                if use[p.pid].get(t.tid, 0.0) >= ACTIVE]
+        cpus = sorted({c for t, _, _ in team for c in t.allowed})
+        ran, waited = sum(u for _, u, _ in team), sum(w for *_, w in team)
+        # A helper thread beside a full OpenMP team also makes more threads than CPUs; only a team that went
+        # unserved for a quarter of a CPU or more is judged.
+        if len(team) <= len(cpus) or ran < len(cpus) - SLACK or waited < WAITING:
+            continue
+        title = (f"{len(team)} threads on CPU(s) {cpulist.format(cpus)} spent {waited / len(team):.0%} of the time "
+                 f"waiting for a CPU: {len(team)} working threads of {p.label} share {len(cpus)} CPU(s)")
+        evidence = tuple(f"tid {t.tid} ({t.name}): ran {u:.0%}, waited {w:.0%}, allowed {cpulist.format(t.allowed)}"
+                         for t, u, w in team[:8])
+        evidence += (f"they used {ran:.2f} CPUs of the {len(cpus)} they may use",)
+        return Finding("threads.oversubscribed", FAIL, title, evidence=evidence,
+                       cause=OWN_CAUSE, fix=OWN_FIX)
+    return None
 
 
 def _throttled(ctx: Context, used: float, seconds: float) -> Finding | None:

@@ -196,3 +196,23 @@ def test_a_small_team_is_a_warning_or_critical_with_the_engines_own_knobs(epyc):
     pinned = proc(1500, 1, "engine", [Thread(1500, "engine", (5,), 5, 0)], env={"OMP_NUM_THREADS": "1"})
     assert Report("x", tuple(analyse(sample([pinned], {}), Context(node0)))).find("openmp.threads").level == "ok"
     assert any("-t 95 --cpu-range 0-94 --cpu-strict 1 --numa isolate" in x for x in f.fix), f.fix
+
+
+@pytest.mark.parametrize("allowed, busy, waits, level", [
+    ((0,), (0.5, 0.5), (0.41, 0.2), "fail"),  # taking turns on one CPU; one sleeps at the barrier, not queued
+    ((0, 1), (0.95, 0.95, 0.15), (0.05, 0.05, 0.1), "ok"),  # a full team and a helper thread: nothing went unserved
+    ((0, 1), (0.5, 0.5), (0.41, 0.2), "ok"),  # two threads on two CPUs fit (a slow neighbourless host)
+])
+def test_more_working_threads_than_cpus_is_the_process_s_oversubscription(epyc, allowed, busy, waits, level):
+    """torch's pool of two under a one-CPU cpuset: the threads take turns, and the one waiting at the barrier
+    sleeps instead of queueing (measured here: 41 % and 20 % queued). More working threads than their CPUs, with
+    those CPUs full, is the process's own oversubscription, whatever the run queue showed (CI, session 25)."""
+    ts = [Thread(970 + i, "w", allowed, allowed[0], 0) for i in range(len(busy))]
+    p = proc(970, 1, "w", ts)
+    rep = Report("x", tuple(analyse(sample([p], dict(zip(range(970, 980), busy)),
+                                           waits=dict(zip(range(970, 980), waits))), Context(epyc))))
+    over = rep.find("threads.oversubscribed")
+    assert over.level == level, over
+    if level == "fail":
+        assert over.title.startswith("2 threads on CPU(s) 0 spent 30% of the time waiting for a CPU: 2 working"), over
+        assert over.fix[0].startswith("OMP_NUM_THREADS = the physical cores")
