@@ -239,8 +239,7 @@ def _queued(procs, use, wait) -> Finding:
     demand = sum(min(1.0, use[p.pid].get(t.tid, 0.0) + wait[p.pid].get(t.tid, 0.0))
                  for p in procs for t in p.threads if set(t.allowed) & set(union))
     title = f"{len(waiting)} threads on CPU(s) {cpulist.format(union)} spent {share:.0%} of the time waiting for a CPU"
-    evidence = tuple(f"tid {t.tid} ({t.name}): ran {u:.0%}, waited {w:.0%}, allowed {cpulist.format(t.allowed)}"
-                     for _, t, u, w in waiting[:8])
+    evidence = _waited(((t, u, w) for _, t, u, w in waiting[:8]))
     evidence += (f"this process tree wanted {demand:.2f} CPUs (ran + waited) of the {len(union)} its waiting threads "
                  f"may use",)
     if demand > len(union) + OWN_SLACK:
@@ -252,6 +251,12 @@ def _queued(procs, use, wait) -> Finding:
                    fix=("give the deployment CPUs of its own: a cpuset nothing else uses (deploykit's placement "
                         "with placement.reserved_cpus for the rest of the host; on Kubernetes, Guaranteed pods "
                         "with integer CPUs under the static CPU manager policy)",))
+
+
+def _waited(threads) -> tuple[str, ...]:
+    """Evidence lines for (thread, share of the window it ran, share it queued) triples."""
+    return tuple(f"tid {t.tid} ({t.name}): ran {u:.0%}, waited {w:.0%}, allowed {cpulist.format(t.allowed)}"
+                 for t, u, w in threads)
 
 
 def _crowded_team(procs, use, wait) -> Finding | None:
@@ -270,8 +275,7 @@ def _crowded_team(procs, use, wait) -> Finding | None:
             continue
         title = (f"{len(team)} threads on CPU(s) {cpulist.format(cpus)} spent {waited / len(team):.0%} of the time "
                  f"waiting for a CPU: {len(team)} working threads of {p.label} share {len(cpus)} CPU(s)")
-        evidence = tuple(f"tid {t.tid} ({t.name}): ran {u:.0%}, waited {w:.0%}, allowed {cpulist.format(t.allowed)}"
-                         for t, u, w in team[:8])
+        evidence = _waited(team[:8])
         evidence += (f"they used {ran:.2f} CPUs of the {len(cpus)} they may use",)
         return Finding("threads.oversubscribed", FAIL, title, evidence=evidence,
                        cause=OWN_CAUSE, fix=OWN_FIX)
