@@ -71,12 +71,109 @@ inline __m128i to_bf16(__m256 v) {
 inline void store8(at::BFloat16* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(v)); }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 
+// One unit's int32 sums for rows 8h .. 8h + 7 of a group (acc; Q6_K's second 16 k in accb), scaled into the fp32
+// accumulators af as quant_gemv.h does, lane for lane, with those rows' scales from the chunk at ch.
+template <int F, int MT>
+[[gnu::always_inline]] inline void scale_unit(const Act* act, const uint8_t* ch, int u, int64_t unit, int h,
+                                              const __m256i* acc, const __m256i* accb, __m256* af) {
+  constexpr bool five = F == Q5_0 || F == Q5_1, offset = F == Q4_1 || F == Q5_1;
+  if constexpr (F == Q8_0 || F == Q4_0 || F == Q5_0) {  // zero points 128, 8, 16: sum (c - z) q
+    constexpr int z = F == Q8_0 ? 0 : F == Q4_0 ? 8 : 16;  // Q8_0's q is signed already
+    const __m256 dw = halves(ch + (F == Q8_0 ? 1024 : F == Q4_0 ? 512 : 640) + u * 32 + 16 * h);
+    for (int m = 0; m < MT; ++m) {
+      const __m256i t = z ? _mm256_sub_epi32(acc[m], _mm256_set1_epi32(z * act[m].s32[unit])) : acc[m];
+      af[m] = _mm256_fmadd_ps(cvt(t), _mm256_mul_ps(dw, _mm256_set1_ps(act[m].dh[unit])), af[m]);
+    }
+  } else if constexpr (offset) {  // d_w dh sum c q + m_w s, s = fp16(d sum q): Q8_1's terms
+    const uint8_t* sc = ch + (five ? 640 : 512);
+    const __m256 dw = halves(sc + u * 32 + 16 * h), mw = halves(sc + 64 + u * 32 + 16 * h);
+    for (int m = 0; m < MT; ++m) {
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(act[m].dh[unit]));
+      af[m] = _mm256_fmadd_ps(cvt(acc[m]), scale, af[m]);
+      af[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(act[m].ms[unit]), af[m]);
+    }
+  } else if constexpr (F == Q4_K) {
+    const __m256 scale = _mm256_mul_ps(halves(ch + 2048 + 16 * h), u8s(ch + 2048 + 64 + u * 16 + 8 * h));
+    const __m256 mins = _mm256_mul_ps(halves(ch + 2048 + 32 + 16 * h), u8s(ch + 2048 + 192 + u * 16 + 8 * h));
+    for (int m = 0; m < MT; ++m) {
+      const float dx = act[m].d[unit];
+      af[m] = _mm256_fmadd_ps(cvt(acc[m]), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), af[m]);
+      af[m] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(dx * (float)act[m].s32[unit]), af[m]);
+    }
+  } else {  // Q6_K: d * (sc_a * (dot_a - 32 sum_a) + sc_b * (dot_b - 32 sum_b)) per 16 k
+    const __m256i sa = s8s(ch + 3072 + 2 * u * 16 + 8 * h), sb = s8s(ch + 3072 + (2 * u + 1) * 16 + 8 * h);
+    const __m256 dw = halves(ch + 3072 + 256 + 16 * h);
+    for (int m = 0; m < MT; ++m) {
+      const __m256i ta = _mm256_sub_epi32(acc[m], _mm256_set1_epi32(32 * act[m].s16[2 * unit]));
+      const __m256i tb = _mm256_sub_epi32(accb[m], _mm256_set1_epi32(32 * act[m].s16[2 * unit + 1]));
+      const __m256i t = _mm256_add_epi32(_mm256_mullo_epi32(ta, sa), _mm256_mullo_epi32(tb, sb));
+      af[m] = _mm256_fmadd_ps(cvt(t), _mm256_mul_ps(dw, _mm256_set1_ps(act[m].d[unit])), af[m]);
+    }
+  }
+}
+
+// One unit of a 16-row group for MT >= 2 rows of a 4- or 8-bit format, both halves in one pass over its lines: each
+// activation broadcast serves 16 rows and each line is loaded once, where group() below takes one half a pass. The
+// same int32 sums and fp32 steps per output, so the same bits. On a 2-vCPU Zen 3 (benchmarks/README.md, variants
+// alternated in one process), time against one half a pass: 4 rows Q4_0 0.83-0.90, Q4_1 0.78, Q4_K 0.74, Q8_0 0.83;
+// 16 rows Q4_0 0.79, Q8_0 0.74; 2 rows Q4_0 0.90-0.93; 1 row within the noise (the weight stream decides there, and
+// group() keeps one half a pass). The 5- and 6-bit formats keep one half a pass: their extra bits' registers spill
+// AVX2's 16 (Q5_0 1.12x the time at 16 rows, Q6_K 1.96x at 4).
+template <int F, int MT>
+[[gnu::always_inline]] inline void both_halves(const Act* act, const uint8_t* ch, int u, int64_t unit,
+                                               __m256 (*accf)[MT]) {
+  static_assert(F == Q4_0 || F == Q4_1 || F == Q4_K || F == Q8_0);
+  __m256i acc[2][MT];  // per half (rows 8h .. 8h + 7): int32 sums of code x q over the unit
+  if constexpr (F == Q8_0) {
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_setzero_si256();
+    for (int e = 0; e < 8; ++e) {
+      __m256i w[2], aw[2];
+      for (int h = 0; h < 2; ++h) {
+        w[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + u * 512 + e * 64 + 32 * h)),
+                                _mm256_set1_epi8(static_cast<char>(0x80)));  // c - 128 = q, signed
+        aw[h] = _mm256_abs_epi8(w[h]);
+      }
+      for (int m = 0; m < MT; ++m) {
+        const __m256i x = bcast4(act[m].q + unit * 32 + 4 * e);
+        for (int h = 0; h < 2; ++h)
+          acc[h][m] = _mm256_add_epi32(acc[h][m], widen(_mm256_maddubs_epi16(aw[h], _mm256_sign_epi8(x, w[h]))));
+      }
+    }
+  } else {  // the unit's 8 products of pairs a half stay within int16 (the bound above): widened once
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const uint8_t* lines = ch + u * 256;
+    __m256i pa[2][MT];
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < MT; ++m) pa[h][m] = _mm256_setzero_si256();
+    for (int l = 0; l < 4; ++l) {
+      __m256i lo[2], hi[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines + l * 64 + 32 * h));
+        lo[h] = _mm256_and_si256(v, low4);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      }
+      for (int m = 0; m < MT; ++m) {
+        const __m256i xl = bcast4(act[m].q + unit * 32 + 4 * l), xh = bcast4(act[m].q + unit * 32 + 16 + 4 * l);
+        for (int h = 0; h < 2; ++h)
+          pa[h][m] = _mm256_add_epi16(pa[h][m], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),
+                                                                 _mm256_maddubs_epi16(hi[h], xh)));
+      }
+    }
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < MT; ++m) acc[h][m] = widen(pa[h][m]);
+  }
+  for (int h = 0; h < 2; ++h) scale_unit<F, MT>(act, ch, u, unit, h, acc[h], nullptr, accf[h]);
+}
+
 // out[m, 16 gl .. 16 gl + 16) of part p for MT activation rows: one 16-row group, one half (8 rows) at a time inside
-// each unit, so the int accumulators of one half and the fp32 ones of both fit AVX2's 16 registers at MT <= 2.
+// each unit, so the int accumulators of one half and the fp32 ones of both fit AVX2's 16 registers at MT <= 2; from 2
+// rows, the 4- and 8-bit formats in one pass for both halves (both_halves).
 template <int F, int MT, bool Ahead, class Out>
 inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const float* bias, Out* out, int64_t ldo) {
   constexpr Info inf = info_of(F);
-  constexpr bool five = F == Q5_0 || F == Q5_1, offset = F == Q4_1 || F == Q5_1;
+  constexpr bool five = F == Q5_0 || F == Q5_1;
+  constexpr bool both = MT >= 2 && (F == Q4_0 || F == Q4_1 || F == Q4_K || F == Q8_0);
   const uint8_t* base = p.data + gl * p.group_bytes;
   __m256 accf[2][MT];
   for (int h = 0; h < 2; ++h)
@@ -90,6 +187,10 @@ inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const fl
     for (int u = 0; u < inf.units; ++u) {
       if (ahead) request_ahead<F>(ch, u, ahead, hint);  // quant_stream.h
       const int64_t unit = c * inf.units + u;
+      if constexpr (both) {
+        both_halves<F, MT>(act, ch, u, unit, accf);
+        continue;
+      }
       for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7: bytes 32h .. 32h + 31 of every line
         __m256i acc[MT], accb[MT];   // int32 sums of code x q over the unit (Q6_K: accb is its second 16 k)
         for (int m = 0; m < MT; ++m) acc[m] = accb[m] = _mm256_setzero_si256();
@@ -148,41 +249,7 @@ inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const fl
               }
           }
         }
-        // The unit's int32 sums, scaled into accf as quant_gemv.h does, lane for lane (scales of rows 8h..8h+7).
-        __m256* af = accf[h];
-        if constexpr (F == Q8_0 || F == Q4_0 || F == Q5_0) {  // zero points 128, 8, 16: sum (c - z) q
-          constexpr int z = F == Q8_0 ? 0 : F == Q4_0 ? 8 : 16;  // Q8_0's q is signed already
-          const __m256 dw = halves(ch + (F == Q8_0 ? 1024 : F == Q4_0 ? 512 : 640) + u * 32 + 16 * h);
-          for (int m = 0; m < MT; ++m) {
-            const __m256i t = z ? _mm256_sub_epi32(acc[m], _mm256_set1_epi32(z * act[m].s32[unit])) : acc[m];
-            af[m] = _mm256_fmadd_ps(cvt(t), _mm256_mul_ps(dw, _mm256_set1_ps(act[m].dh[unit])), af[m]);
-          }
-        } else if constexpr (offset) {  // d_w dh sum c q + m_w s, s = fp16(d sum q): Q8_1's terms
-          const uint8_t* sc = ch + (five ? 640 : 512);
-          const __m256 dw = halves(sc + u * 32 + 16 * h), mw = halves(sc + 64 + u * 32 + 16 * h);
-          for (int m = 0; m < MT; ++m) {
-            const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(act[m].dh[unit]));
-            af[m] = _mm256_fmadd_ps(cvt(acc[m]), scale, af[m]);
-            af[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(act[m].ms[unit]), af[m]);
-          }
-        } else if constexpr (F == Q4_K) {
-          const __m256 scale = _mm256_mul_ps(halves(ch + 2048 + 16 * h), u8s(ch + 2048 + 64 + u * 16 + 8 * h));
-          const __m256 mins = _mm256_mul_ps(halves(ch + 2048 + 32 + 16 * h), u8s(ch + 2048 + 192 + u * 16 + 8 * h));
-          for (int m = 0; m < MT; ++m) {
-            const float dx = act[m].d[unit];
-            af[m] = _mm256_fmadd_ps(cvt(acc[m]), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), af[m]);
-            af[m] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(dx * (float)act[m].s32[unit]), af[m]);
-          }
-        } else {  // Q6_K: d * (sc_a * (dot_a - 32 sum_a) + sc_b * (dot_b - 32 sum_b)) per 16 k
-          const __m256i sa = s8s(ch + 3072 + 2 * u * 16 + 8 * h), sb = s8s(ch + 3072 + (2 * u + 1) * 16 + 8 * h);
-          const __m256 dw = halves(ch + 3072 + 256 + 16 * h);
-          for (int m = 0; m < MT; ++m) {
-            const __m256i ta = _mm256_sub_epi32(acc[m], _mm256_set1_epi32(32 * act[m].s16[2 * unit]));
-            const __m256i tb = _mm256_sub_epi32(accb[m], _mm256_set1_epi32(32 * act[m].s16[2 * unit + 1]));
-            const __m256i t = _mm256_add_epi32(_mm256_mullo_epi32(ta, sa), _mm256_mullo_epi32(tb, sb));
-            af[m] = _mm256_fmadd_ps(cvt(t), _mm256_mul_ps(dw, _mm256_set1_ps(act[m].d[unit])), af[m]);
-          }
-        }
+        scale_unit<F, MT>(act, ch, u, unit, h, acc, accb, accf[h]);
       }
     }
   }

@@ -149,16 +149,18 @@ def test_q4_1_offsets_meet_the_activations_as_llama_cpps_q8_1_blocks():
     assert not torch.allclose(got[:, 0], unrounded, rtol=1e-5, atol=0)            # the case tells them apart
 
 
-def test_rows_are_bitwise_the_same_in_any_batch():
-    """Each output row depends on its own activations only: a row computed alone equals it inside a batch of 4, 7,
-    16 or 40 (the fused decode step and the per-op path share this property; on AMX-INT8 CPUs 16 rows and more run
-    on tiles)."""
-    raw = random_raw("Q4_K", 64, 512)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rows_are_bitwise_the_same_in_any_batch(fmt):
+    """Each output row depends on its own activations only: a row computed alone equals it inside a batch of 2, 3, 4,
+    7, 16 or 40, in every format (the fused decode step and the per-op path share this property; on AMX-INT8 CPUs 16
+    rows and more run on tiles; the AVX2 build reads a unit's lines in one pass for both halves of a group from 2
+    rows, in two passes for one row)."""
+    raw = random_raw(fmt, 64, 512)
     blob = quant.pack([raw])
     x = torch.randn(40, 512).bfloat16()
     alone = torch.cat([kernels.linear(x[i:i + 1], blob) for i in range(40)])
-    for m in (4, 7, 16, 40):
-        assert torch.equal(kernels.linear(x[:m], blob), alone[:m])
+    for m in (2, 3, 4, 7, 16, 40):
+        assert torch.equal(kernels.linear(x[:m], blob), alone[:m]), m
 
 
 @pytest.mark.skipif(not kernels.status().get("quant_amx"),
