@@ -17,6 +17,7 @@ from engine.kernels.reference import (fallback_add_rms_norm, fallback_head_rms_n
 
 __all__ = ["LIMITS", "PACK_COLS", "add_rms_norm", "argmax", "bf16w_ok", "compact_info", "compact_rows",
            "compact_unpack", "decode_attention", "decode_attention_supported", "decode_step_", "decode_step_supported",
+           "step_f32_weight",
            "fused", "head_rms_norm_", "is_compact", "is_quantized", "linear", "logits", "prefill_attention",
            "prefill_attention_supported", "prepare_bf16w",
            "prepare_bias", "prepare_weight", "quant_pack", "quant_parts", "quant_rows", "quantized_ok", "rotary_",
@@ -72,6 +73,8 @@ if _qops is not None:
     _head_rms_norm_f32 = _qops.head_rms_norm_f32_.default
     # fp32 activations times bf16 weights widened in registers (bf16w_linear.cpp, AVX2 + FMA): in every build.
     _bf16w_linear = _qops.linear_bf16w.default
+    # The fused decode step under fp32 activations (decode_step_f32.cpp, AVX2 + FMA): in every build.
+    _decode_step_f32 = _qops.decode_step_f32_.default
 
 # The kernels' shape limits, stated once in C++ and read from the extension (decode_step.cpp `limits`):
 # step_max_rows: decode_step_ takes up to this many sequences (the GEMV loads each weight line once for all of them,
@@ -82,6 +85,8 @@ if _qops is not None:
 LIMITS: dict[str, int] = dict(_ops.limits()) if _ops is not None else {}
 STEP_MAX_ROWS = LIMITS.get("step_max_rows", 0)
 STEP_MAX_TILE_ROWS = LIMITS.get("step_max_tile_rows", STEP_MAX_ROWS)  # every matrix quantized or on AMX tiles
+# The fp32 step (decode_step_f32.cpp) takes up to this many sequences; every build has it.
+STEP_F32_MAX_ROWS = int(_qops.decode_step_f32_max_rows()) if _qops is not None else 0
 # Output columns a packed line holds (pack below): what the AVX-512 GEMVs read (LIMITS block_n) and, in every build,
 # the bf16-weight GEMM (bf16w_linear.cpp checks it); the planner's rule for bf16-held matrices counts on it.
 PACK_COLS = WIDEN_ROWS
@@ -319,9 +324,17 @@ def head_rms_norm_(x: torch.Tensor, w: torch.Tensor, eps: float) -> None:
 
 
 def decode_step_supported(q: torch.Tensor, intermediate_size: int) -> bool:
-    """Whether decode_step_ takes a model with heads like q [B, Hq, D] (bf16 only) and this MLP width (gate and up
-    blocks of the packed gate_up weight must not straddle the two halves)."""
+    """Whether decode_step_ takes a model with heads like q [B, Hq, D] and this MLP width (gate and up blocks of the
+    packed gate_up weight must not straddle the two halves): bf16 on the AVX-512 builds, fp32 on any build (its
+    matrices quantized or bf16 held packed, `step_f32_weight`)."""
+    if q.dtype == _F32:
+        return STEP_F32_MAX_ROWS > 0 and decode_attention_supported(q) and intermediate_size % PACK_COLS == 0
     return q.dtype == _BF16 and decode_attention_supported(q) and intermediate_size % _block_n == 0
+
+
+def step_f32_weight(w: torch.Tensor) -> bool:
+    """Whether the fp32 step reads this matrix: block-quantized, or bf16 packed for widening (prepare_bf16w)."""
+    return is_quantized(w) or (w.dtype == _BF16 and w.dim() == 4 and w.shape[2] == PACK_COLS and w.shape[3] == 2)
 
 
 def decode_step_(h: torch.Tensor, weights: list, kv: list[torch.Tensor], windows: list[int], cos: torch.Tensor,
@@ -330,11 +343,12 @@ def decode_step_(h: torch.Tensor, weights: list, kv: list[torch.Tensor], windows
     """The whole forward pass of a decode step of B <= STEP_MAX_ROWS sequences (STEP_MAX_TILE_ROWS where every
     matrix is quantized or on_tiles), one token each, in one call
     (decode_step.cpp): h [B, H], the embedding rows, becomes the last residual stream; each layer's K/V are written
-    at `slots`. positions, slots int64 [B]; tables int32 [B, W], lens int32 [B] as decode_attention takes them.
+    at `slots`. fp32 h (decode_step_f32.cpp: B <= STEP_F32_MAX_ROWS) takes fp32 norms, biases, rotary tables and KV
+    cache. positions, slots int64 [B]; tables int32 [B, W], lens int32 [B] as decode_attention takes them.
     weights: 11 per layer (ln1, qkv, qkv_bias, qk_norm, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias),
     packed and prepared as `linear` takes them, None where absent. Bitwise the same as the per-op native path."""
-    _decode_step(h, weights, kv, windows, cos, sin, positions, tables, lens, slots, num_heads, num_kv_heads, eps,
-                 scale)
+    (_decode_step_f32 if h.dtype == _F32 else _decode_step)(h, weights, kv, windows, cos, sin, positions, tables, lens,
+                                                            slots, num_heads, num_kv_heads, eps, scale)
 
 
 _streams: streaming.Choice | None = None

@@ -70,10 +70,12 @@ class LlamaModel:
         self.pages = self.arena.placement()
         log.info("weight arena: %s", self.pages.text())
         self.step_weights = self._step_weights()  # None: small decode steps take the per-op path as well
-        # The fused step takes up to 16 sequences where every matrix is quantized or runs on AMX tiles, else 4.
+        # The fused step takes up to 16 sequences where every matrix is quantized or runs on AMX tiles, else 4; the
+        # fp32 one up to 4.
         matrices = [w for L in self.layers for w in (L.qkv, L.o, L.gate_up, L.down)]
-        self.step_max_rows = (kernels.STEP_MAX_TILE_ROWS if matrices and all(
-            kernels.is_quantized(w) or kernels.on_tiles(w) for w in matrices) else kernels.STEP_MAX_ROWS)
+        self.step_max_rows = (kernels.STEP_F32_MAX_ROWS if dtype == torch.float32 else kernels.STEP_MAX_TILE_ROWS
+                              if matrices and all(kernels.is_quantized(w) or kernels.on_tiles(w) for w in matrices)
+                              else kernels.STEP_MAX_ROWS)
         # gate_up and silu * up in one pass on AMX tiles (compact weights): the same bits, no [N, 2I] intermediate.
         self.gate_up_silu = (self.act_fused and self.dtype == torch.bfloat16
                              and all(kernels.gate_up_silu_ok(L.gate_up) for L in self.layers))
@@ -199,15 +201,18 @@ class LlamaModel:
                                  f"not use (e.g. {', '.join(unknown[:3])}); it is an unsupported variant")
 
     def _step_weights(self) -> list[torch.Tensor | None] | None:
-        """kernels.decode_step_'s flat weight list, or None where it cannot run: no native kernels or not bf16,
-        an activation other than SiLU, a head size the attention kernel lacks, weights the kernels did not pack."""
+        """kernels.decode_step_'s flat weight list, or None where it cannot run: no native kernels, neither bf16 nor
+        fp32, an activation other than SiLU, a head size the attention kernel lacks, weights the kernels did not pack
+        (under fp32: matrices neither quantized nor bf16 packed, e.g. an fp32 checkpoint's)."""
         s = self.config
         probe = torch.empty(1, s.num_heads, s.head_dim, dtype=self.dtype)
         if not (self.act_fused and kernels.decode_step_supported(probe, s.intermediate_size)):
             return None
         weights: list[torch.Tensor | None] = []
+        f32 = self.dtype == torch.float32
         for L in self.layers:
-            if not all(kernels.is_packed(w) or kernels.is_quantized(w) or kernels.is_compact(w)
+            if not all(kernels.step_f32_weight(w) if f32 else
+                       kernels.is_packed(w) or kernels.is_quantized(w) or kernels.is_compact(w)
                        for w in (L.qkv, L.o, L.gate_up, L.down)):
                 return None
             weights += [L.ln1.weight, L.qkv, L.qkv_bias, L.qk_norm, L.o, L.o_bias, L.ln2.weight, L.gate_up,

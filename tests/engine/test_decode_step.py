@@ -94,7 +94,7 @@ def test_fused_decode_step_is_bitwise_the_per_op_path(tiny_model, name, quantiza
 def test_fused_step_is_used_only_where_it_applies(tiny_model, caplog):
     caplog.set_level("INFO", logger="engine")
     fp32 = EngineCore(EngineConfig(tiny_model("llama", **SHAPE), dtype="float32"))
-    assert fp32.model.step_weights is None  # fp32: the exactness path, always per-op
+    assert fp32.model.step_weights is None  # an fp32 checkpoint's fp32 matrices: per-op (test_decode_step_f32)
     assert "fused native call" not in caplog.text
     gelu = EngineCore(EngineConfig(tiny_model("llama", **SHAPE, extra_config={"hidden_act": "gelu"}),
                                    dtype="bfloat16"))

@@ -140,8 +140,11 @@ def test_decode_attention_rejects_tables_that_point_outside_the_cache(f32_kernel
         call(0, 0)
 
 
-def test_the_fused_step_stays_bf16_only_and_status_says_what_runs(f32_kernels):
-    """fp32 decodes take the per-op path (these ops); the one-call decode step is a bf16 kernel. `python -m
-    engine.kernels status` (and the start-up log) says the fp32 ops are native."""
-    assert not f32_kernels.decode_step_supported(torch.zeros(1, 14, 64), 4864)
+def test_the_fp32_fused_step_takes_these_heads_and_status_says_what_runs(f32_kernels):
+    """Small fp32 decode steps run as one native call (decode_step_f32.cpp, on these same row ops: test_decode_step_f32
+    holds the two paths to the same bits), larger ones per op. `python -m engine.kernels status` (and the start-up
+    log) says the fp32 ops are native."""
+    assert f32_kernels.decode_step_supported(torch.zeros(1, 14, 64), 4864)
+    assert not f32_kernels.decode_step_supported(torch.zeros(1, 14, 64), 4872)  # I not in whole 16-column groups
+    assert f32_kernels.STEP_F32_MAX_ROWS == 4
     assert f32_kernels.status()["fp32_ops"] is True

@@ -1,0 +1,297 @@
+// The whole forward pass of a decode step of up to MAX_ROWS sequences under fp32 activations, in one native call:
+// decode_step.cpp's twin for a model run in fp32 (every CPU without AVX-512, or a user's choice), its matrices
+// block-quantized (the int8 GEMV) or bf16 widened in registers (bf16w_rows.h).
+//
+// Why: on a 2-core Zen 3 (AVX2) at batch 1 on the Q4_0 benchmark model, the per-op path ran 97 quant_linear calls and
+// ~9 other ops a layer from Python, each a PyTorch dispatch, an allocation and most an OpenMP fork/join: ~1.7 ms of
+// a ~11.5 ms token beside the GEMVs (torch.profiler). Here one OpenMP region runs every layer, and threads meet at a
+// barrier only where a phase needs the whole result of the previous one. Every value comes from the code of the
+// per-op fp32 path (f32_rows.h, bf16w_rows.h, the quantized GEMV of quant_rows.h), in the same order, so the two
+// agree bitwise; tests/engine/test_decode_step_f32.py compares them.
+//
+// Per layer, for B rows; the residual h [B, H] and the normed x [B, H] are private to each thread, which computes
+// them itself (B H floats: cheaper than a barrier):
+//   qkv = x W_qkv^T + b                     column groups split between threads          | barrier
+//   per (row, KV head): q/k norm, rotary, K/V into the row's cache slot, attention -> o  | barrier
+//   d = o W_o^T + b                         column groups split                          | barrier
+//   h += d; x = rms_norm(h) * ln2           every thread
+//   y = silu(x W_gate^T) * (x W_up^T)       gate group j and up group j on one thread    | barrier
+//   d = y W_down^T + b                      column groups split                          | barrier
+//   h += d; x = rms_norm(h) * ln1 of the next layer
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "bf16w_rows.h"
+#include "f32_rows.h"
+#ifdef __AVX512F__
+#include "quant_gemv.h"
+#else
+#include "quant_gemv_avx2.h"
+#endif
+
+namespace deploykit {
+namespace {
+
+// Rows of one call: bf16w_rows.h's GEMV takes up to FEW_ROWS rows with each weight line loaded once for all, as the
+// quantized GEMV does up to 4 (quant_rows.h tiled_rows). Past that the GEMVs dominate the step and the per-op path
+// costs little more (on the Zen 3 above, ~3 % of a 16-row step).
+constexpr int64_t MAX_ROWS = 4;
+static_assert(MAX_ROWS <= bf16w::FEW_ROWS, "bf16w::groups takes the step's rows");
+
+// Per-layer entries of the `weights` list, as decode_step.cpp takes them (None where the model has no such tensor).
+enum Slot { LN1, QKV, QKV_BIAS, QK_NORM, O, O_BIAS, LN2, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, PER_LAYER };
+
+struct Weight {
+  const at::BFloat16* packed = nullptr;  // bf16 packed [N/16, K/2, 16, 2], or
+  quant::Matrix q{};                     // block-quantized (packed == nullptr)
+};
+
+struct Layer {
+  const float *ln1, *qk_norm, *ln2, *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+  Weight qkv, o, gate_up, down;
+  float* kv;
+  int64_t window;
+};
+
+Weight weight(const std::optional<at::Tensor>& t, int64_t N, int64_t K, int64_t layer, const char* name) {
+  TORCH_CHECK(t.has_value() && t->defined(), "layer ", layer, " ", name, " is missing");
+  const at::Tensor& w = *t;
+  Weight out;
+  if (quant::is_blob(w)) {
+    out.q = quant::matrix(w);
+    TORCH_CHECK(out.q.N == N && out.q.K == K, "layer ", layer, " ", name, ": the quantized weight is [", out.q.N,
+                ", ", out.q.K, "], expected [", N, ", ", K, "]");
+    return out;
+  }
+  TORCH_CHECK(w.dim() == 4 && w.size(0) * bf16w::COLS == N && w.size(1) * 2 == K && w.size(2) == bf16w::COLS &&
+                  w.size(3) == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
+              "layer ", layer, " ", name, ": expected a packed bf16 [", N / bf16w::COLS, ", ", K / 2, ", 16, 2] "
+              "weight or a quantized one");
+  out.packed = w.data_ptr<at::BFloat16>();
+  return out;
+}
+
+const float* vector_ptr(const std::optional<at::Tensor>& t, int64_t n, bool required, int64_t layer,
+                        const char* name) {
+  if (!required && (!t.has_value() || !t->defined())) return nullptr;
+  TORCH_CHECK(t.has_value() && t->defined() && t->numel() == n && t->scalar_type() == at::kFloat && t->is_contiguous(),
+              "layer ", layer, " ", name, ": expected a contiguous fp32 tensor of ", n, " elements");
+  return t->data_ptr<float>();
+}
+
+// [begin, end) of n items for thread tid of nt, contiguous and as equal as possible.
+inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt) {
+  const int64_t chunk = (n + nt - 1) / nt;
+  return {std::min<int64_t>(n, tid * chunk), std::min<int64_t>(n, (tid + 1) * chunk)};
+}
+
+// y[:, 16 g0 .. 16 g1) = x W^T + bias for B rows of x [B, K], as linear_bf16w and quant_linear compute them. A
+// quantized matrix takes the rows quantized into `acts` first, unless `quantized` says x is already there.
+inline void matvec(int64_t B, const float* x, int64_t K, const Weight& w, quant::ActBuffer& acts, int64_t g0,
+                   int64_t g1, const float* bias, float* y, int64_t ldy, bool quantized = false) {
+  if (g0 >= g1) return;
+  if (w.packed) {
+    bf16w::groups(w.packed, K, g0, g1, x, K, B, bias, y, ldy);
+    return;
+  }
+  quant::Act a[MAX_ROWS];
+  for (int64_t b = 0; b < B; ++b) {
+    a[b] = acts.row(b);
+    if (!quantized) quant::quantize(x + b * K, K, a[b]);
+  }
+  quant::tiled_rows(B, a, w.q, g0, g1, bias, y, ldy);
+}
+
+}  // namespace
+
+// h [B, H] fp32, B <= MAX_ROWS sequences: each one's token embedding in, the last layer's residual stream out
+// (before the final norm). weights: PER_LAYER entries per layer (see Slot): matrices quantized or packed bf16, norms
+// and biases fp32, qk_norm [Hq + Hkv, D]. kv: per layer fp32 [NB, bs, 2, Hkv, D]. cos, sin: the rotary tables
+// [max_len, D] fp32 (sin signed, rotate-half). Per row: position int64 [B], table int32 [B, W] block ids (padded with
+// anything), length int32 [B] context incl. this token, slot int64 [B] where this token's K/V go.
+void decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at::Tensor>>& weights,
+                      const std::vector<at::Tensor>& kv, const std::vector<int64_t>& windows, const at::Tensor& cos,
+                      const at::Tensor& sin, const at::Tensor& position, const at::Tensor& table,
+                      const at::Tensor& length, const at::Tensor& slot, int64_t num_heads, int64_t num_kv_heads,
+                      double eps, double scale) {
+  TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= MAX_ROWS && h.scalar_type() == at::kFloat &&
+                  h.is_contiguous(),
+              "h must be a contiguous fp32 [B, H] tensor with 1 <= B <= ", MAX_ROWS);
+  const int64_t B = h.size(0), L = (int64_t)kv.size(), H = h.size(1), Hq = num_heads, Hkv = num_kv_heads;
+  TORCH_CHECK(L > 0 && (int64_t)weights.size() == L * PER_LAYER && (int64_t)windows.size() == L,
+              "expected ", PER_LAYER, " weights and one window per KV cache layer");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+              "cos/sin must be contiguous fp32 [max_len, D] tables");
+  const int64_t D = cos.size(1), G = Hq / Hkv, NQKV = (Hq + 2 * Hkv) * D;
+  TORCH_CHECK(D % 8 == 0 && D <= f32::MAX_HEAD_DIM, "head_dim must be a multiple of 8 up to ", f32::MAX_HEAD_DIM);
+  TORCH_CHECK(H % bf16w::COLS == 0 && (Hq * D) % bf16w::COLS == 0, "hidden size and q width must be multiples of 16");
+  const auto& gu0 = weights[GATE_UP];
+  TORCH_CHECK(gu0.has_value() && gu0->defined(), "layer 0 gate_up is missing");
+  const int64_t I = quant::is_blob(*gu0) ? quant::matrix(*gu0).N / 2 : gu0->size(0) * bf16w::COLS / 2;
+  TORCH_CHECK(I % bf16w::COLS == 0, "intermediate size must be a multiple of ", bf16w::COLS);
+  for (const at::Tensor* t : {&position, &slot})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == B && t->scalar_type() == at::kLong && t->is_contiguous(),
+                "position and slot must be contiguous int64 [B]");
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == B && table.scalar_type() == at::kInt && table.is_contiguous(),
+              "table must be a contiguous int32 [B, W] tensor");
+  TORCH_CHECK(length.dim() == 1 && length.size(0) == B && length.scalar_type() == at::kInt && length.is_contiguous(),
+              "length must be a contiguous int32 [B] tensor");
+
+  std::vector<Layer> layers(L);
+  int64_t NB = -1, bs = 0;
+  bool any_quantized = false;
+  for (int64_t l = 0; l < L; ++l) {
+    auto w = [&](int s) -> const std::optional<at::Tensor>& { return weights[l * PER_LAYER + s]; };
+    Layer& y = layers[l];
+    y.qkv = weight(w(QKV), NQKV, H, l, "qkv");
+    y.o = weight(w(O), H, Hq * D, l, "o_proj");
+    y.gate_up = weight(w(GATE_UP), 2 * I, H, l, "gate_up");
+    y.down = weight(w(DOWN), H, I, l, "down_proj");
+    for (const Weight* m : {&y.qkv, &y.o, &y.gate_up, &y.down}) any_quantized |= m->packed == nullptr;
+    y.ln1 = vector_ptr(w(LN1), H, true, l, "input_layernorm");
+    y.ln2 = vector_ptr(w(LN2), H, true, l, "post_attention_layernorm");
+    y.qk_norm = vector_ptr(w(QK_NORM), (Hq + Hkv) * D, false, l, "qk_norm");
+    y.qkv_bias = vector_ptr(w(QKV_BIAS), NQKV, false, l, "qkv bias");
+    y.o_bias = vector_ptr(w(O_BIAS), H, false, l, "o_proj bias");
+    y.gate_up_bias = vector_ptr(w(GATE_UP_BIAS), 2 * I, false, l, "gate_up bias");
+    y.down_bias = vector_ptr(w(DOWN_BIAS), H, false, l, "down_proj bias");
+    const at::Tensor& c = kv[l];
+    TORCH_CHECK(c.dim() == 5 && c.size(2) == 2 && c.size(3) == Hkv && c.size(4) == D && c.scalar_type() == at::kFloat &&
+                    c.is_contiguous(),
+                "layer ", l, " KV cache must be a contiguous fp32 [blocks, block_size, 2, ", Hkv, ", ", D, "] tensor");
+    TORCH_CHECK(NB < 0 || (c.size(0) == NB && c.size(1) == bs), "KV cache layers differ in shape");
+    NB = c.size(0);
+    bs = c.size(1);
+    y.kv = c.data_ptr<float>();
+    y.window = windows[l];
+  }
+  // Validate every index before the parallel region (errors cannot leave it): a bad one would read or write
+  // outside the tables and the cache.
+  const int64_t* pos = position.data_ptr<int64_t>();
+  const int64_t* dst = slot.data_ptr<int64_t>();
+  const int32_t* end = length.data_ptr<int32_t>();
+  const int32_t* tbl = table.data_ptr<int32_t>();
+  const int64_t W = table.size(1);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < cos.size(0), "position ", pos[b], " of row ", b,
+                " is outside the rotary table [0, ", cos.size(0), ")");
+    TORCH_CHECK(end[b] >= 1 && end[b] <= W * bs, "context length ", end[b], " of row ", b, " is outside [1, ",
+                W * bs, "]");
+    TORCH_CHECK(dst[b] >= 0 && dst[b] < NB * bs, "slot ", dst[b], " of row ", b, " is outside the cache [0, ",
+                NB * bs, ")");
+    for (int64_t j = 0; j < (end[b] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tbl[b * W + j] >= 0 && tbl[b * W + j] < NB, "block id ", tbl[b * W + j], " of row ", b,
+                  " out of range");
+    longest = std::max<int64_t>(longest, end[b]);
+  }
+
+  // Shared activations [B, ...]; every element has one writer per phase.
+  std::vector<float> qkv(B * NQKV), o(B * Hq * D), d(B * H), gu(B * 2 * I), act(B * I);
+  // Per thread: its copy of the residual stream and its norm, its quantized rows and attention scratch, all sized
+  // up front, so nothing inside the parallel region allocates (an exception there could not be caught).
+  const int max_threads = at::get_num_threads();
+  const int64_t stride = (2 * B * H + 15) / 16 * 16;  // whole 64-byte lines per thread
+  std::vector<float> own(stride * max_threads + 16);
+  float* own0 = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(own.data()) + 63) & ~uintptr_t{63});
+  std::vector<quant::ActBuffer> acts(max_threads);
+  if (any_quantized)
+    for (auto& a : acts) a.reserve(B, std::max({H, Hq * D, I}));
+  std::vector<f32::Scratch> scratches(max_threads);
+  const int64_t padded = (longest + 7) / 8 * 8;
+  for (auto& s : scratches) {
+    s.scores.reserve(G * padded);
+    s.probs.reserve(G * longest);
+    s.keys.reserve(longest);
+    s.inv.reserve(G);
+  }
+  float* hp = h.data_ptr<float>();
+  const float* cos_table = cos.data_ptr<float>();
+  const float* sin_table = sin.data_ptr<float>();
+  const float fscale = (float)scale, feps = (float)eps;
+  const int64_t row = 2 * Hkv * D;
+
+#pragma omp parallel num_threads(max_threads)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    float* res = own0 + stride * tid;
+    float* x = res + B * H;
+    std::copy(hp, hp + B * H, res);
+    quant::ActBuffer& room = acts[tid];
+    f32::Scratch& scratch = scratches[tid];
+    const auto [qg0, qg1] = share(NQKV / 16, tid, nt);
+    const auto [og0, og1] = share(H / 16, tid, nt);
+    const auto [jg0, jg1] = share(I / 16, tid, nt);
+    const auto [t0, t1] = share(B * Hkv, tid, nt);  // attention tasks: (row, KV head)
+    const int64_t J = I / 16;
+    for (int64_t b = 0; b < B; ++b) f32::rms_norm(res + b * H, layers[0].ln1, H, feps, x + b * H);
+    for (int64_t l = 0; l < L; ++l) {
+      const Layer& y = layers[l];
+      matvec(B, x, H, y.qkv, room, qg0, qg1, y.qkv_bias, qkv.data(), NQKV);
+#pragma omp barrier
+      for (int64_t task = t0; task < t1; ++task) {
+        const int64_t b = task / Hkv, kh = task % Hkv;
+        float* q = qkv.data() + b * NQKV;  // this row's q heads, then k heads, then v heads
+        const float* c = cos_table + pos[b] * D;
+        const float* sn = sin_table + pos[b] * D;
+        for (int64_t g = 0; g <= G; ++g) {  // the G query heads of this KV head, then the key head
+          const int64_t head = g < G ? kh * G + g : Hq + kh;
+          float* r = q + head * D;
+          if (y.qk_norm) f32::rms_norm(r, y.qk_norm + head * D, D, feps, r);
+          f32::rotary(r, c, sn, D);
+        }
+        std::memcpy(y.kv + dst[b] * row + kh * D, q + (Hq + kh) * D, D * sizeof(float));
+        std::memcpy(y.kv + dst[b] * row + (Hkv + kh) * D, q + (Hq + Hkv + kh) * D, D * sizeof(float));
+        f32::attend(q + kh * G * D, y.kv, bs, Hkv, D, tbl + b * W, end[b], y.window, kh, G, fscale, scratch,
+                    o.data() + (b * Hq + kh * G) * D);
+      }
+#pragma omp barrier
+      matvec(B, o.data(), Hq * D, y.o, room, og0, og1, y.o_bias, d.data(), H);
+#pragma omp barrier
+      for (int64_t b = 0; b < B; ++b) {
+        f32::add_(res + b * H, d.data() + b * H, H);
+        f32::rms_norm(res + b * H, y.ln2, H, feps, x + b * H);
+      }
+      // Gate groups [jg0, jg1) and the up groups J later, then silu(gate) * up of this thread's own columns.
+      matvec(B, x, H, y.gate_up, room, jg0, jg1, y.gate_up_bias, gu.data(), 2 * I);
+      matvec(B, x, H, y.gate_up, room, J + jg0, J + jg1, y.gate_up_bias, gu.data(), 2 * I, true);
+      for (int64_t b = 0; b < B; ++b) {
+        const float* g = gu.data() + b * 2 * I;
+        f32::silu_mul(g + jg0 * 16, g + I + jg0 * 16, (jg1 - jg0) * 16, act.data() + b * I + jg0 * 16);
+      }
+#pragma omp barrier
+      matvec(B, act.data(), I, y.down, room, og0, og1, y.down_bias, d.data(), H);
+#pragma omp barrier
+      for (int64_t b = 0; b < B; ++b) {
+        f32::add_(res + b * H, d.data() + b * H, H);
+        if (l + 1 < L) f32::rms_norm(res + b * H, layers[l + 1].ln1, H, feps, x + b * H);
+      }
+    }
+    if (tid == 0) std::copy(res, res + B * H, hp);
+  }
+}
+
+int64_t decode_step_f32_max_rows() { return MAX_ROWS; }
+
+TORCH_LIBRARY_FRAGMENT(deploykit, m) {
+  m.def("decode_step_f32_max_rows() -> int", &decode_step_f32_max_rows);
+  m.def(
+      "decode_step_f32_(Tensor(a!) h, Tensor?[] weights, Tensor(b!)[] kv, int[] windows, Tensor cos, Tensor sin, "
+      "Tensor position, Tensor table, Tensor length, Tensor slot, int num_heads, int num_kv_heads, float eps, "
+      "float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(deploykit, CPU, m) { m.impl("decode_step_f32_", &decode_step_f32_); }
+
+}  // namespace deploykit
