@@ -85,8 +85,10 @@ if _qops is not None:
 LIMITS: dict[str, int] = dict(_ops.limits()) if _ops is not None else {}
 STEP_MAX_ROWS = LIMITS.get("step_max_rows", 0)
 STEP_MAX_TILE_ROWS = LIMITS.get("step_max_tile_rows", STEP_MAX_ROWS)  # every matrix quantized or on AMX tiles
-# The fp32 step (decode_step_f32.cpp) takes up to this many sequences; every build has it.
-STEP_F32_MAX_ROWS = int(_qops.decode_step_f32_max_rows()) if _qops is not None else 0
+# The fp32 step (decode_step_f32.cpp) takes up to this many sequences, up to the second where every matrix is
+# quantized; every build has it.
+STEP_F32_MAX_ROWS = int(_qops.decode_step_f32_max_rows(False)) if _qops is not None else 0
+STEP_F32_MAX_QUANT_ROWS = int(_qops.decode_step_f32_max_rows(True)) if _qops is not None else 0
 # Output columns a packed line holds (pack below): what the AVX-512 GEMVs read (LIMITS block_n) and, in every build,
 # the bf16-weight GEMM (bf16w_linear.cpp checks it); the planner's rule for bf16-held matrices counts on it.
 PACK_COLS = WIDEN_ROWS
@@ -343,7 +345,8 @@ def decode_step_(h: torch.Tensor, weights: list, kv: list[torch.Tensor], windows
     """The whole forward pass of a decode step of B <= STEP_MAX_ROWS sequences (STEP_MAX_TILE_ROWS where every
     matrix is quantized or on_tiles), one token each, in one call
     (decode_step.cpp): h [B, H], the embedding rows, becomes the last residual stream; each layer's K/V are written
-    at `slots`. fp32 h (decode_step_f32.cpp: B <= STEP_F32_MAX_ROWS) takes fp32 norms, biases, rotary tables and KV
+    at `slots`. fp32 h (decode_step_f32.cpp: B <= STEP_F32_MAX_ROWS, STEP_F32_MAX_QUANT_ROWS where every matrix is
+    quantized) takes fp32 norms, biases, rotary tables and KV
     cache. positions, slots int64 [B]; tables int32 [B, W], lens int32 [B] as decode_attention takes them.
     weights: 11 per layer (ln1, qkv, qkv_bias, qk_norm, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias),
     packed and prepared as `linear` takes them, None where absent. Bitwise the same as the per-op native path."""

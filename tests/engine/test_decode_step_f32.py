@@ -1,8 +1,8 @@
 """The fused decode step under fp32 activations (engine/kernels/decode_step_f32.cpp: every layer in one native call,
-for 1 to 4 sequences, in every kernel build) computes bitwise what the per-op fp32 path computes: the same logits at
-every step and the same K/V in the cache. It is the latency path of every CPU without AVX-512 (quantized GGUF
-weights, or a bf16 checkpoint held bf16), so this carries the per-op path's tests (test_f32_ops, test_quant,
-test_bf16w_linear, test_smollm2) over to it."""
+for 1 to 4 sequences, up to 16 where every matrix is quantized, in every kernel build) computes bitwise what the
+per-op fp32 path computes: the same logits at every step and the same K/V in the cache. It is the latency path of
+every CPU without AVX-512 (quantized GGUF weights, or a bf16 checkpoint held bf16), so this carries the per-op path's
+tests (test_f32_ops, test_quant, test_bf16w_linear, test_smollm2) over to it."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +13,7 @@ from engine.core import EngineCore
 from engine.sampling import SamplingParams
 
 from tests.engine.conftest import ANY_NATIVE, QUANT_NATIVE
-from tests.engine.test_decode_step import CASES, REQUESTS
+from tests.engine.test_decode_step import CASES, REQUESTS, side_by_side
 
 pytestmark = [pytest.mark.skipif(not ANY_NATIVE, reason="this CPU runs no kernel build (no AVX2), or "
                                  "DEPLOYKIT_KERNELS switches them off"),
@@ -25,17 +25,20 @@ pytestmark = [pytest.mark.skipif(not ANY_NATIVE, reason="this CPU runs no kernel
 HELD = ["none"] + (["q8_0", "q4_0"] if QUANT_NATIVE else [])
 
 
-def _run(model_dir: str, fused: bool, threads: int, monkeypatch,
-         quantization: str = "none") -> tuple[list[torch.Tensor], torch.Tensor, list]:
+def _run(model_dir: str, fused: bool, threads: int, monkeypatch, quantization: str = "none",
+         requests: list = REQUESTS) -> tuple[list[torch.Tensor], torch.Tensor, list]:
     """Logits of every step, the final KV cache and (rows, block tables) of each step that took the fused path."""
     from engine import kernels
     core = EngineCore(EngineConfig(model_dir, dtype="float32", block_size=8, max_model_len=256,
-                                   quantization=quantization))
+                                   quantization=quantization, max_num_seqs=16))
     model = core.model
-    assert model.step_weights is not None and model.step_max_rows == kernels.STEP_F32_MAX_ROWS == 4
+    assert model.step_weights is not None
     matrices = [w for i, w in enumerate(model.step_weights) if i % 11 in (1, 4, 7, 9)]  # qkv, o, gate_up, down
     assert matrices and all(kernels.step_f32_weight(w) for w in matrices)
     assert any(kernels.is_quantized(w) for w in matrices) == (quantization != "none")
+    quantized = all(kernels.is_quantized(w) for w in matrices)
+    assert model.step_max_rows == (kernels.STEP_F32_MAX_QUANT_ROWS if quantized else kernels.STEP_F32_MAX_ROWS)
+    assert (kernels.STEP_F32_MAX_ROWS, kernels.STEP_F32_MAX_QUANT_ROWS) == (4, 16)
     if not fused:
         model.step_weights = None
     logits: list[torch.Tensor] = []
@@ -47,7 +50,7 @@ def _run(model_dir: str, fused: bool, threads: int, monkeypatch,
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for i, (prompt, n) in enumerate(REQUESTS):
+        for i, (prompt, n) in enumerate(requests):
             core.add_request(str(i), prompt, SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0))
         while core.has_unfinished_requests():
             core.step()
@@ -73,6 +76,27 @@ def test_fp32_fused_decode_step_is_bitwise_the_per_op_path(tiny_model, name, qua
         for i, (a, b) in enumerate(zip(logits, ref_logits)):
             assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max():.3g}"
         assert torch.equal(kv, ref_kv)
+
+
+# Past 4 rows the step takes every matrix quantized: 16 and 10 sequences side by side, steps of n rows down to 1. In
+# the 18-block case down_proj stays bf16, so steps past 4 rows go per op there.
+WIDE = [("q4_0", "qwen3-qk-norm", 16), ("q8_0", "mistral-window", 10), ("q4_0", "llama-all-biases-18-blocks", 8)]
+
+
+@pytest.mark.skipif(not QUANT_NATIVE, reason="this CPU runs no int8 kernels: past 4 rows the step needs them")
+@pytest.mark.parametrize("quantization,name,n", WIDE)
+def test_fp32_fused_step_takes_up_to_16_quantized_rows_bitwise_the_per_op_path(tiny_model, quantization, name, n,
+                                                                                  monkeypatch):
+    kw = dict(CASES[name])
+    model_dir = tiny_model(kw.pop("arch"), dtype="bfloat16", **kw)
+    ref_logits, ref_kv, _ = _run(model_dir, False, 2, monkeypatch, quantization, side_by_side(n))
+    logits, kv, calls = _run(model_dir, True, 2, monkeypatch, quantization, side_by_side(n))
+    widest = 4 if name.endswith("18-blocks") else n
+    assert {rows for rows, _ in calls} == set(range(1, widest + 1)), "steps of every row count up to the widest"
+    assert len(logits) == len(ref_logits)
+    for i, (a, b) in enumerate(zip(logits, ref_logits)):
+        assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max():.3g}"
+    assert torch.equal(kv, ref_kv)
 
 
 def test_fp32_step_runs_only_where_it_applies_and_says_so(tiny_model, caplog):
@@ -116,11 +140,14 @@ def test_fp32_step_rejects_bad_indices_and_too_many_rows(tiny_model):
                          ({"slot": -1}, "slot -1 of row 2"), ({"position": -1}, "position -1 of row 2")]:
         with pytest.raises(RuntimeError, match=message):  # every row's indices are checked, not only the first
             call(rows=3, **bad)
-    with pytest.raises(RuntimeError, match="1 <= B <= 4"):
+    with pytest.raises(RuntimeError, match="5 rows take every matrix quantized; with bf16 ones 1 <= B <= 4"):
         call(rows=5)
+    with pytest.raises(RuntimeError, match="1 <= B <= 16"):
+        call(rows=17)
     with pytest.raises(RuntimeError, match="expected a contiguous fp32 tensor"):  # bf16 norms are not the fp32 step's
         kernels.decode_step_(torch.zeros(1, s.hidden_size), [w.bfloat16() if w is not None and w.dim() == 1 and
                                                               w.dtype == torch.float32 else w for w in m.step_weights],
                              core.runner.kv.layers, m.windows, m.rotary.cos, m.rotary.sin,
-                             torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                             torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32),
+                             torch.ones(1, dtype=torch.int32),
                              torch.zeros(1, dtype=torch.long), s.num_heads, s.num_kv_heads, s.rms_norm_eps, 1.0)
