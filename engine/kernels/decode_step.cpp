@@ -33,6 +33,7 @@
 #include "attention.h"
 #include "op_args.h"
 #include "row_ops.h"
+#include "step_args.h"
 #include "step_matrix.h"
 #include "step_profile.h"
 
@@ -42,8 +43,7 @@ namespace {
 using bf16 = at::BFloat16;
 using step::MAX_ROWS, step::MAX_TILE_ROWS, step::Weight;
 
-// Per-layer entries of the `weights` list, in this order (None where the model has no such tensor).
-enum Slot { LN1, QKV, QKV_BIAS, QK_NORM, O, O_BIAS, LN2, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, PER_LAYER };
+using namespace step_args;  // Slot, share, checked_rows
 
 struct Layer {
   const bf16 *ln1, *qk_norm, *ln2;
@@ -71,12 +71,6 @@ const bf16* vector_ptr(const std::optional<at::Tensor>& t, int64_t n, int64_t la
                   t->is_contiguous(),
               "layer ", layer, " ", name, ": expected a contiguous bf16 tensor of ", n, " elements");
   return t->data_ptr<bf16>();
-}
-
-// [begin, end) of n items for thread tid of nt, contiguous and as equal as possible.
-inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt) {
-  const int64_t chunk = (n + nt - 1) / nt;
-  return {std::min<int64_t>(n, tid * chunk), std::min<int64_t>(n, (tid + 1) * chunk)};
 }
 
 }  // namespace
@@ -112,13 +106,6 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
                     : compact::is_blob(*gu0) ? compact::matrix(*gu0).N / 2
                                              : gu0->size(0) * 8;
   TORCH_CHECK(I % op_args::BLOCK_N == 0, "intermediate size must be a multiple of ", op_args::BLOCK_N);
-  for (const at::Tensor* t : {&position, &slot})
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == B && t->scalar_type() == at::kLong && t->is_contiguous(),
-                "position and slot must be contiguous int64 [B]");
-  TORCH_CHECK(table.dim() == 2 && table.size(0) == B && table.scalar_type() == at::kInt && table.is_contiguous(),
-              "table must be a contiguous int32 [B, W] tensor");
-  TORCH_CHECK(length.dim() == 1 && length.size(0) == B && length.scalar_type() == at::kInt && length.is_contiguous(),
-              "length must be a contiguous int32 [B] tensor");
 
   std::vector<Layer> layers(L);
   int64_t NB = -1, bs = 0;
@@ -154,26 +141,9 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
       TORCH_CHECK(B <= MAX_ROWS || m->wide(), "layer ", l, ": ", B, " rows take every matrix quantized or compact on "
                   "AMX tiles; with others 1 <= B <= ", MAX_ROWS);
   }
-  // Validate every index before the parallel region (errors cannot leave it): a bad one would read or write
-  // outside the tables and the cache.
-  const int64_t* pos = position.data_ptr<int64_t>();
-  const int64_t* dst = slot.data_ptr<int64_t>();
-  const int32_t* end = length.data_ptr<int32_t>();
-  const int32_t* tbl = table.data_ptr<int32_t>();
-  const int64_t W = table.size(1);
-  int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(pos[b] >= 0 && pos[b] < cos.size(0), "position ", pos[b], " of row ", b,
-                " is outside the rotary table [0, ", cos.size(0), ")");
-    TORCH_CHECK(end[b] >= 1 && end[b] <= W * bs, "context length ", end[b], " of row ", b, " is outside [1, ",
-                W * bs, "]");
-    TORCH_CHECK(dst[b] >= 0 && dst[b] < NB * bs, "slot ", dst[b], " of row ", b, " is outside the cache [0, ",
-                NB * bs, ")");
-    for (int64_t j = 0; j < (end[b] + bs - 1) / bs; ++j)
-      TORCH_CHECK(tbl[b * W + j] >= 0 && tbl[b * W + j] < NB, "block id ", tbl[b * W + j], " of row ", b,
-                  " out of range");
-    longest = std::max<int64_t>(longest, end[b]);
-  }
+  const RowIndices ix = step_args::checked_rows(position, table, length, slot, B, cos.size(0), NB, bs);
+  const int64_t *pos = ix.pos, *dst = ix.slot, W = ix.W, longest = ix.longest;
+  const int32_t *end = ix.end, *tbl = ix.table;
 
   if (step_profile::enabled.load(std::memory_order_relaxed)) ++step_profile::steps;
   // Shared activations [B, ...]; every element has one writer per phase.

@@ -33,6 +33,7 @@
 
 #include "bf16w_rows.h"
 #include "f32_rows.h"
+#include "step_args.h"
 #ifdef __AVX512F__
 #include "quant_gemv.h"
 #else
@@ -49,8 +50,7 @@ namespace {
 constexpr int64_t MAX_ROWS = 4, MAX_QUANT_ROWS = 16;
 static_assert(MAX_ROWS <= bf16w::FEW_ROWS, "bf16w::groups takes the step's rows");
 
-// Per-layer entries of the `weights` list, as decode_step.cpp takes them (None where the model has no such tensor).
-enum Slot { LN1, QKV, QKV_BIAS, QK_NORM, O, O_BIAS, LN2, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, PER_LAYER };
+using namespace step_args;  // Slot, share, checked_rows
 
 struct Weight {
   const at::BFloat16* packed = nullptr;  // bf16 packed [N/16, K/2, 16, 2], or
@@ -88,12 +88,6 @@ const float* vector_ptr(const std::optional<at::Tensor>& t, int64_t n, bool requ
   TORCH_CHECK(t.has_value() && t->defined() && t->numel() == n && t->scalar_type() == at::kFloat && t->is_contiguous(),
               "layer ", layer, " ", name, ": expected a contiguous fp32 tensor of ", n, " elements");
   return t->data_ptr<float>();
-}
-
-// [begin, end) of n items for thread tid of nt, contiguous and as equal as possible.
-inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt) {
-  const int64_t chunk = (n + nt - 1) / nt;
-  return {std::min<int64_t>(n, tid * chunk), std::min<int64_t>(n, (tid + 1) * chunk)};
 }
 
 // y[:, 16 g0 .. 16 g1) = x W^T + bias for B rows of x [B, K], as linear_bf16w and quant_linear compute them. A
@@ -143,13 +137,6 @@ void decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at::T
   TORCH_CHECK(gu0.has_value() && gu0->defined(), "layer 0 gate_up is missing");
   const int64_t I = quant::is_blob(*gu0) ? quant::matrix(*gu0).N / 2 : gu0->size(0) * bf16w::COLS / 2;
   TORCH_CHECK(I % bf16w::COLS == 0, "intermediate size must be a multiple of ", bf16w::COLS);
-  for (const at::Tensor* t : {&position, &slot})
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == B && t->scalar_type() == at::kLong && t->is_contiguous(),
-                "position and slot must be contiguous int64 [B]");
-  TORCH_CHECK(table.dim() == 2 && table.size(0) == B && table.scalar_type() == at::kInt && table.is_contiguous(),
-              "table must be a contiguous int32 [B, W] tensor");
-  TORCH_CHECK(length.dim() == 1 && length.size(0) == B && length.scalar_type() == at::kInt && length.is_contiguous(),
-              "length must be a contiguous int32 [B] tensor");
 
   std::vector<Layer> layers(L);
   int64_t NB = -1, bs = 0;
@@ -183,26 +170,9 @@ void decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at::T
     y.kv = c.data_ptr<float>();
     y.window = windows[l];
   }
-  // Validate every index before the parallel region (errors cannot leave it): a bad one would read or write
-  // outside the tables and the cache.
-  const int64_t* pos = position.data_ptr<int64_t>();
-  const int64_t* dst = slot.data_ptr<int64_t>();
-  const int32_t* end = length.data_ptr<int32_t>();
-  const int32_t* tbl = table.data_ptr<int32_t>();
-  const int64_t W = table.size(1);
-  int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(pos[b] >= 0 && pos[b] < cos.size(0), "position ", pos[b], " of row ", b,
-                " is outside the rotary table [0, ", cos.size(0), ")");
-    TORCH_CHECK(end[b] >= 1 && end[b] <= W * bs, "context length ", end[b], " of row ", b, " is outside [1, ",
-                W * bs, "]");
-    TORCH_CHECK(dst[b] >= 0 && dst[b] < NB * bs, "slot ", dst[b], " of row ", b, " is outside the cache [0, ",
-                NB * bs, ")");
-    for (int64_t j = 0; j < (end[b] + bs - 1) / bs; ++j)
-      TORCH_CHECK(tbl[b * W + j] >= 0 && tbl[b * W + j] < NB, "block id ", tbl[b * W + j], " of row ", b,
-                  " out of range");
-    longest = std::max<int64_t>(longest, end[b]);
-  }
+  const RowIndices ix = step_args::checked_rows(position, table, length, slot, B, cos.size(0), NB, bs);
+  const int64_t *pos = ix.pos, *dst = ix.slot, W = ix.W, longest = ix.longest;
+  const int32_t *end = ix.end, *tbl = ix.table;
 
   // Shared activations [B, ...]; every element has one writer per phase.
   std::vector<float> qkv(B * NQKV), o(B * Hq * D), d(B * H), gu(B * 2 * I), act(B * I);

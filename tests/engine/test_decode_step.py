@@ -46,22 +46,40 @@ def _run(model_dir: str, fused: bool, threads: int, monkeypatch, quantization: s
     assert compacted == compact if quantization == "none" else compacted <= compact
     if not fused:
         model.step_weights = None
+    try:
+        return drive(core, REQUESTS, threads, monkeypatch)
+    finally:
+        ops.set_gemv_streams(picked)
+
+
+def assert_bitwise(logits: list[torch.Tensor], kv: torch.Tensor, ref_logits: list[torch.Tensor],
+                   ref_kv: torch.Tensor) -> None:
+    """Every step's logits and the final KV cache are the reference's, bit for bit."""
+    assert len(logits) == len(ref_logits)
+    for i, (a, b) in enumerate(zip(logits, ref_logits)):
+        assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max():.3g}"
+    assert torch.equal(kv, ref_kv)
+
+
+def drive(core: EngineCore, requests: list[tuple[list[int], int]], threads: int,
+          monkeypatch) -> tuple[list[torch.Tensor], torch.Tensor, list]:
+    """Runs (prompt, tokens) requests greedily to the end on `threads` threads: the logits of every step, the final KV
+    cache and (rows, block tables) of each step that took the fused path (test_decode_step_f32 drives it too)."""
     logits: list[torch.Tensor] = []
-    compute = model.compute_logits
-    monkeypatch.setattr(model, "compute_logits", lambda hidden: logits.append(compute(hidden)) or logits[-1])
+    compute = core.model.compute_logits
+    monkeypatch.setattr(core.model, "compute_logits", lambda hidden: logits.append(compute(hidden)) or logits[-1])
     calls = []
     step = kernels.decode_step_
     monkeypatch.setattr(kernels, "decode_step_", lambda *a: calls.append((a[0].shape[0], a[7].tolist())) or step(*a))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for i, (prompt, n) in enumerate(REQUESTS):
+        for i, (prompt, n) in enumerate(requests):
             core.add_request(str(i), prompt, SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0))
         while core.has_unfinished_requests():
             core.step()
     finally:
         torch.set_num_threads(before)
-        ops.set_gemv_streams(picked)
     return logits, core.runner.kv._pool.clone(), calls
 
 
@@ -85,10 +103,7 @@ def test_fused_decode_step_is_bitwise_the_per_op_path(tiny_model, name, quantiza
         assert {rows for rows, _ in calls} == {1, 2, 3, 4}
         lone = [tables[0] for rows, tables in calls if rows == 1]
         assert any(t != list(range(t[0], t[0] + len(t))) for t in lone), "no scattered block table was tested"
-        assert len(logits) == len(ref_logits)
-        for i, (a, b) in enumerate(zip(logits, ref_logits)):
-            assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max():.3g}"
-        assert torch.equal(kv, ref_kv)
+        assert_bitwise(logits, kv, ref_logits, ref_kv)
 
 
 def test_fused_step_is_used_only_where_it_applies(tiny_model, caplog):
@@ -211,23 +226,11 @@ def test_the_fused_step_takes_up_to_16_rows_bitwise_the_per_op_path(tiny_model, 
         assert bool(held) == (quantization != "none"), "quantized on load, or not at all"
         if not fused:
             model.step_weights = None
-        logits: list[torch.Tensor] = []
-        compute = model.compute_logits
-        monkeypatch.setattr(model, "compute_logits", lambda hidden: logits.append(compute(hidden)) or logits[-1])
-        rows: set[int] = set()
-        step = kernels.decode_step_
-        monkeypatch.setattr(kernels, "decode_step_", lambda *a: rows.add(a[0].shape[0]) or step(*a))
-        for i, (prompt, tokens) in enumerate(side_by_side(n)):
-            core.add_request(str(i), prompt, SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0))
-        while core.has_unfinished_requests():
-            core.step()
-        return logits, core.runner.kv._pool.clone(), rows
+        logits, kv, calls = drive(core, side_by_side(n), torch.get_num_threads(), monkeypatch)
+        return logits, kv, {rows for rows, _ in calls}
 
     ref_logits, ref_kv, ref_rows = run(False)
     assert ref_rows == set()
     logits, kv, rows = run(True)
     assert rows == set(range(1, n + 1)), rows
-    assert len(logits) == len(ref_logits)
-    for i, (a, b) in enumerate(zip(logits, ref_logits)):
-        assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max():.3g}"
-    assert torch.equal(kv, ref_kv)
+    assert_bitwise(logits, kv, ref_logits, ref_kv)

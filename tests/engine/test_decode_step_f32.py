@@ -10,10 +10,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.sampling import SamplingParams
 
 from tests.engine.conftest import ANY_NATIVE, QUANT_NATIVE
-from tests.engine.test_decode_step import CASES, REQUESTS, side_by_side
+from tests.engine.test_decode_step import CASES, REQUESTS, assert_bitwise, drive, side_by_side
 
 pytestmark = [pytest.mark.skipif(not ANY_NATIVE, reason="this CPU runs no kernel build (no AVX2), or "
                                  "DEPLOYKIT_KERNELS switches them off"),
@@ -41,22 +40,7 @@ def _run(model_dir: str, fused: bool, threads: int, monkeypatch, quantization: s
     assert (kernels.STEP_F32_MAX_ROWS, kernels.STEP_F32_MAX_QUANT_ROWS) == (4, 16)
     if not fused:
         model.step_weights = None
-    logits: list[torch.Tensor] = []
-    compute = model.compute_logits
-    monkeypatch.setattr(model, "compute_logits", lambda hidden: logits.append(compute(hidden)) or logits[-1])
-    calls = []
-    step = kernels.decode_step_
-    monkeypatch.setattr(kernels, "decode_step_", lambda *a: calls.append((a[0].shape[0], a[7].tolist())) or step(*a))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for i, (prompt, n) in enumerate(requests):
-            core.add_request(str(i), prompt, SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0))
-        while core.has_unfinished_requests():
-            core.step()
-    finally:
-        torch.set_num_threads(before)
-    return logits, core.runner.kv._pool.clone(), calls
+    return drive(core, requests, threads, monkeypatch)
 
 
 @pytest.mark.parametrize("quantization", HELD)
@@ -72,10 +56,7 @@ def test_fp32_fused_decode_step_is_bitwise_the_per_op_path(tiny_model, name, qua
         assert {rows for rows, _ in calls} == {1, 2, 3, 4}
         lone = [tables[0] for rows, tables in calls if rows == 1]
         assert any(t != list(range(t[0], t[0] + len(t))) for t in lone), "no scattered block table was tested"
-        assert len(logits) == len(ref_logits)
-        for i, (a, b) in enumerate(zip(logits, ref_logits)):
-            assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max():.3g}"
-        assert torch.equal(kv, ref_kv)
+        assert_bitwise(logits, kv, ref_logits, ref_kv)
 
 
 # Past 4 rows the step takes every matrix quantized: 16 and 10 sequences side by side, steps of n rows down to 1. In
@@ -93,10 +74,7 @@ def test_fp32_fused_step_takes_up_to_16_quantized_rows_bitwise_the_per_op_path(t
     logits, kv, calls = _run(model_dir, True, 2, monkeypatch, quantization, side_by_side(n))
     widest = 4 if name.endswith("18-blocks") else n
     assert {rows for rows, _ in calls} == set(range(1, widest + 1)), "steps of every row count up to the widest"
-    assert len(logits) == len(ref_logits)
-    for i, (a, b) in enumerate(zip(logits, ref_logits)):
-        assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max():.3g}"
-    assert torch.equal(kv, ref_kv)
+    assert_bitwise(logits, kv, ref_logits, ref_kv)
 
 
 def test_fp32_step_runs_only_where_it_applies_and_says_so(tiny_model, caplog):
