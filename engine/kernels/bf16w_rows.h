@@ -14,7 +14,7 @@ namespace deploykit {
 namespace bf16w {
 
 constexpr int64_t COLS = 16;  // output columns per packed line (kernels.pack)
-constexpr int64_t FEW_ROWS = 4;  // up to this many rows, groups(); beyond, blocked()
+constexpr int64_t FEW_ROWS = 4;  // up to this many rows, groups(); beyond, bf16w_linear.cpp's blocked()
 
 // A 32-byte half line (8 columns' k-pairs, one a lane) widened to fp32: the even k (low halves), the odd k (high).
 inline __m256 even_k(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }

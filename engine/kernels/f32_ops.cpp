@@ -1,6 +1,7 @@
 // fp32 ops of the per-op decoder path: RMSNorm with the residual add, SiLU-and-mul, rotary, the per-head norm, and
 // decode attention read in place from an fp32 paged KV cache. The row code is f32_rows.h, which the fused fp32 decode
-// step (decode_step_f32.cpp) runs too; these ops serve prefill and steps of more than its 4 rows.
+// step (decode_step_f32.cpp) runs too; these ops serve prefill, steps past its rows, and models whose matrices it
+// does not read (an fp32 checkpoint's).
 //
 // fp32 runs where a CPU lacks AVX-512 (the AVX2 build: quantized weights on its int8 GEMV, float matmuls on
 // PyTorch), and wherever a user asks for it. At decode sizes each of these replaced a chain of 3-8 eager PyTorch
