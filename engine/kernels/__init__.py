@@ -8,9 +8,10 @@ import torch.nn.functional as F
 
 from deploykit import isa
 from deploykit.memory import WIDEN_ROWS
-from engine.kernels import attention, loader, quant_ops, streaming
+from engine.kernels import attention, loader, quant_ops, step, streaming
 # The quantized-weight helpers, re-exported (bound to this library below).
-from engine.kernels.quant_ops import quant_pack, quant_parts, quant_rows, quant_stream_ahead, quant_stream_hint
+from engine.kernels.quant_ops import (is_quantized, quant_pack, quant_parts, quant_rows, quant_stream_ahead,
+                                      quant_stream_hint)
 # The element-wise ops' PyTorch references (tests compare the native ops with them), re-exported here.
 from engine.kernels.reference import (fallback_add_rms_norm, fallback_head_rms_norm_, fallback_rotary_,  # noqa: F401
                                       fallback_silu_mul)
@@ -59,7 +60,6 @@ if _ops is not None:  # resolved once: the OpOverloadPacket lookup costs microse
     _silu_mul = _ops.silu_mul.default
     _rotary = _ops.rotary_.default
     _head_rms_norm = _ops.head_rms_norm_.default
-    _decode_step = _ops.decode_step_.default
     _argmax_rows = _ops.argmax_rows.default
     _compact_linear = _ops.compact_linear.default
     _gate_up_silu = _ops.compact_gate_up_silu_amx.default
@@ -73,22 +73,13 @@ if _qops is not None:
     _head_rms_norm_f32 = _qops.head_rms_norm_f32_.default
     # fp32 activations times bf16 weights widened in registers (bf16w_linear.cpp, AVX2 + FMA): in every build.
     _bf16w_linear = _qops.linear_bf16w.default
-    # The fused decode step under fp32 activations (decode_step_f32.cpp, AVX2 + FMA): in every build.
-    _decode_step_f32 = _qops.decode_step_f32_.default
 
 # The kernels' shape limits, stated once in C++ and read from the extension (decode_step.cpp `limits`):
-# step_max_rows: decode_step_ takes up to this many sequences (the GEMV loads each weight line once for all of them,
-#   so the step stays one weight-streaming pass); head_dim_multiple, max_head_dim: the head sizes the attention
-#   kernels take; block_n, block_k: packed weights hold block_n output columns per line and AMX takes K in steps
-#   of block_k. Without the extension nothing runs natively, every use below is behind an `_ops`/`_NATIVE` check,
-#   and the limits are empty.
+# head_dim_multiple, max_head_dim: the head sizes the attention kernels take; block_n, block_k: packed weights hold
+#   block_n output columns per line and AMX takes K in steps of block_k; step_max_rows, step_max_tile_rows: the fused
+#   step's (engine/kernels/step.py). Without the extension nothing runs natively, every use below is behind an
+#   `_ops`/`_NATIVE` check, and the limits are empty.
 LIMITS: dict[str, int] = dict(_ops.limits()) if _ops is not None else {}
-STEP_MAX_ROWS = LIMITS.get("step_max_rows", 0)
-STEP_MAX_TILE_ROWS = LIMITS.get("step_max_tile_rows", STEP_MAX_ROWS)  # every matrix quantized or on AMX tiles
-# The fp32 step (decode_step_f32.cpp) takes up to this many sequences, up to the second where every matrix is
-# quantized; every build has it.
-STEP_F32_MAX_ROWS = int(_qops.decode_step_f32_max_rows(False)) if _qops is not None else 0
-STEP_F32_MAX_QUANT_ROWS = int(_qops.decode_step_f32_max_rows(True)) if _qops is not None else 0
 # Output columns a packed line holds (pack below): what the AVX-512 GEMVs read (LIMITS block_n) and, in every build,
 # the bf16-weight GEMM (bf16w_linear.cpp checks it); the planner's rule for bf16-held matrices counts on it.
 PACK_COLS = WIDEN_ROWS
@@ -98,11 +89,6 @@ _block_n, _block_k = LIMITS.get("block_n", PACK_COLS), LIMITS.get("block_k")
 def quantized_ok() -> bool:
     """Whether weights may be held block-quantized here (else they are dequantized at load)."""
     return _QUANT
-
-
-def is_quantized(w: torch.Tensor) -> bool:
-    """A packed quantized matrix is a 1-D uint8 blob (kernels/quant_layout.h)."""
-    return w.dtype == _U8 and w.dim() == 1
 
 
 def is_packed(w: torch.Tensor) -> bool:
@@ -325,35 +311,6 @@ def head_rms_norm_(x: torch.Tensor, w: torch.Tensor, eps: float) -> None:
     (_head_rms_norm_f32 if x.dtype == _F32 else _head_rms_norm)(x, w, eps)
 
 
-def decode_step_supported(q: torch.Tensor, intermediate_size: int) -> bool:
-    """Whether decode_step_ takes a model with heads like q [B, Hq, D] and this MLP width (gate and up blocks of the
-    packed gate_up weight must not straddle the two halves): bf16 on the AVX-512 builds, fp32 on any build (its
-    matrices quantized or bf16 held packed, `step_f32_weight`)."""
-    if q.dtype == _F32:
-        return STEP_F32_MAX_ROWS > 0 and decode_attention_supported(q) and intermediate_size % PACK_COLS == 0
-    return q.dtype == _BF16 and decode_attention_supported(q) and intermediate_size % _block_n == 0
-
-
-def step_f32_weight(w: torch.Tensor) -> bool:
-    """Whether the fp32 step reads this matrix: block-quantized, or bf16 packed for widening (prepare_bf16w)."""
-    return is_quantized(w) or (w.dtype == _BF16 and w.dim() == 4 and w.shape[2] == PACK_COLS and w.shape[3] == 2)
-
-
-def decode_step_(h: torch.Tensor, weights: list, kv: list[torch.Tensor], windows: list[int], cos: torch.Tensor,
-                 sin: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                 slots: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float, scale: float) -> None:
-    """The whole forward pass of a decode step of B <= STEP_MAX_ROWS sequences (STEP_MAX_TILE_ROWS where every
-    matrix is quantized or on_tiles), one token each, in one call
-    (decode_step.cpp): h [B, H], the embedding rows, becomes the last residual stream; each layer's K/V are written
-    at `slots`. fp32 h (decode_step_f32.cpp: B <= STEP_F32_MAX_ROWS, STEP_F32_MAX_QUANT_ROWS where every matrix is
-    quantized) takes fp32 norms, biases, rotary tables and KV
-    cache. positions, slots int64 [B]; tables int32 [B, W], lens int32 [B] as decode_attention takes them.
-    weights: 11 per layer (ln1, qkv, qkv_bias, qk_norm, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias),
-    packed and prepared as `linear` takes them, None where absent. Bitwise the same as the per-op native path."""
-    (_decode_step_f32 if h.dtype == _F32 else _decode_step)(h, weights, kv, windows, cos, sin, positions, tables, lens,
-                                                            slots, num_heads, num_kv_heads, eps, scale)
-
-
 _streams: streaming.Choice | None = None
 
 
@@ -403,3 +360,11 @@ def status() -> dict:
 attention.bind(_NATIVE, _ops, _qops, LIMITS)
 decode_attention_supported, decode_attention = attention.decode_attention_supported, attention.decode_attention
 prefill_attention_supported, prefill_attention = attention.prefill_attention_supported, attention.prefill_attention
+
+# The fused decode step (engine/kernels/step.py), bound to this library. The model calls kernels.decode_step_ by
+# attribute, so a profiler or a test may wrap it here.
+step.bind(_ops, _qops, LIMITS)
+decode_step_supported, step_f32_weight = step.decode_step_supported, step.step_f32_weight
+decode_step_ = step.decode_step_
+STEP_MAX_ROWS, STEP_MAX_TILE_ROWS = step.MAX_ROWS, step.MAX_TILE_ROWS
+STEP_F32_MAX_ROWS, STEP_F32_MAX_QUANT_ROWS = step.F32_MAX_ROWS, step.F32_MAX_QUANT_ROWS

@@ -1,6 +1,6 @@
-"""The Python face of the block-quantized weights' ops (kernels/quant_*.h, qlinear.cpp): packing GGUF blocks into
-the kernels' layout, a blob's parts, embedding rows, and how the int8 GEMV streams weights. engine.kernels binds the
-library and re-exports these."""
+"""The Python face of the block-quantized weights' ops (kernels/quant_*.h, qlinear.cpp): which matrices are such
+blobs, packing GGUF blocks into the kernels' layout, a blob's parts, embedding rows, and how the int8 GEMV streams
+weights. engine.kernels binds the library and re-exports these."""
 
 from __future__ import annotations
 
@@ -13,6 +13,11 @@ _QUANT = False  # whether the int8 kernels run here (engine.kernels._QUANT)
 def bind(qops, quant: bool) -> None:
     global _qops, _QUANT
     _qops, _QUANT = qops, quant
+
+
+def is_quantized(w: torch.Tensor) -> bool:
+    """A packed quantized matrix is a 1-D uint8 blob (kernels/quant_layout.h)."""
+    return w.dtype == torch.uint8 and w.dim() == 1
 
 
 def quant_pack(raws: list[torch.Tensor], formats: list[int], k: int) -> torch.Tensor:
