@@ -1,4 +1,4 @@
-"""Where the time of a bf16 batch-1 decode step goes, for each way the GEMV can stream its weights.
+"""Where the time of a batch-1 decode step goes, for each way the GEMV can stream its weights.
 
 One process pinned like `python -m engine serve` loads engine.py's 717 MB bf16 Qwen2-shaped model into EngineCore and
 decodes greedily at batch 1 (a 16-token prompt, then --tokens tokens), rounds alternating between the GEMV streamings
@@ -11,6 +11,8 @@ decodes greedily at batch 1 (a 16-token prompt, then --tokens tokens), rounds al
   - the weight bytes the step reads over the native forward's time (GB/s), against the roofline of
     benchmarks/roofline.py measured before and after in the same run.
 The JSON also names the streaming the start-up measurement (engine/kernels/streaming.py) picked on this host.
+On a CPU without AVX-512 the model runs in fp32 on the AVX2 build's fused step (decode_step_f32.cpp, the same phase
+timers), whose GEMVs have no streaming choice: the rounds are of that one step unless a variant below is chosen.
 
 `--gguf FILE` profiles a (quantized) GGUF file instead, its roofline counted from the file's weight bytes.
 `--compact` alternates instead between the model held packed in 16 bits and compact in 12 (kernels/compact_bf16.h),
@@ -160,33 +162,43 @@ def main() -> None:
     from engine import kernels
     from engine.config import EngineConfig
     from engine.core import EngineCore
-    if kernels.status()["path"] == "fallback":
-        raise SystemExit(f"the native kernels are not loaded ({kernels.status()['reason']}): nothing to profile")
+    st = kernels.status()
+    full = st["path"] != "fallback"  # the AVX-512 library: bf16 activations; else the AVX2 build's fp32 step
+    if not (full or st["fp32_ops"]):
+        raise SystemExit(f"the native kernels are not loaded ({st['reason']}): nothing to profile")
+    if a.compact and not full:
+        raise SystemExit("--compact measures the bf16 GEMV of the AVX-512 builds; this CPU runs the fp32 step")
     ops = torch.ops.deploykit
     src = str(a.gguf or a.model_dir)
+    dtype = "bfloat16" if full else "float32"
     def load(compact: bool, huge_pages: bool = True) -> EngineCore:
-        return EngineCore(EngineConfig(src, dtype="bfloat16", max_model_len=1024, max_num_seqs=4,
-                                       compact_weights=compact, huge_pages=huge_pages))
+        return EngineCore(EngineConfig(src, dtype=dtype, max_model_len=1024, max_num_seqs=4,
+                                       compact_weights=compact and full, huge_pages=huge_pages))
 
     core = load(True)
-    picked = kernels.tune_streams()
+    if core.model.step_weights is None:
+        raise SystemExit(f"{src} does not take the fused decode step here: nothing inside it to profile")
+    picked = kernels.tune_streams()  # None without the AVX-512 library: its GEMVs have no streaming to pick
+    streams = picked.streams if picked else None
     timers = Timers()
     timers.wrap(kernels, "decode_step_", "native_step")  # the model calls kernels.decode_step_ by attribute
     # The variants a round alternates between: (core, GEMV streaming, quantized prefetch distance in bytes for every
     # format, or None: each format's default) by name.
     ahead = None
     if a.compact:
-        variants = {"packed 16-bit": (load(False), picked.streams, ahead),
-                    "compact 12-bit": (core, picked.streams, ahead)}
+        variants = {"packed 16-bit": (load(False), streams, ahead),
+                    "compact 12-bit": (core, streams, ahead)}
     elif a.pages:
-        variants = {"2 MiB pages": (core, picked.streams, ahead),
-                    "4 KiB pages": (load(True, huge_pages=False), picked.streams, ahead)}
+        variants = {"2 MiB pages": (core, streams, ahead),
+                    "4 KiB pages": (load(True, huge_pages=False), streams, ahead)}
     elif a.stream_ahead:
         variants = {("each format's default" if n == "default" else f"{n} bytes ahead"):
-                    (core, picked.streams, None if n == "default" else ahead_setting(n))
+                    (core, streams, None if n == "default" else ahead_setting(n))
                     for n in a.stream_ahead.split(",")}
-    else:
+    elif full:
         variants = {STREAMINGS[s]: (core, s, ahead) for s in STREAMINGS}
+    else:
+        variants = {"fp32 fused step": (core, None, ahead)}
     for c in {id(c): c for c, _, _ in variants.values()}.values():
         timers.wrap(c.runner.model, "forward", "forward")
         timers.wrap(c.runner.model, "compute_logits", "logits")
@@ -201,30 +213,32 @@ def main() -> None:
     for r in range(a.rounds):  # each round starts one variant later, so no variant always follows the same one
         for name in order[r % len(order):] + order[:r % len(order)]:
             c, s, n = variants[name]
-            ops.set_gemv_streams(s)
+            if s is not None:
+                ops.set_gemv_streams(s)
             ops.reset_quant_stream_ahead()
             if n is not None:
                 ops.set_quant_stream_ahead(n[0])
                 if n[1]:
                     ops.set_quant_stream_hint(n[1])
             rounds[name].append(decode_round(c, timers, ops, vocab, a.tokens))
-    ops.set_gemv_streams(picked.streams)
+    if picked is not None:
+        ops.set_gemv_streams(picked.streams)
     ops.reset_quant_stream_ahead()
     bw_after = read_bandwidth(3, working_set=w["decode_read_bytes"])
     roof = max(bw_before["best_gbps"], bw_after["best_gbps"])
     flags = kernels.status()["isa"]
     print(json.dumps({
-        "benchmark": "bf16_batch1_decode_profile",
+        "benchmark": f"{'bf16' if full else 'fp32'}_batch1_decode_profile",
         "host": {"cpu": platform.processor() or platform.machine(), "model_name": cpu_model(), "isa": flags,
                  "cpus": cpulist.format(b.cpus), "threads": b.threads, "torch": torch.__version__,
-                 "kernels": kernels.status()["path"]},
+                 "kernels": st["path"] if full else f"native-{st['variant']} fp32 step"},
         "model": {"source": src, "decode_read_bytes": w["decode_read_bytes"]},
         "settings": {"rounds": a.rounds, "tokens": a.tokens, "prompt_tokens": PROMPT, "batch": 1},
-        "picked_at_startup": {"streams": picked.streams, "how": picked.describe()},
+        "picked_at_startup": {"streams": picked.streams, "how": picked.describe()} if picked else None,
         "roofline": {"before": bw_before, "after": bw_after, "best_gbps": roof,
                      "tok_s": round(roof * 1e9 / w["decode_read_bytes"], 1)},
         "weight_pages": {name: c.model.pages.text() for name, (c, _, _) in variants.items()},
-        "by_variant" if a.compact or a.stream_ahead or a.pages else "by_streaming": {
+        "by_variant" if a.compact or a.stream_ahead or a.pages or not full else "by_streaming": {
             name: summarize(r, w["decode_read_bytes"], roof,
                             held_read(variants[name][0].model, w) if a.compact else None)
             for name, r in rounds.items()},

@@ -27,7 +27,6 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "attention.h"
@@ -239,27 +238,6 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
   }
 }
 
-// The fused step's profile since the last call (step_profile.h): int64 [threads, phases + 1], nanoseconds per
-// phase then the barrier count, and the number of steps; resets the counters and switches profiling on or off.
-std::tuple<at::Tensor, int64_t> step_profile_(bool enable) {
-  namespace sp = step_profile;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), sp::MAX_THREADS);
-  at::Tensor out = at::empty({threads, sp::PHASES + 1}, at::kLong);
-  int64_t* o = out.data_ptr<int64_t>();
-  for (int64_t t = 0; t < threads; ++t) {
-    std::copy(sp::rows[t].ns, sp::rows[t].ns + sp::PHASES, o + t * (sp::PHASES + 1));
-    o[t * (sp::PHASES + 1) + sp::PHASES] = sp::rows[t].barriers;
-  }
-  const int64_t steps = sp::steps.exchange(0);
-  for (auto& r : sp::rows) r = sp::Row{};
-  sp::enabled.store(enable);
-  return {out, steps};
-}
-
-std::vector<std::string> step_profile_phases() {
-  return {step_profile::NAMES, step_profile::NAMES + step_profile::PHASES};
-}
-
 // The shape limits above, by name: Python reads them once at load (engine/kernels/__init__.py) instead of repeating
 // the numbers.
 c10::Dict<std::string, int64_t> limits() {
@@ -275,8 +253,6 @@ c10::Dict<std::string, int64_t> limits() {
 
 TORCH_LIBRARY_FRAGMENT(deploykit, m) {
   m.def("limits() -> Dict(str, int)", &limits);
-  m.def("step_profile_(bool enable) -> (Tensor, int)", &step_profile_);
-  m.def("step_profile_phases() -> str[]", &step_profile_phases);
   m.def(
       "decode_step_(Tensor(a!) h, Tensor?[] weights, Tensor(b!)[] kv, int[] windows, Tensor cos, Tensor sin, "
       "Tensor position, Tensor table, Tensor length, Tensor slot, int num_heads, int num_kv_heads, float eps, "

@@ -34,6 +34,7 @@
 #include "bf16w_rows.h"
 #include "f32_rows.h"
 #include "step_args.h"
+#include "step_profile.h"
 #ifdef __AVX512F__
 #include "quant_gemv.h"
 #else
@@ -174,6 +175,7 @@ void decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at::T
   const int64_t *pos = ix.pos, *dst = ix.slot, W = ix.W, longest = ix.longest;
   const int32_t *end = ix.end, *tbl = ix.table;
 
+  if (step_profile::enabled.load(std::memory_order_relaxed)) ++step_profile::steps;
   // Shared activations [B, ...]; every element has one writer per phase.
   std::vector<float> qkv(B * NQKV), o(B * Hq * D), d(B * H), gu(B * 2 * I), act(B * I);
   // Per thread: its copy of the residual stream and its norm, its quantized rows and attention scratch, all sized
@@ -212,11 +214,14 @@ void decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at::T
     const auto [jg0, jg1] = share(I / 16, tid, nt);
     const auto [t0, t1] = share(B * Hkv, tid, nt);  // attention tasks: (row, KV head)
     const int64_t J = I / 16;
+    step_profile::Clock clock(tid);
     for (int64_t b = 0; b < B; ++b) f32::rms_norm(res + b * H, layers[0].ln1, H, feps, x + b * H);
     for (int64_t l = 0; l < L; ++l) {
       const Layer& y = layers[l];
       matvec(B, x, H, y.qkv, room, qg0, qg1, y.qkv_bias, qkv.data(), NQKV);
+      clock.mark(step_profile::QKV);
 #pragma omp barrier
+      clock.mark(step_profile::BARRIER);
       for (int64_t task = t0; task < t1; ++task) {
         const int64_t b = task / Hkv, kh = task % Hkv;
         float* q = qkv.data() + b * NQKV;  // this row's q heads, then k heads, then v heads
@@ -233,9 +238,13 @@ void decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at::T
         f32::attend(q + kh * G * D, y.kv, bs, Hkv, D, tbl + b * W, end[b], y.window, kh, G, fscale, scratch,
                     o.data() + (b * Hq + kh * G) * D);
       }
+      clock.mark(step_profile::ATTENTION);
 #pragma omp barrier
+      clock.mark(step_profile::BARRIER);
       matvec(B, o.data(), Hq * D, y.o, room, og0, og1, y.o_bias, d.data(), H);
+      clock.mark(step_profile::O_PROJ);
 #pragma omp barrier
+      clock.mark(step_profile::BARRIER);
       for (int64_t b = 0; b < B; ++b) {
         f32::add_(res + b * H, d.data() + b * H, H);
         f32::rms_norm(res + b * H, y.ln2, H, feps, x + b * H);
@@ -247,13 +256,18 @@ void decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at::T
         const float* g = gu.data() + b * 2 * I;
         f32::silu_mul(g + jg0 * 16, g + I + jg0 * 16, (jg1 - jg0) * 16, act.data() + b * I + jg0 * 16);
       }
+      clock.mark(step_profile::GATE_UP);
 #pragma omp barrier
+      clock.mark(step_profile::BARRIER);
       matvec(B, act.data(), I, y.down, room, og0, og1, y.down_bias, d.data(), H);
+      clock.mark(step_profile::DOWN);
 #pragma omp barrier
+      clock.mark(step_profile::BARRIER);
       for (int64_t b = 0; b < B; ++b) {
         f32::add_(res + b * H, d.data() + b * H, H);
         if (l + 1 < L) f32::rms_norm(res + b * H, layers[l + 1].ln1, H, feps, x + b * H);
       }
+      clock.mark(step_profile::RESIDUAL);
     }
     if (tid == 0) std::copy(res, res + B * H, hp);
   }

@@ -1,5 +1,6 @@
 // Where the fused decode step's time goes, per thread and phase: off by default (one relaxed load per step),
-// switched on by benchmarks/decode_profile.py through the step_profile op (decode_step.cpp).
+// switched on by benchmarks/decode_profile.py through the step_profile op (step_profile.cpp). Both steps charge
+// them: decode_step.cpp (bf16 activations) and decode_step_f32.cpp (fp32).
 //
 // A thread's time is split at the points where it changes work: each phase's compute, and separately the time
 // it waits at the barrier that ends a phase (a thread that finishes early waits for the slowest one, so a

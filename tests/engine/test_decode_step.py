@@ -175,9 +175,15 @@ def test_fused_step_rejects_indices_outside_the_cache_and_tables(tiny_model):
 def test_step_profile_counts_every_phase_and_barrier(tiny_model):
     """benchmarks/decode_profile.py's view inside the fused step: per thread, time in each phase and 5 barriers
     per layer per step; off, nothing is counted."""
-    core = EngineCore(EngineConfig(tiny_model("qwen3", **SHAPE), dtype="bfloat16"))
+    assert_step_profile(EngineCore(EngineConfig(tiny_model("qwen3", **SHAPE), dtype="bfloat16")))
+
+
+def assert_step_profile(core: EngineCore) -> None:
+    """Three fused steps profiled: each thread's time in each phase and 5 barriers per layer per step; then steps
+    with profiling off count nothing."""
     ops = torch.ops.deploykit
     layers = core.model.config.num_layers
+    assert core.model.step_weights is not None
     core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     core.step()  # prefill: not the fused step
     ops.step_profile_(True)

@@ -12,7 +12,9 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 
 from tests.engine.conftest import ANY_NATIVE, QUANT_NATIVE
-from tests.engine.test_decode_step import CASES, REQUESTS, assert_bitwise, drive, side_by_side
+from tests.engine.test_bf16_decode import SHAPE
+from tests.engine.test_decode_step import (CASES, REQUESTS, assert_bitwise, assert_step_profile, drive,
+                                          side_by_side)
 
 pytestmark = [pytest.mark.skipif(not ANY_NATIVE, reason="this CPU runs no kernel build (no AVX2), or "
                                  "DEPLOYKIT_KERNELS switches them off"),
@@ -90,6 +92,14 @@ def test_fp32_step_runs_only_where_it_applies_and_says_so(tiny_model, caplog):
     gelu = tiny_model(arch, dtype="bfloat16", **shape, extra_config={"hidden_act": "gelu"})
     assert EngineCore(EngineConfig(gelu, dtype="float32")).model.step_weights is None  # the step fuses SiLU only
     assert not kernels.decode_step_supported(torch.zeros(1, 14, 12), 4864)  # head_dim 12: no native attention
+
+
+@pytest.mark.parametrize("quantization", HELD)
+def test_fp32_step_profile_counts_every_phase_and_barrier(tiny_model, quantization):
+    """benchmarks/decode_profile.py on a CPU without AVX-512: the fp32 step charges the same per-thread phase
+    timers as the bf16 one, with bf16-held or quantized matrices."""
+    model_dir = tiny_model("qwen3", dtype="bfloat16", **SHAPE)
+    assert_step_profile(EngineCore(EngineConfig(model_dir, dtype="float32", quantization=quantization)))
 
 
 def test_fp32_step_rejects_bad_indices_and_too_many_rows(tiny_model):
