@@ -35,7 +35,7 @@ class Format:
 
 KEPT = {f.name: f for f in (Format("Q8_0", 2, 1088), Format("Q4_0", 2, 576), Format("Q4_1", 2, 640),
                             Format("Q5_0", 2, 704), Format("Q5_1", 2, 768), Format("Q4_K", 8, 2368),
-                            Format("Q6_K", 8, 3392))}
+                            Format("Q5_K", 8, 2880), Format("Q6_K", 8, 3392))}
 # model.quantization: "none" keeps a .gguf's quantized tensors in their blocks and float weights in the model's
 # dtype; q8_0 / q4_0 also quantize the float matrices on load; "dequantize" holds every weight in the model's dtype
 # (the exact fp32/bf16 path: more memory and bytes per token, no int8 activations).

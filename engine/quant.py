@@ -15,10 +15,10 @@ from deploykit import memory
 from deploykit import quant as rule
 from engine import kernels
 
-GGML_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+GGML_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 GGML_NAMES = {v: k for k, v in GGML_IDS.items()}
 FILE_BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
-              "Q4_K": (256, 144), "Q6_K": (256, 210)}  # weights and bytes per block in a GGUF file
+              "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}  # weights and bytes per block in a GGUF file
 
 
 def native() -> bool:

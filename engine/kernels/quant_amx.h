@@ -79,9 +79,9 @@ template <int F>
     for (int l = 0; l < 4; ++l) {  // line l: k-group l in the low nibbles, l + 4 in the high ones
       const __m512i v = _mm512_loadu_si512(lines + l * 64);
       __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      if constexpr (F == Q5_0 || F == Q5_1) {
+      if constexpr (fifth_bit(F)) {
         uint64_t ml, mh;
-        const uint8_t* masks = ch + 512 + u * 64;
+        const uint8_t* masks = ch + masks_at(F) + u * 64;
         std::memcpy(&ml, masks + 8 * l, 8);
         std::memcpy(&mh, masks + 8 * (l + 4), 8);
         lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(ml, bit5));

@@ -61,7 +61,7 @@ inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 template <int F, int MT, bool Ahead, class Out>
 inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const float* bias, Out* out, int64_t ldo) {
   constexpr Info inf = info_of(F);
-  constexpr bool nibbles = F != Q8_0, five = F == Q5_0 || F == Q5_1;
+  constexpr bool nibbles = F != Q8_0, five = fifth_bit(F);
   // 4-bit codes without a fifth or sixth bit: the high nibble is dotted where it lies (16 x its value, one ANDN
   // instead of a shift and an AND per line) and the unit's sum shifted back once, exactly (a multiple of 16: Q4_0's
   // chain starts at -128 sum q = 16 x -8 sum q; at most 4 x 4 x 240 x 128 + 128 x 32 x 127 per lane). In-cache (L3)
@@ -103,7 +103,7 @@ inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const fl
           __m512i hi = hi16 ? _mm512_andnot_si512(low4, v) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
           if constexpr (five) {
             uint64_t ml, mh;
-            const uint8_t* masks = base + c * inf.chunk_bytes + 512 + u * 64;
+            const uint8_t* masks = base + c * inf.chunk_bytes + masks_at(F) + u * 64;
             std::memcpy(&ml, masks + 8 * l, 8);
             std::memcpy(&mh, masks + 8 * (l + 4), 8);
             lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(ml, bit5));

@@ -10,7 +10,7 @@
 // 32767; with activations in [-127, 127]:
 //   4-bit codes (Q4_0, Q4_1, Q4_K):  2 x 15 x 127 = 3,810 a pair; a unit's 8 products of pairs (4 lines, low and high
 //                                    nibble) sum to at most 30,480, so a unit widens once;
-//   5-bit codes (Q5_0, Q5_1):        7,874 a pair, 15,748 a line: widened every 2 lines;
+//   5-bit codes (Q5_0, Q5_1, Q5_K):  7,874 a pair, 15,748 a line: widened every 2 lines;
 //   6-bit codes (Q6_K):              16,002 a pair, per 16-k half of the unit (each has its own scale): every 2 lines;
 //   Q8_0's codes (c = q + 128, up to 255) would saturate: the code goes back to the signed q (c ^ 0x80) and the
 //                                    product is |q| x (x with q's sign), at most 2 x 128 x 127 = 32,512, widened per line.
@@ -92,9 +92,10 @@ template <int F, int MT>
       af[m] = _mm256_fmadd_ps(cvt(acc[m]), scale, af[m]);
       af[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(act[m].ms[unit]), af[m]);
     }
-  } else if constexpr (F == Q4_K) {
-    const __m256 scale = _mm256_mul_ps(halves(ch + 2048 + 16 * h), u8s(ch + 2048 + 64 + u * 16 + 8 * h));
-    const __m256 mins = _mm256_mul_ps(halves(ch + 2048 + 32 + 16 * h), u8s(ch + 2048 + 192 + u * 16 + 8 * h));
+  } else if constexpr (F == Q4_K || F == Q5_K) {
+    const uint8_t* s = ch + kscales_at(F);
+    const __m256 scale = _mm256_mul_ps(halves(s + 16 * h), u8s(s + 64 + u * 16 + 8 * h));
+    const __m256 mins = _mm256_mul_ps(halves(s + 32 + 16 * h), u8s(s + 192 + u * 16 + 8 * h));
     for (int m = 0; m < MT; ++m) {
       const float dx = act[m].d[unit];
       af[m] = _mm256_fmadd_ps(cvt(acc[m]), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), af[m]);
@@ -172,7 +173,7 @@ template <int F, int MT>
 template <int F, int MT, bool Ahead, class Out>
 inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const float* bias, Out* out, int64_t ldo) {
   constexpr Info inf = info_of(F);
-  constexpr bool five = F == Q5_0 || F == Q5_1;
+  constexpr bool five = fifth_bit(F);
   constexpr bool both = MT >= 2 && (F == Q4_0 || F == Q4_1 || F == Q4_K || F == Q8_0);
   const uint8_t* base = p.data + gl * p.group_bytes;
   __m256 accf[2][MT];
@@ -216,7 +217,7 @@ inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const fl
             __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
             if constexpr (five) {  // masks e = l and l + 4 of this unit, bits 32h .. 32h + 31 of each
               uint32_t ml, mh;
-              const uint8_t* masks = ch + 512 + u * 64;
+              const uint8_t* masks = ch + masks_at(F) + u * 64;
               std::memcpy(&ml, masks + 8 * l + 4 * h, 4);
               std::memcpy(&mh, masks + 8 * (l + 4) + 4 * h, 4);
               lo = _mm256_or_si256(lo, _mm256_and_si256(bytes_of_bits(ml), bit5));

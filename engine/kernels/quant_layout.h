@@ -1,4 +1,4 @@
-// The engine's in-memory layout of block-quantized weights (GGUF Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K) and
+// The engine's in-memory layout of block-quantized weights (GGUF Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and
 // the blob that carries a (possibly mixed-format) matrix through the torch ops.
 //
 // Weights are repacked once at load for vpdpbusd (u8 x s8 -> s32, 4 products per lane): a 64-byte "line" holds 16
@@ -7,8 +7,8 @@
 // K is walked in units of 32 (one activation block, quant_act.h); a unit is 8 such lines (k-groups 0..7):
 //   byte formats (Q8_0):  8 stored lines, value + 128 (so it is unsigned);
 //   nibble formats:       4 stored lines, line g = k-group g in the low nibble and k-group g + 4 in the high one;
-//     Q5_0/Q5_1 add the 5th bits as 8 masks (mask e, bit r*4 + j = k-group e), Q6_K the top 2 bits as 2 h-lines
-//     (h-line h, bits 2s..2s+1 of byte r*4 + j = k-group 4h + s).
+//     Q5_0/Q5_1/Q5_K add the 5th bits as 8 masks a unit (mask e, bit r*4 + j = k-group e), Q6_K the top 2 bits as
+//     2 h-lines (h-line h, bits 2s..2s+1 of byte r*4 + j = k-group 4h + s).
 // Units are grouped into chunks that carry their scales after the quants, so a 16-row group is one contiguous
 // stream of whole 64-byte lines (the file's bytes per weight, except Q4_K's u8 sub-scales, 4.625 vs 4.5 bits, and
 // Q6_K's padding to whole lines, 6.625 vs 6.5625 bits):
@@ -18,9 +18,10 @@
 //   Q5_0  2 units:  8 lines | 16 masks | d0 d1                                 704 B
 //   Q5_1  2 units:  8 lines | 16 masks | d0 d1 | m0 m1                         768 B
 //   Q4_K  8 units: 32 lines | d[16] dmin[16] fp16 | sc[8][16] m[8][16] u8      2368 B per 16 x 256 weights
+//   Q5_K  8 units: 32 lines | 64 masks | then Q4_K's scales                   2880 B
 //   Q6_K  8 units: (4 lines + 2 h-lines) x 8 | sc[16][16] s8 | d[16] fp16 | pad 3392 B
 // Each format's value: Q8_0 d (q - 128); Q4_0 d (q - 8); Q5_0 d (q - 16); Q4_1/Q5_1 d q + m;
-// Q4_K (d sc_j) q - (dmin m_j) per 32; Q6_K d sc_i (q - 32) per 16.
+// Q4_K and Q5_K (d sc_j) q - (dmin m_j) per 32; Q6_K d sc_i (q - 32) per 16.
 //
 // A matrix [N, K] is one uint8 blob: a 256-byte header (magic, N, K, parts) and then each part's 16-row groups,
 // each group one stream of K / (32 * units per chunk) chunks. Parts let q, k and v (or gate and up) of different
@@ -37,7 +38,7 @@ namespace deploykit {
 namespace quant {
 
 // ggml type ids (deploykit/gguf.py GGML_TYPES).
-enum Format : int32_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum Format : int32_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 struct Info {
   int32_t units;        // 32-weight units per chunk
@@ -47,8 +48,14 @@ struct Info {
 };
 
 inline bool known(int32_t f) {
-  return f == Q4_0 || f == Q4_1 || f == Q5_0 || f == Q5_1 || f == Q8_0 || f == Q4_K || f == Q6_K;
+  return f == Q4_0 || f == Q4_1 || f == Q5_0 || f == Q5_1 || f == Q8_0 || f == Q4_K || f == Q5_K || f == Q6_K;
 }
+
+// The formats whose codes carry a fifth bit in masks after a chunk's lines, and where a chunk's masks start.
+constexpr bool fifth_bit(int32_t f) { return f == Q5_0 || f == Q5_1 || f == Q5_K; }
+constexpr int64_t masks_at(int32_t f) { return f == Q5_K ? 2048 : 512; }
+// Where a K-quant chunk's d, dmin and sub-scales start (Q4_K and Q5_K): after its lines and masks.
+constexpr int64_t kscales_at(int32_t f) { return f == Q5_K ? 2560 : 2048; }
 
 constexpr Info info_of(int32_t f) {
   switch (f) {
@@ -58,6 +65,7 @@ constexpr Info info_of(int32_t f) {
     case Q5_0: return {2, 704, 32, 22};
     case Q5_1: return {2, 768, 32, 24};
     case Q4_K: return {8, 2368, 256, 144};
+    case Q5_K: return {8, 2880, 256, 176};
     case Q6_K: return {8, 3392, 256, 210};
     default: return {0, 0, 0, 0};
   }
@@ -79,6 +87,7 @@ inline void with_format(int32_t f, Fn&& fn) {
     case Q5_0: return fn(std::integral_constant<int, Q5_0>{});
     case Q5_1: return fn(std::integral_constant<int, Q5_1>{});
     case Q4_K: return fn(std::integral_constant<int, Q4_K>{});
+    case Q5_K: return fn(std::integral_constant<int, Q5_K>{});
     case Q6_K: return fn(std::integral_constant<int, Q6_K>{});
   }
 }

@@ -20,7 +20,7 @@ using namespace quant;
 struct Row {
   std::vector<uint8_t> q;               // [K]
   std::vector<uint16_t> d, m;           // per 32 (legacy) or per 256 (K-quants: d, dmin)
-  std::vector<uint8_t> sc, mn;          // Q4_K: per 32, 6-bit
+  std::vector<uint8_t> sc, mn;          // Q4_K, Q5_K: per 32, 6-bit
   std::vector<int8_t> sc6;              // Q6_K: per 16
 };
 
@@ -37,7 +37,7 @@ void decode_row(int32_t f, const uint8_t* src, int64_t K, Row& row) {
   uint8_t* q = row.q.data();
   row.d.assign(nb, 0);
   row.m.assign(nb, 0);
-  if (f == Q4_K) row.sc.assign(K / 32, 0), row.mn.assign(K / 32, 0);
+  if (f == Q4_K || f == Q5_K) row.sc.assign(K / 32, 0), row.mn.assign(K / 32, 0);
   if (f == Q6_K) row.sc6.assign(K / 16, 0);
   for (int64_t b = 0; b < nb; ++b, src += inf.file_bytes) {
     uint8_t* y = q + b * inf.file_block;
@@ -68,11 +68,14 @@ void decode_row(int32_t f, const uint8_t* src, int64_t K, Row& row) {
         }
         break;
       }
-      case Q4_K: {  // d, dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks, 128 bytes of nibbles
+      case Q4_K:
+      case Q5_K: {  // d, dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks, (Q5_K: 32 bytes of fifth bits,)
+                    // 128 bytes of nibbles
         row.d[b] = u16(src);
         row.m[b] = u16(src + 2);
         const uint8_t* s = src + 4;
-        const uint8_t* qs = src + 16;
+        const uint8_t* qh = src + 16;  // Q5_K: byte l, bit j = fifth bit of weight l of sub-block j
+        const uint8_t* qs = src + (f == Q5_K ? 48 : 16);
         for (int j = 0; j < 8; ++j) {
           uint8_t sc, mn;
           if (j < 4) {
@@ -85,6 +88,9 @@ void decode_row(int32_t f, const uint8_t* src, int64_t K, Row& row) {
         }
         for (int p = 0; p < 4; ++p)  // 32 bytes per pair of sub-blocks: low nibbles 2p, high nibbles 2p + 1
           for (int l = 0; l < 32; ++l) y[64 * p + l] = qs[32 * p + l] & 15, y[64 * p + 32 + l] = qs[32 * p + l] >> 4;
+        if (f == Q5_K)
+          for (int j = 0; j < 8; ++j)
+            for (int l = 0; l < 32; ++l) y[32 * j + l] |= ((qh[l] >> j) & 1) << 4;
         break;
       }
       case Q6_K: {  // ql[128] low nibbles, qh[64] top 2 bits, scales s8[16] (per 16), d
@@ -172,13 +178,17 @@ void pack_group(int32_t f, const Row* rows, int64_t K, uint8_t* out) {
           break;
         }
         case Q4_K:
+        case Q5_K: {
           nibble_lines(q, o + u * 256);
-          for (int r = 0; r < 16; ++r) o[2048 + 64 + u * 16 + r] = rows[r].sc[unit], o[2048 + 192 + u * 16 + r] = rows[r].mn[unit];
+          if (f == Q5_K) fifth_bit_masks(q, o + masks_at(f) + u * 64);
+          uint8_t* s = o + kscales_at(f);
+          for (int r = 0; r < 16; ++r) s[64 + u * 16 + r] = rows[r].sc[unit], s[192 + u * 16 + r] = rows[r].mn[unit];
           if (u == 0) {
-            put16(o + 2048, [&](int r) { return rows[r].d[c]; });
-            put16(o + 2048 + 32, [&](int r) { return rows[r].m[c]; });
+            put16(s, [&](int r) { return rows[r].d[c]; });
+            put16(s + 32, [&](int r) { return rows[r].m[c]; });
           }
           break;
+        }
         case Q6_K:
           nibble_lines(q, o + u * 384);
           top_bit_lines(q, o + u * 384 + 256);
@@ -275,10 +285,20 @@ void dequant_row(const Matrix& m, int64_t row, float* out) {
           }
           break;
         }
-        case Q4_K: {
-          const float d = half(o + 2048 + 2 * r) * (float)o[2048 + 64 + u * 16 + r];
-          const float mn = half(o + 2048 + 32 + 2 * r) * (float)o[2048 + 192 + u * 16 + r];
-          for (int k = 0; k < 32; ++k) y[k] = d * (float)nib(o + u * 256, k) - mn;
+        case Q4_K:
+        case Q5_K: {
+          const uint8_t* s = o + kscales_at(p.format);
+          const float d = half(s + 2 * r) * (float)s[64 + u * 16 + r];
+          const float mn = half(s + 32 + 2 * r) * (float)s[192 + u * 16 + r];
+          for (int k = 0; k < 32; ++k) {
+            int q = nib(o + u * 256, k);
+            if (p.format == Q5_K) {
+              uint64_t mask;
+              std::memcpy(&mask, o + masks_at(Q5_K) + u * 64 + 8 * (k / 4), 8);
+              q |= (int)((mask >> (r * 4 + k % 4)) & 1) << 4;
+            }
+            y[k] = d * (float)q - mn;
+          }
           break;
         }
         case Q6_K: {

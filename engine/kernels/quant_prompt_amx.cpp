@@ -53,7 +53,7 @@ inline __m512 spread(__m512 per_column, int i) {
 }
 
 // Unit u of the chunk at ch -> dst [16 k-pairs][16 columns][2] bf16, value = s q + o per column in fp32 (exact
-// products; Q4_1/Q5_1/Q4_K round once at the add), then rounded to bf16: dequant_row's values, rounded.
+// products; Q4_1/Q5_1/Q4_K/Q5_K round once at the add), then rounded to bf16: dequant_row's values, rounded.
 template <int F>
 [[gnu::always_inline]] inline void unit_bf16(const uint8_t* ch, int u, bf16* dst) {
   alignas(64) int8_t q[8 * 64];
@@ -66,7 +66,7 @@ template <int F>
   } else {
     s[0] = s[1] = us.w0;
     if constexpr (F == Q4_1 || F == Q5_1) o = us.w1;
-    if constexpr (F == Q4_K) o = _mm512_sub_ps(_mm512_setzero_ps(), us.w1);
+    if constexpr (F == Q4_K || F == Q5_K) o = _mm512_sub_ps(_mm512_setzero_ps(), us.w1);
   }
   __m512 sl[2][4], ol[4];
   for (int i = 0; i < 4; ++i) {

@@ -36,7 +36,7 @@ struct ActScalars {
 // come in here); Q6_K: t and tb are its first and second 16 k, each sum (c - 32) q, with their own sub-scales.
 template <int F>
 struct UnitScale {
-  __m512 w0, w1;   // Q8_0/Q4_0/Q5_0 and Q6_K: d_w; Q4_1/Q5_1: d_w, m_w; Q4_K: d sc_j, dmin m_j
+  __m512 w0, w1;   // Q8_0/Q4_0/Q5_0 and Q6_K: d_w; Q4_1/Q5_1: d_w, m_w; Q4_K/Q5_K: d sc_j, dmin m_j
   __m512i sa, sb;  // Q6_K: the two 16-k sub-scales
 
   [[gnu::always_inline]] inline UnitScale(const uint8_t* ch, int u) {
@@ -46,12 +46,13 @@ struct UnitScale {
       const uint8_t* sc = ch + (F == Q5_1 ? 640 : 512);
       w0 = halves(sc + u * 32);
       w1 = halves(sc + 64 + u * 32);
-    } else if constexpr (F == Q4_K) {
+    } else if constexpr (F == Q4_K || F == Q5_K) {
       const auto u8s = [&](int64_t at) {
         return cvt(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + at))));
       };
-      w0 = _mm512_mul_ps(halves(ch + 2048), u8s(2048 + 64 + u * 16));
-      w1 = _mm512_mul_ps(halves(ch + 2048 + 32), u8s(2048 + 192 + u * 16));
+      constexpr int64_t s = kscales_at(F);
+      w0 = _mm512_mul_ps(halves(ch + s), u8s(s + 64 + u * 16));
+      w1 = _mm512_mul_ps(halves(ch + s + 32), u8s(s + 192 + u * 16));
     } else {  // Q6_K
       const auto s8s = [&](int64_t at) {
         return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + at)));
@@ -71,7 +72,7 @@ struct UnitScale {
     } else if constexpr (F == Q4_1 || F == Q5_1) {  // d_w dh sum c q + m_w s, s = fp16(d sum q): Q8_1's terms
       accf = _mm512_fmadd_ps(cvt(t), _mm512_mul_ps(w0, _mm512_set1_ps(x.dh())), accf);
       return _mm512_fmadd_ps(w1, _mm512_set1_ps(x.ms()), accf);
-    } else if constexpr (F == Q4_K) {
+    } else if constexpr (F == Q4_K || F == Q5_K) {
       accf = _mm512_fmadd_ps(cvt(t), _mm512_mul_ps(w0, _mm512_set1_ps(x.d())), accf);
       return _mm512_fnmadd_ps(w1, _mm512_set1_ps(x.dsum()), accf);
     } else {  // Q6_K: d (sc_a t + sc_b tb)

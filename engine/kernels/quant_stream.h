@@ -26,7 +26,7 @@ namespace quant {
 // benchmarks/README.md) their step was faster without it in 8 of the 13 runs (1.5-7.5 %), faster with it in 3 (0.9-4.6
 // %; two with DRAM slow, one mixed) and tied in 2; through quant_linear, without it Q8_0 was faster in 17 of 18 runs
 // and Q4_0 in most, by the most when DRAM was fast. Q4_K_M was faster with it in all 3 of its runs (7-16 %). The
-// formats not measured (Q4_1, Q5_0, Q5_1) keep it.
+// formats not measured (Q4_1, Q5_0, Q5_1, Q5_K) keep it.
 // All of the above was measured on AMD CPUs. On Intel's, PREFETCHNTA slows the stream down and PREFETCHT1 (into L2)
 // speeds it up, so there every format streams 8 KiB ahead into L2. On a 2-vCPU Sapphire Rapids-class Xeon with AMX
 // (benchmarks/README.md, session 21, decode_profile.py --gguf, distances alternated in one process, best of 3 rounds):

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.usefixtures("quantized_kernels")  # skips only where no
 
 FORMATS = list(FILE_BLOCK)
 # Offsets of the fp16 scale fields in a block: random bytes there could be NaN or huge.
-SCALES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+SCALES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),
+          "Q6_K": (208,)}
 
 
 def random_raw(fmt: str, rows: int, cols: int, seed: int = 0) -> Raw:
