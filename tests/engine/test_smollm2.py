@@ -7,6 +7,8 @@ implementations (see tests/engine/fidelity.py for the measure).
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -132,39 +134,59 @@ def test_bf16_fidelity_per_native_path(smollm2, reference, prompts, transformers
     assert score >= transformers_bf16 - 0.01, (score, transformers_bf16)
 
 
+# The files the llama.cpp comparison runs: SmolLM2's own Q4_1, and llama.cpp's requantizations of it into the K-quant
+# mixes users download most, each with the formats the engine must hold in their blocks (tests/models.py).
+LLAMA_FILES = {"Q4_1": ("Q4_1", "Q8_0"), "Q4_K_M": ("Q4_K", "Q6_K", "Q5_0", "Q8_0"),
+               "Q5_K_M": ("Q5_K", "Q6_K", "Q5_1", "Q8_0")}
+
+
+@pytest.mark.parametrize("file", list(LLAMA_FILES))
 def test_quantized_weights_are_as_close_to_exact_as_llama_cpp_on_the_same_file(smollm2, reference, tokenizer,
-                                                                               request):
-    """The Q4_1 file run as it is (int8 kernels) against llama.cpp on the same file, over 16 chat prompts x 48-54
-    tokens, with fp32 activations as llama.cpp computes them: agreement with fp32 transformers on the dequantized
-    weights at least llama.cpp's own minus one point, and llama.cpp, fed our continuations, picks our token at 97 %
-    of positions (issue 19). Measured on Zen 4: ours 97.3 %, llama.cpp 96.1 % against fp32; llama.cpp's argmax =
-    ours at 97.2 %, as often as it equals the fp32 reference's on the same continuations (97.2 %), which bounds this
-    measure for an implementation that does not copy llama.cpp's roundings. On a Xeon with AMX: 96.6 %, 96.1 %,
-    96.7 % and a bound of 96.9 %. Rounding the activation block scales
-    as llama.cpp's Q8_0/Q8_1 store them (quant_act.h) took it from 96.7 %; bf16 activations give 96.6 % (their own
-    rounding; test_bf16_fidelity_per_native_path holds that path to fp32 transformers)."""
+                                                                               request, file):
+    """The file run as it is (int8 kernels, every matrix of it held in its blocks) against llama.cpp on the same file,
+    over 16 chat prompts x 48-54 tokens, with fp32 activations as llama.cpp computes them: agreement with fp32
+    transformers on the file's dequantized weights at least llama.cpp's own minus one point, and llama.cpp, fed our
+    continuations, picks our token at 97 % of positions (issue 19). SmolLM2's Q4_1 file, measured on Zen 4: ours
+    97.3 %, llama.cpp 96.1 % against fp32; llama.cpp's argmax = ours at 97.2 %, as often as it equals the fp32
+    reference's on the same continuations (97.2 %), which bounds this measure for an implementation that does not
+    copy llama.cpp's roundings. On a Xeon with AMX: 96.6 %, 96.1 %, 96.7 % and a bound of 96.9 %. Rounding the
+    activation block scales as llama.cpp's Q8_0/Q8_1 store them (quant_act.h) took it from 96.7 %; bf16 activations
+    give 96.6 % (their own rounding; test_bf16_fidelity_per_native_path holds that path to fp32 transformers)."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/test installs it)")
     request.getfixturevalue("quantized_kernels")  # skips only where no build runs them; fails where one should
+    path = smollm2 if file == "Q4_1" else request.getfixturevalue("smollm2_requantized")[file]
+    if file != "Q4_1":  # the reference: transformers on this file's own dequantized weights
+        from transformers import AutoModelForCausalLM
+        reference = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                         dtype=torch.float32).eval()
     prompts = fidelity.chat_ids(tokenizer)
     eos = list(reference.generation_config.eos_token_id if isinstance(reference.generation_config.eos_token_id, list)
                else [reference.generation_config.eos_token_id])
-    llama = fidelity.LlamaCpp(smollm2, eos)
-    run = fidelity.engine_in_child(smollm2, prompts, TOKENS, dtype="float32", max_model_len=MAX_LEN, max_num_seqs=4)
+    llama = fidelity.LlamaCpp(path, eos)
+    run = fidelity.engine_in_child(path, prompts, TOKENS, dtype="float32", max_model_len=MAX_LEN, max_num_seqs=4)
     assert run["quantized"] and run["dtype"] == "float32", run  # the int8 kernels of whichever build runs here
+    held = {fmt for paths in run["weight_paths"].values() for p in paths if p.startswith("quantized ")
+            for fmt in [p.removeprefix("quantized ")]}
+    assert held == set(LLAMA_FILES[file]), run["weight_paths"]  # every format of the file stays in its blocks
     refs = fidelity.reference_choices(reference, prompts, run["tokens"])  # fp32's argmax on our continuations
     ours = fidelity.share_equal(run["tokens"], refs)  # = fidelity.agreement, with refs kept for the bound below
     theirs = fidelity.agreement(reference, prompts, llama.greedy(prompts, TOKENS))
     llamas = llama.choices(prompts, run["tokens"])
     same_as_llama = fidelity.share_equal(run["tokens"], llamas)
     exact_as_llama = fidelity.share_equal(refs, llamas)
-    print(f"\nagreement with fp32 transformers: ours {ours:.4f}, llama.cpp {theirs:.4f}; "
+    print(f"\n{file}: agreement with fp32 transformers: ours {ours:.4f}, llama.cpp {theirs:.4f}; "
           f"llama.cpp's argmax = ours at {same_as_llama:.4f} of positions, = fp32 transformers' at "
           f"{exact_as_llama:.4f}")
     assert ours >= theirs - 0.01, (ours, theirs)
     # Issue 19 asks 97 %. That is above what exact arithmetic reaches on some hosts (fp32 transformers picks llama.cpp's
     # token at 96.9 % of these positions on a Xeon with AMX, 97.2 % on Zen 4), so the bar is 97 % or that bound less 4
-    # of the 816 positions, whichever is lower.
-    assert same_as_llama >= min(0.97, exact_as_llama - 0.005), (same_as_llama, exact_as_llama)
+    # of the 816 positions, whichever is lower. In the K-quant mixes llama.cpp multiplies the K-format matrices by
+    # activations rounded once per 256 values (its Q8_K blocks), where we round per 32 as for every format: more
+    # exact, but no longer llama.cpp's rounding, so its choices and ours part more often than its and exact
+    # arithmetic's. Measured on Zen 3 (AVX2): Q4_K_M ours 95.8 %, llama.cpp 96.0 % against fp32, llama.cpp = ours
+    # 95.2 % against a bound of 95.5 %; Q5_K_M 96.6 %, 94.4 %, 95.1 % against 96.1 %. There the bar is 12 positions.
+    slack = 0.005 if file == "Q4_1" else 0.015
+    assert same_as_llama >= min(0.97, exact_as_llama - slack), (same_as_llama, exact_as_llama)
 
 
 def test_a_sequences_tokens_do_not_depend_on_its_batch_on_quantized_weights_in_fp32(smollm2, prompts, request):
