@@ -2,11 +2,11 @@
 Qwen2-shaped bf16 model, with the memory bandwidth (decode roofline) and bf16 matmul peak measured in the same run.
 
 Run: flock /tmp/deploykit-heavy.lock python benchmarks/engine.py [--quick] [--threads N] [--rounds R]
-         [--skip-transformers] [--skip-llamacpp] [--model-dir DIR] [--weights bf16|Q8_0|Q4_0|Q4_K_M]
+         [--skip-transformers] [--skip-llamacpp] [--model-dir DIR] [--weights bf16|Q8_0|Q4_0|Q4_K_M|Q5_K_M]
                                                                           (JSON on stdout, progress on stderr)
 
---weights Q8_0 (Q4_0, Q4_K_M) runs ours and llama.cpp on the same GGUF file, made from the bf16 export by llama.cpp's
-own quantizer; ours keeps its blocks quantized (engine/quant.py) and the roofline counts the file's bytes.
+--weights Q8_0 (Q4_0, Q4_K_M, Q5_K_M) runs ours and llama.cpp on the same GGUF file, made from the bf16 export by
+llama.cpp's own quantizer; ours keeps its blocks quantized (engine/quant.py) and the roofline counts the file's bytes.
 
 Each framework runs in its own worker process with the binding `python -m engine serve` uses (one pinned OpenMP
 thread per CPU), so llama.cpp's OpenMP runtime never shares a process with torch's. The host is shared: rounds visit
@@ -444,7 +444,7 @@ def main() -> None:
                     help="ours holds bf16 matrices in 16 bits, not compact (12 bits, lossless; the default)")
     ap.add_argument("--allow-fallback", action="store_true",
                     help="measure ours on the PyTorch path when the native kernels are not loaded (default: stop)")
-    ap.add_argument("--weights", default="bf16", choices=["bf16", "Q8_0", "Q4_0", "Q4_K_M"],
+    ap.add_argument("--weights", default="bf16", choices=["bf16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M"],
                     help="bf16: the safetensors; else ours and llama.cpp on the same llama.cpp-quantized GGUF")
     for hidden in ("--worker", "--cpus", "--gguf"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
