@@ -282,6 +282,29 @@ def test_what_the_planner_counts_is_what_the_engine_holds(smollm2):
     assert compact.model.weight_bytes < 0.85 * held.model.weight_bytes  # the tied embedding (21 %) stays 16-bit
 
 
+@pytest.mark.parametrize("file, formats", [("Q4_K_M", ("Q4_K", "Q5_0", "Q6_K", "Q8_0")),
+                                           ("Q5_K_M", ("Q5_1", "Q5_K", "Q6_K", "Q8_0"))])
+def test_the_planner_counts_a_k_quant_mix_at_the_bytes_the_engine_holds(smollm2_requantized, file, formats):
+    """llama.cpp's Q4_K_M and Q5_K_M mixes (SmolLM2 requantized): every format stays in its blocks, and the plan's
+    weight bytes are the loaded model's, within a few per cent of the file (Q4_K's u8 sub-scales and Q5_K's whole-line
+    masks cost 0.125 bits a weight more than the file's 6-bit ones)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/test installs it)")
+    from deploykit import isa, memory
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    path = smollm2_requantized[file]
+    shape = memory.shape(type("S", (), {"source": path, "revision": None, "architecture": None})())
+    assert shape.held_formats("none", True) == formats
+    planned = shape.weight_bytes("float32", "none", isa.quantized_kernels(isa.cpu_flags()))
+    core = EngineCore(EngineConfig(path, dtype="float32", max_model_len=256))
+    assert core.model.weight_bytes == planned
+    assert {p for paths in core.model.weight_paths.values() for p in paths if p.startswith("quantized")} == \
+        {f"quantized {f}" for f in formats}
+    import gguf
+    in_file = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    assert in_file <= core.model.weight_bytes <= 1.03 * in_file, (core.model.weight_bytes, in_file)
+
+
 def test_the_rule_needs_whole_groups_and_chunks():
     assert rule.fits("Q4_0", (64, 128)) and not rule.fits("Q4_0", (64, 96)) and not rule.fits("Q4_0", (40, 128))
     assert rule.fits("Q4_K", (16, 512)) and not rule.fits("Q4_K", (16, 384))
