@@ -10,8 +10,8 @@
 //     Q5_0/Q5_1/Q5_K add the 5th bits as 8 masks a unit (mask e, bit r*4 + j = k-group e), Q6_K the top 2 bits as
 //     2 h-lines (h-line h, bits 2s..2s+1 of byte r*4 + j = k-group 4h + s).
 // Units are grouped into chunks that carry their scales after the quants, so a 16-row group is one contiguous
-// stream of whole 64-byte lines (the file's bytes per weight, except Q4_K's u8 sub-scales, 4.625 vs 4.5 bits, and
-// Q6_K's padding to whole lines, 6.625 vs 6.5625 bits):
+// stream of whole 64-byte lines (the file's bytes per weight, except Q4_K's and Q5_K's u8 sub-scales, 4.625 vs 4.5
+// and 5.625 vs 5.5 bits, and Q6_K's padding to whole lines, 6.625 vs 6.5625 bits):
 //   Q8_0  2 units: 16 lines | d0[16] d1[16] fp16                              1088 B per 16 x 64 weights
 //   Q4_0  2 units:  8 lines | d0 d1                                            576 B
 //   Q4_1  2 units:  8 lines | d0 d1 | m0 m1 (fp16, value = d q + m)            640 B
