@@ -105,7 +105,10 @@ def smollm2_requantized(ftype: str) -> Path:
     if final.is_file():
         return final
     source = smollm2_gguf()
-    import llama_cpp  # scripts/test installs llama-cpp-python; callers skip without it
+    try:
+        import llama_cpp  # scripts/test installs llama-cpp-python
+    except ImportError as e:
+        raise ModelUnavailable(f"llama-cpp-python is needed to make the {ftype} file: {e}") from e
     with _locked(f"smollm2-{ftype}"):
         if final.is_file():
             return final

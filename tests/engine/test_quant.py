@@ -288,7 +288,6 @@ def test_the_planner_counts_a_k_quant_mix_at_the_bytes_the_engine_holds(smollm2_
     """llama.cpp's Q4_K_M and Q5_K_M mixes (SmolLM2 requantized): every format stays in its blocks, and the plan's
     weight bytes are the loaded model's, within 3 % of the file's (Q4_K's and Q5_K's u8 sub-scales take 0.125 bits a
     weight more than the file's 6-bit ones; measured: 1.003x for both files)."""
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/test installs it)")
     from deploykit import isa, memory
     from engine.config import EngineConfig
     from engine.core import EngineCore
