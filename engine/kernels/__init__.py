@@ -367,4 +367,4 @@ step.bind(_ops, _qops, LIMITS)
 decode_step_supported, step_f32_weight = step.decode_step_supported, step.step_f32_weight
 decode_step_ = step.decode_step_
 STEP_MAX_ROWS, STEP_MAX_TILE_ROWS = step.MAX_ROWS, step.MAX_TILE_ROWS
-STEP_F32_MAX_ROWS, STEP_F32_MAX_QUANT_ROWS = step.F32_MAX_ROWS, step.F32_MAX_QUANT_ROWS
+STEP_F32_MAX_ROWS = step.F32_MAX_ROWS

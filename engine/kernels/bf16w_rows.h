@@ -1,7 +1,7 @@
 // The bf16-weight GEMV for up to FEW_ROWS fp32 activation rows: bf16 weights packed as kernels.pack lays them out,
 // [N/16, K/2, 16, 2], widened to fp32 in registers (why and how: bf16w_linear.cpp). The per-op linear_bf16w and the
-// fused fp32 decode step (decode_step_f32.cpp) both run groups() on their share of the column groups, so the two
-// agree bitwise. AVX2 + FMA only; every build includes it.
+// fused fp32 decode step (decode_step_f32.cpp) both run groups() on their share of the column groups (through
+// bf16w_blocked.h rows), so the two agree bitwise. AVX2 + FMA only; every build includes it.
 #pragma once
 
 #include <ATen/ATen.h>

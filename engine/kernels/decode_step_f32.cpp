@@ -1,13 +1,12 @@
-// The whole forward pass of a decode step of up to MAX_ROWS sequences (MAX_QUANT_ROWS where every matrix is quantized)
-// under fp32 activations, in one native call:
+// The whole forward pass of a decode step of up to MAX_ROWS sequences under fp32 activations, in one native call:
 // decode_step.cpp's twin for a model run in fp32 (every CPU without AVX-512, or a user's choice), its matrices
-// block-quantized (the int8 GEMV) or bf16 widened in registers (bf16w_rows.h).
+// block-quantized (the int8 GEMV) or bf16 widened in registers (bf16w_blocked.h).
 //
 // Why: on a 2-core Zen 3 (AVX2) at batch 1 on the Q4_0 benchmark model, the per-op path ran 97 quant_linear calls and
 // ~9 other ops a layer from Python, each a PyTorch dispatch, an allocation and most an OpenMP fork/join: ~1.7 ms of
 // a ~11.5 ms token beside the GEMVs (torch.profiler). Here one OpenMP region runs every layer, and threads meet at a
 // barrier only where a phase needs the whole result of the previous one. Every value comes from the code of the
-// per-op fp32 path (f32_rows.h, bf16w_rows.h, the quantized GEMV of quant_rows.h), in the same order, so the two
+// per-op fp32 path (f32_rows.h, bf16w_blocked.h, the quantized GEMV of quant_rows.h), in the same order, so the two
 // agree bitwise; tests/engine/test_decode_step_f32.py compares them.
 //
 // Per layer, for B rows; the residual h [B, H] and the normed x [B, H] are private to each thread, which computes
@@ -31,7 +30,7 @@
 #include <optional>
 #include <vector>
 
-#include "bf16w_rows.h"
+#include "bf16w_blocked.h"
 #include "f32_rows.h"
 #include "step_args.h"
 #include "step_profile.h"
@@ -44,12 +43,12 @@
 namespace deploykit {
 namespace {
 
-// Rows of one call: bf16w_rows.h's GEMV takes up to FEW_ROWS rows with each weight line loaded once for all; more
-// rows of bf16 matrices take its blocked GEMM (bf16w_linear.cpp), per op. Quantized matrices take up to 16 rows here
-// as quant_linear takes them (quant_rows.h tiled_rows: the GEMV up to 4, then tiles of 4 rows over each pair of
-// groups), as decode_step.cpp does.
-constexpr int64_t MAX_ROWS = 4, MAX_QUANT_ROWS = 16;
-static_assert(MAX_ROWS <= bf16w::FEW_ROWS, "bf16w::groups takes the step's rows");
+// Rows of one call, as the per-op linears take them: bf16 matrices through bf16w::rows (bf16w_blocked.h: the GEMV up to
+// FEW_ROWS rows, each weight line loaded once for all, then the blocked GEMM over 128-k chunks widened into L1);
+// quantized ones through quant_rows.h tiled_rows (the GEMV up to 4, then tiles of 4 rows over each pair of groups).
+// Past 4 rows on bf16 matrices the step had gone per op: on a 2-core Zen 3 a 16-sequence step of the benchmark model
+// spent ~10 % of its time beside the GEMMs (benchmarks/README.md, session 29).
+constexpr int64_t MAX_ROWS = 16;
 
 using namespace step_args;  // Slot, share, checked_rows
 
@@ -97,10 +96,10 @@ inline void matvec(int64_t B, const float* x, int64_t K, const Weight& w, quant:
                    int64_t g1, const float* bias, float* y, int64_t ldy, bool quantized = false) {
   if (g0 >= g1) return;
   if (w.packed) {
-    bf16w::groups(w.packed, K, g0, g1, x, K, B, bias, y, ldy);
+    bf16w::rows(w.packed, K, g0, g1, x, K, B, bias, y, ldy);
     return;
   }
-  quant::Act a[MAX_QUANT_ROWS];
+  quant::Act a[MAX_ROWS];
   for (int64_t b = 0; b < B; ++b) {
     a[b] = acts.row(b);
     if (!quantized) quant::quantize(x + b * K, K, a[b]);
@@ -110,7 +109,7 @@ inline void matvec(int64_t B, const float* x, int64_t K, const Weight& w, quant:
 
 }  // namespace
 
-// h [B, H] fp32, B <= MAX_ROWS sequences (MAX_QUANT_ROWS where every matrix is quantized): each one's token
+// h [B, H] fp32, B <= MAX_ROWS sequences: each one's token
 // embedding in, the last layer's residual stream out (before the final norm). weights: PER_LAYER entries per layer
 // (see Slot): matrices quantized or packed bf16, norms and biases fp32, qk_norm [Hq + Hkv, D]. kv: per layer fp32
 // [NB, bs, 2, Hkv, D]. cos, sin: the rotary tables [max_len, D] fp32 (sin signed, rotate-half). Per row: position
@@ -121,9 +120,9 @@ void decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at::T
                       const at::Tensor& sin, const at::Tensor& position, const at::Tensor& table,
                       const at::Tensor& length, const at::Tensor& slot, int64_t num_heads, int64_t num_kv_heads,
                       double eps, double scale) {
-  TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= MAX_QUANT_ROWS && h.scalar_type() == at::kFloat &&
+  TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= MAX_ROWS && h.scalar_type() == at::kFloat &&
                   h.is_contiguous(),
-              "h must be a contiguous fp32 [B, H] tensor with 1 <= B <= ", MAX_QUANT_ROWS);
+              "h must be a contiguous fp32 [B, H] tensor with 1 <= B <= ", MAX_ROWS);
   const int64_t B = h.size(0), L = (int64_t)kv.size(), H = h.size(1), Hq = num_heads, Hkv = num_kv_heads;
   TORCH_CHECK(L > 0 && (int64_t)weights.size() == L * PER_LAYER && (int64_t)windows.size() == L,
               "expected ", PER_LAYER, " weights and one window per KV cache layer");
@@ -149,11 +148,7 @@ void decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at::T
     y.o = weight(w(O), H, Hq * D, l, "o_proj");
     y.gate_up = weight(w(GATE_UP), 2 * I, H, l, "gate_up");
     y.down = weight(w(DOWN), H, I, l, "down_proj");
-    for (const Weight* m : {&y.qkv, &y.o, &y.gate_up, &y.down}) {
-      any_quantized |= m->packed == nullptr;
-      TORCH_CHECK(B <= MAX_ROWS || m->packed == nullptr, "layer ", l, ": ", B, " rows take every matrix quantized; "
-                  "with bf16 ones 1 <= B <= ", MAX_ROWS);
-    }
+    for (const Weight* m : {&y.qkv, &y.o, &y.gate_up, &y.down}) any_quantized |= m->packed == nullptr;
     y.ln1 = vector_ptr(w(LN1), H, true, l, "input_layernorm");
     y.ln2 = vector_ptr(w(LN2), H, true, l, "post_attention_layernorm");
     y.qk_norm = vector_ptr(w(QK_NORM), (Hq + Hkv) * D, false, l, "qk_norm");
@@ -273,11 +268,11 @@ void decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at::T
   }
 }
 
-// The most rows a step takes: with every matrix quantized, or with bf16 ones among them.
-int64_t decode_step_f32_max_rows(bool quantized) { return quantized ? MAX_QUANT_ROWS : MAX_ROWS; }
+// The most rows a step takes.
+int64_t decode_step_f32_max_rows() { return MAX_ROWS; }
 
 TORCH_LIBRARY_FRAGMENT(deploykit, m) {
-  m.def("decode_step_f32_max_rows(bool quantized) -> int", &decode_step_f32_max_rows);
+  m.def("decode_step_f32_max_rows() -> int", &decode_step_f32_max_rows);
   m.def(
       "decode_step_f32_(Tensor(a!) h, Tensor?[] weights, Tensor(b!)[] kv, int[] windows, Tensor cos, Tensor sin, "
       "Tensor position, Tensor table, Tensor length, Tensor slot, int num_heads, int num_kv_heads, float eps, "

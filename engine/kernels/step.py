@@ -15,22 +15,21 @@ _step = _step_f32 = None
 _block_n = WIDEN_ROWS
 # Sequences per call, 0 where the step does not run: MAX_ROWS for the bf16 step (the GEMV loads each weight line once
 # for all of them, so the step stays one weight-streaming pass), MAX_TILE_ROWS where every matrix is quantized or on
-# AMX tiles; F32_MAX_ROWS for the fp32 step, F32_MAX_QUANT_ROWS where every matrix is quantized. Stated once in C++
-# (decode_step.cpp `limits`, decode_step_f32.cpp `decode_step_f32_max_rows`) and read from the library.
-MAX_ROWS = MAX_TILE_ROWS = F32_MAX_ROWS = F32_MAX_QUANT_ROWS = 0
+# AMX tiles; F32_MAX_ROWS for the fp32 step, whatever its matrices hold. Stated once in C++ (decode_step.cpp
+# `limits`, decode_step_f32.cpp `decode_step_f32_max_rows`) and read from the library.
+MAX_ROWS = MAX_TILE_ROWS = F32_MAX_ROWS = 0
 
 
 def bind(ops, qops, limits: dict[str, int]) -> None:
     """The library the step runs in: ops the AVX-512 one (bf16), qops any build (fp32); None where not loaded. The op
     handles are resolved once here: the OpOverloadPacket lookup costs microseconds per call."""
-    global _step, _step_f32, _block_n, MAX_ROWS, MAX_TILE_ROWS, F32_MAX_ROWS, F32_MAX_QUANT_ROWS
+    global _step, _step_f32, _block_n, MAX_ROWS, MAX_TILE_ROWS, F32_MAX_ROWS
     _step = ops.decode_step_.default if ops is not None else None
     _step_f32 = qops.decode_step_f32_.default if qops is not None else None
     _block_n = limits.get("block_n", WIDEN_ROWS)
     MAX_ROWS = limits.get("step_max_rows", 0)
     MAX_TILE_ROWS = limits.get("step_max_tile_rows", MAX_ROWS)
-    F32_MAX_ROWS = int(qops.decode_step_f32_max_rows(False)) if qops is not None else 0
-    F32_MAX_QUANT_ROWS = int(qops.decode_step_f32_max_rows(True)) if qops is not None else 0
+    F32_MAX_ROWS = int(qops.decode_step_f32_max_rows()) if qops is not None else 0
 
 
 def decode_step_supported(q: torch.Tensor, intermediate_size: int) -> bool:
@@ -52,8 +51,8 @@ def decode_step_(h: torch.Tensor, weights: list, kv: list[torch.Tensor], windows
                  slots: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float, scale: float) -> None:
     """The whole forward pass of a decode step in one call: h [B, H], the embedding rows, becomes the last residual
     stream; each layer's K/V are written at `slots`. bf16 h (decode_step.cpp): B <= MAX_ROWS, MAX_TILE_ROWS where
-    every matrix is quantized or on AMX tiles. fp32 h (decode_step_f32.cpp): B <= F32_MAX_ROWS, F32_MAX_QUANT_ROWS
-    where every matrix is quantized; fp32 norms, biases, rotary tables and KV cache.
+    every matrix is quantized or on AMX tiles. fp32 h (decode_step_f32.cpp): B <= F32_MAX_ROWS; fp32 norms, biases,
+    rotary tables and KV cache.
     positions, slots int64 [B]; tables int32 [B, W], lens int32 [B] as decode_attention takes them.
     weights: 11 per layer (ln1, qkv, qkv_bias, qk_norm, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias),
     packed and prepared as engine.kernels.linear takes them, None where absent. Bitwise the same as the per-op native

@@ -70,12 +70,11 @@ class LlamaModel:
         self.pages = self.arena.placement()
         log.info("weight arena: %s", self.pages.text())
         self.step_weights = self._step_weights()  # None: small decode steps take the per-op path as well
-        # The fused step takes up to 16 sequences where every matrix is quantized or runs on AMX tiles, else 4 (the
-        # fp32 one: where every matrix is quantized).
+        # The fused bf16 step takes up to 16 sequences where every matrix is quantized or runs on AMX tiles, else 4;
+        # the fp32 one takes 16 whatever its matrices hold.
         matrices = [w for L in self.layers for w in (L.qkv, L.o, L.gate_up, L.down)]
         if dtype == torch.float32:
-            wide = matrices and all(kernels.is_quantized(w) for w in matrices)
-            self.step_max_rows = kernels.STEP_F32_MAX_QUANT_ROWS if wide else kernels.STEP_F32_MAX_ROWS
+            self.step_max_rows = kernels.STEP_F32_MAX_ROWS
         else:
             wide = matrices and all(kernels.is_quantized(w) or kernels.on_tiles(w) for w in matrices)
             self.step_max_rows = kernels.STEP_MAX_TILE_ROWS if wide else kernels.STEP_MAX_ROWS

@@ -1,5 +1,5 @@
 """The fused decode step under fp32 activations (engine/kernels/decode_step_f32.cpp: every layer in one native call,
-for 1 to 4 sequences, up to 16 where every matrix is quantized, in every kernel build) computes bitwise what the
+for 1 to 16 sequences whether its matrices are quantized or bf16, in every kernel build) computes bitwise what the
 per-op fp32 path computes: the same logits at every step and the same K/V in the cache. It is the latency path of
 every CPU without AVX-512 (quantized GGUF weights, or a bf16 checkpoint held bf16), so this carries the per-op path's
 tests (test_f32_ops, test_quant, test_bf16w_linear, test_smollm2) over to it."""
@@ -37,9 +37,7 @@ def _run(model_dir: str, fused: bool, threads: int, monkeypatch, quantization: s
     matrices = [w for i, w in enumerate(model.step_weights) if i % 11 in (1, 4, 7, 9)]  # qkv, o, gate_up, down
     assert matrices and all(kernels.step_f32_weight(w) for w in matrices)
     assert any(kernels.is_quantized(w) for w in matrices) == (quantization != "none")
-    quantized = all(kernels.is_quantized(w) for w in matrices)
-    assert model.step_max_rows == (kernels.STEP_F32_MAX_QUANT_ROWS if quantized else kernels.STEP_F32_MAX_ROWS)
-    assert (kernels.STEP_F32_MAX_ROWS, kernels.STEP_F32_MAX_QUANT_ROWS) == (4, 16)
+    assert model.step_max_rows == kernels.STEP_F32_MAX_ROWS == 16
     if not fused:
         model.step_weights = None
     return drive(core, requests, threads, monkeypatch)
@@ -61,21 +59,22 @@ def test_fp32_fused_decode_step_is_bitwise_the_per_op_path(tiny_model, name, qua
         assert_bitwise(logits, kv, ref_logits, ref_kv)
 
 
-# Past 4 rows the step takes every matrix quantized: 16 and 10 sequences side by side, steps of n rows down to 1. In
-# the 18-block case down_proj stays bf16, so steps past 4 rows go per op there.
-WIDE = [("q4_0", "qwen3-qk-norm", 16), ("q8_0", "mistral-window", 10), ("q4_0", "llama-all-biases-18-blocks", 8)]
+# Past 4 rows: 16, 10 and 8 sequences side by side, steps of n rows down to 1, on matrices held bf16 (past 4 rows
+# the blocked GEMM of bf16w_blocked.h, its 6-row tiles and their tails), quantized, or both (in the 18-block case
+# down_proj stays bf16 beside quantized matrices).
+WIDE = [("none", "qwen3-qk-norm", 16), ("none", "llama-all-biases-18-blocks", 10)]
+if QUANT_NATIVE:
+    WIDE += [("q4_0", "qwen3-qk-norm", 16), ("q8_0", "mistral-window", 10), ("q4_0", "llama-all-biases-18-blocks", 8)]
 
 
-@pytest.mark.skipif(not QUANT_NATIVE, reason="this CPU runs no int8 kernels: past 4 rows the step needs them")
 @pytest.mark.parametrize("quantization,name,n", WIDE)
-def test_fp32_fused_step_takes_up_to_16_quantized_rows_bitwise_the_per_op_path(tiny_model, quantization, name, n,
-                                                                                  monkeypatch):
+def test_fp32_fused_step_takes_up_to_16_rows_bitwise_the_per_op_path(tiny_model, quantization, name, n,
+                                                                      monkeypatch):
     kw = dict(CASES[name])
     model_dir = tiny_model(kw.pop("arch"), dtype="bfloat16", **kw)
     ref_logits, ref_kv, _ = _run(model_dir, False, 2, monkeypatch, quantization, side_by_side(n))
     logits, kv, calls = _run(model_dir, True, 2, monkeypatch, quantization, side_by_side(n))
-    widest = 4 if name.endswith("18-blocks") else n
-    assert {rows for rows, _ in calls} == set(range(1, widest + 1)), "steps of every row count up to the widest"
+    assert {rows for rows, _ in calls} == set(range(1, n + 1)), "steps of every row count up to the widest"
     assert_bitwise(logits, kv, ref_logits, ref_kv)
 
 
@@ -86,7 +85,7 @@ def test_fp32_step_runs_only_where_it_applies_and_says_so(tiny_model, caplog):
     arch = shape.pop("arch")
     held = EngineCore(EngineConfig(tiny_model(arch, dtype="bfloat16", **shape), dtype="float32"))
     assert len(held.model.step_weights) == 11 * held.model.config.num_layers
-    assert "decode steps of up to 4 sequences run as one fused native call" in caplog.text
+    assert "decode steps of up to 16 sequences run as one fused native call" in caplog.text
     # An fp32 checkpoint's matrices stay fp32 on PyTorch's GEMM: the per-op path.
     assert EngineCore(EngineConfig(tiny_model(arch, **shape), dtype="float32")).model.step_weights is None
     gelu = tiny_model(arch, dtype="bfloat16", **shape, extra_config={"hidden_act": "gelu"})
@@ -121,15 +120,13 @@ def test_fp32_step_rejects_bad_indices_and_too_many_rows(tiny_model):
                              s.num_kv_heads, s.rms_norm_eps, 1.0)
         return h
 
-    assert call().isfinite().all() and call(rows=4).isfinite().all()
+    assert call().isfinite().all() and call(rows=5).isfinite().all() and call(rows=16).isfinite().all()
     for bad, message in [({"slot": blocks * 8}, "outside the cache"), ({"position": 10 ** 6}, "outside the rotary"),
                          ({"length": 9}, "context length 9 of row 2 is outside"),
                          ({"table": (0, blocks), "length": 9}, f"block id {blocks} of row 2"),
                          ({"slot": -1}, "slot -1 of row 2"), ({"position": -1}, "position -1 of row 2")]:
         with pytest.raises(RuntimeError, match=message):  # every row's indices are checked, not only the first
             call(rows=3, **bad)
-    with pytest.raises(RuntimeError, match="5 rows take every matrix quantized; with bf16 ones 1 <= B <= 4"):
-        call(rows=5)
     with pytest.raises(RuntimeError, match="1 <= B <= 16"):
         call(rows=17)
     with pytest.raises(RuntimeError, match="expected a contiguous fp32 tensor"):  # bf16 norms are not the fp32 step's

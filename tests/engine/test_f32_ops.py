@@ -146,5 +146,5 @@ def test_the_fp32_fused_step_takes_these_heads_and_status_says_what_runs(f32_ker
     log) says the fp32 ops are native."""
     assert f32_kernels.decode_step_supported(torch.zeros(1, 14, 64), 4864)
     assert not f32_kernels.decode_step_supported(torch.zeros(1, 14, 64), 4872)  # I not in whole 16-column groups
-    assert f32_kernels.STEP_F32_MAX_ROWS == 4
+    assert f32_kernels.STEP_F32_MAX_ROWS == 16
     assert f32_kernels.status()["fp32_ops"] is True
