@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import types
 from pathlib import Path
 
 import pytest
 
 from tests.sysroots import MACHINES, write
+
+# A run started with SIGINT ignored (a background job of a non-interactive shell, `nohup`, some CI runners) hands
+# the ignore down to every child it starts, and Python installs no KeyboardInterrupt handler in a process that
+# begins with SIGINT ignored: the tests that press Ctrl-C on `deploykit bench`, `up` and `logs -f` would then
+# measure the launcher, not the CLI. Restored here, before any child starts.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 QWEN3_8B = {"num_parameters": 8_190_735_360, "num_hidden_layers": 36, "num_key_value_heads": 8, "head_dim": 128,
             "max_position_embeddings": 40960}
