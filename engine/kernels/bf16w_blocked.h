@@ -36,12 +36,13 @@ inline void widen(const at::BFloat16* w, int64_t K, int64_t g, int64_t k0, int64
     }
 }
 
-// out[m, 0 .. 16) for MT rows over one chunk buf [kn, 16]: the chains resume from part [MT, 16] (or from 0 at the
-// first chunk), go on in k order, and end in part again, or, at the last chunk, in out with the bias added as tile()
-// does, so the result is tile()'s bit for bit.
+// out[m, 0 .. 16) for MT rows over one chunk buf [kn, 16], row m's activation at k being x[m * ldx + k * xk] (x's rows
+// in place: ldx, 1; a packed tile: 1, MT): the chains resume from part [MT, 16] (or from 0 at the first chunk), go on
+// in k order, and end in part again, or, at the last chunk, in out with the bias added as tile() does, so the result
+// is tile()'s bit for bit.
 template <int MT>
-inline void micro(const float* buf, int64_t kn, const float* x, int64_t ldx, float* part, float* out, int64_t ldo,
-                  bool first, bool last, const float* bias) {
+inline void micro(const float* buf, int64_t kn, const float* x, int64_t ldx, int64_t xk, float* part, float* out,
+                  int64_t ldo, bool first, bool last, const float* bias) {
   __m256 acc[MT][2];
   for (int m = 0; m < MT; ++m)
     for (int h = 0; h < 2; ++h) acc[m][h] = first ? _mm256_setzero_ps() : _mm256_load_ps(part + m * COLS + 8 * h);
@@ -49,7 +50,7 @@ inline void micro(const float* buf, int64_t kn, const float* x, int64_t ldx, flo
   for (int64_t k = 0; k < kn; ++k) {
     const __m256 w0 = _mm256_load_ps(buf + COLS * k), w1 = _mm256_load_ps(buf + COLS * k + 8);
     for (int m = 0; m < MT; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
+      const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k * xk);
       acc[m][0] = _mm256_fmadd_ps(w0, xb, acc[m][0]);
       acc[m][1] = _mm256_fmadd_ps(w1, xb, acc[m][1]);
     }
@@ -62,26 +63,52 @@ inline void micro(const float* buf, int64_t kn, const float* x, int64_t ldx, flo
   }
 }
 
+// A block's rows in tiles of at most MR rows, as even as they go (16 rows as 6 + 5 + 5, not 6 + 6 + 4: a thin tile
+// has fewer chains to hide the FMA latency; 0-5 % faster at 8-64 rows): the first `big` tiles take small + 1 rows.
+struct Tiles {
+  int64_t n, small, big;
+  explicit Tiles(int64_t rows) : n((rows + MR - 1) / MR), small(rows / n), big(n - (n * (small + 1) - rows)) {}
+  int64_t rows(int64_t t) const { return t < big ? small + 1 : small; }
+};
+
+// x [M, K] (rows ldx apart) -> xp [M * K], what blocked() reads when given it: per block of MC rows, per tile, the
+// tile's rows k-major ([K, mt]: the mt activations of a k side by side), so a tile's broadcasts walk one stream.
+inline void pack(const float* x, int64_t ldx, int64_t M, int64_t K, float* xp) {
+  for (int64_t m0 = 0; m0 < M; m0 += MC) {
+    const Tiles tl(std::min(MC, M - m0));
+    for (int64_t t = 0, m = m0; t < tl.n; m += tl.rows(t), ++t) {
+      const int64_t mt = tl.rows(t);
+      float* d = xp + m * K;
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t i = 0; i < mt; ++i) d[k * mt + i] = x[(m + i) * ldx + k];
+    }
+  }
+}
+
 // Groups [g0, g1) for M > FEW_ROWS rows: per block of MC rows, per group, per chunk of KC k: widen the chunk, then
-// run the block's rows over it in tiles of at most MR rows, as even as they go (16 rows as 6 + 5 + 5, not 6 + 6 + 4:
-// a thin tile has fewer chains to hide the FMA latency; 0-5 % faster at 8-64 rows). Two things keep the tiles fed
-// (measured on a 2-core Zen 3, the model's 96 matrices cycled from memory, 2 threads: 16 rows 46-47 -> 52-53 GMAC/s,
-// 64 rows 58-61 -> 64-66, 512 rows 61-64 -> 66-70):
+// run the block's rows over it in Tiles, their activations read from x in place or, where the caller packed them,
+// from xp (pack() of these M rows). Two things keep the tiles fed (measured on a 2-core Zen 3, the model's 96
+// matrices cycled from memory, 2 threads: 16 rows 46-47 -> 52-53 GMAC/s, 64 rows 58-61 -> 64-66, 512 rows 61-64 ->
+// 66-70):
 //   - the chains' partial sums between chunks stay in `part`, a [MC, 16] buffer in L1, and reach out only at the
 //     last chunk: out's rows lie N * 4 bytes apart (N a multiple of 128 in these models), which maps a block's 64
 //     rows onto a few of L1's 64 sets, so partial sums kept in out came back from L2 at every chunk;
 //   - the next chunk (in memory order: past the group, the next group's first) is prefetched a few lines before each
 //     tile rather than all 64 at once, which stalled on the core's outstanding-miss buffers; without any prefetch the
 //     widening waits on memory at each chunk (8 rows 26 against 30 GMAC/s). A prefetch past the tensor is harmless.
+// A prompt's rows come packed (linear_bf16w): read in place, a tile's activations are MR streams ldx apart that come
+// back from L2 for every group; packed, one. Measured on a 2-core Zen 3, 2 threads, the benchmark model's 2,048-token
+// prefill in one process, 8 alternating pairs: 0.953x the time, the packing included. The fused decode step's 5-16
+// rows are read in place (the same products in the same order either way: packing changes no bit).
 inline void blocked(const at::BFloat16* w, int64_t K, int64_t g0, int64_t g1, const float* x, int64_t ldx, int64_t M,
-             const float* bias, float* out, int64_t ldo) {
+                    const float* bias, float* out, int64_t ldo, const float* xp = nullptr) {
   alignas(64) float buf[KC * COLS];
   alignas(64) float part[MC * COLS];
   constexpr int64_t chunk_bytes = KC * COLS * 2, lines = chunk_bytes / 64;
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t rows = std::min(MC, M - m0);
-    const int64_t tiles = (rows + MR - 1) / MR, small = rows / tiles, big = tiles - (tiles * (small + 1) - rows);
-    const int64_t per_tile = (lines + tiles - 1) / tiles * 64;  // prefetched bytes before each tile
+    const Tiles tl(rows);
+    const int64_t per_tile = (lines + tl.n - 1) / tl.n * 64;  // prefetched bytes before each tile
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kn = std::min(KC, K - k0);
@@ -92,20 +119,32 @@ inline void blocked(const at::BFloat16* w, int64_t K, int64_t g0, int64_t g1, co
         const float* bg = bias ? bias + g * COLS : nullptr;
         const float* xb = x + m0 * ldx + k0;
         float* ob = out + m0 * ldo + g * COLS;
-        for (int64_t t = 0, m = 0; t < tiles; ++t) {
+        for (int64_t t = 0, m = 0; t < tl.n; ++t) {
           for (const int64_t e = std::min(fetched + per_tile, chunk_bytes); fetched < e; fetched += 64)
             _mm_prefetch(next + fetched, _MM_HINT_T0);
-          const int64_t mt = t < big ? small + 1 : small;
-          const float* xt = xb + m * ldx;
+          const int64_t mt = tl.rows(t);
           float* pt = part + m * COLS;
           float* ot = ob + m * ldo;
-          switch (mt) {
-            case 1: micro<1>(buf, kn, xt, ldx, pt, ot, ldo, first, last, bg); break;
-            case 2: micro<2>(buf, kn, xt, ldx, pt, ot, ldo, first, last, bg); break;
-            case 3: micro<3>(buf, kn, xt, ldx, pt, ot, ldo, first, last, bg); break;
-            case 4: micro<4>(buf, kn, xt, ldx, pt, ot, ldo, first, last, bg); break;
-            case 5: micro<5>(buf, kn, xt, ldx, pt, ot, ldo, first, last, bg); break;
-            default: micro<MR>(buf, kn, xt, ldx, pt, ot, ldo, first, last, bg); break;
+          if (xp) {  // the tile's [K, mt] from k0 on
+            const float* xt = xp + (m0 + m) * K + k0 * mt;
+            switch (mt) {
+              case 1: micro<1>(buf, kn, xt, 1, 1, pt, ot, ldo, first, last, bg); break;
+              case 2: micro<2>(buf, kn, xt, 1, 2, pt, ot, ldo, first, last, bg); break;
+              case 3: micro<3>(buf, kn, xt, 1, 3, pt, ot, ldo, first, last, bg); break;
+              case 4: micro<4>(buf, kn, xt, 1, 4, pt, ot, ldo, first, last, bg); break;
+              case 5: micro<5>(buf, kn, xt, 1, 5, pt, ot, ldo, first, last, bg); break;
+              default: micro<MR>(buf, kn, xt, 1, MR, pt, ot, ldo, first, last, bg); break;
+            }
+          } else {
+            const float* xt = xb + m * ldx;
+            switch (mt) {
+              case 1: micro<1>(buf, kn, xt, ldx, 1, pt, ot, ldo, first, last, bg); break;
+              case 2: micro<2>(buf, kn, xt, ldx, 1, pt, ot, ldo, first, last, bg); break;
+              case 3: micro<3>(buf, kn, xt, ldx, 1, pt, ot, ldo, first, last, bg); break;
+              case 4: micro<4>(buf, kn, xt, ldx, 1, pt, ot, ldo, first, last, bg); break;
+              case 5: micro<5>(buf, kn, xt, ldx, 1, pt, ot, ldo, first, last, bg); break;
+              default: micro<MR>(buf, kn, xt, ldx, 1, pt, ot, ldo, first, last, bg); break;
+            }
           }
           m += mt;
         }

@@ -17,7 +17,8 @@
 //   - up to FEW_ROWS rows (decode): weights stream from memory once, widened in registers (bf16w_rows.h tile, groups);
 //   - more rows (batched decode, prefill): compute-bound, so each 128-k chunk of a column group is widened once into
 //     an L1 buffer and 6-row x 16-column register tiles run over it (bf16w_blocked.h blocked), the shape of an fp32
-//     GEMM micro-kernel: 12 accumulators, 2 loads and 6 broadcasts for 12 FMAs a k.
+//     GEMM micro-kernel: 12 accumulators, 2 loads and 6 broadcasts for 12 FMAs a k. From 2 MC rows (a prompt) the
+//     activations are packed tile by tile first, so that a tile reads them as one stream.
 // The fused fp32 decode step runs both, up to 16 rows (bf16w_blocked.h rows).
 // Written with AVX2 and FMA only, in every build (build.py); tests/engine/test_bf16w_linear.py holds it to an fp64
 // evaluation of the product and to itself across batch sizes.
@@ -81,11 +82,18 @@ at::Tensor linear_bf16w(const at::Tensor& x, const at::Tensor& w, const std::opt
   const int64_t threads = at::get_num_threads();
   const int64_t per = std::clamp<int64_t>(G / (2 * threads), 1, 8);  // groups a task
   const int64_t tasks_a_block = (G + per - 1) / per, tasks = tasks_a_block * ((M + MC - 1) / MC);
+  // The rows packed tile by tile first (bf16w_blocked.h pack: why), each block of MC rows by one thread.
+  at::Tensor packed = at::empty({M * K}, x.options());
+  float* pk = packed.data_ptr<float>();
+  at::parallel_for(0, (M + MC - 1) / MC, 1, [&](int64_t b0, int64_t b1) {
+    bf16w::pack(xp + b0 * MC * ldx, ldx, std::min(M, b1 * MC) - b0 * MC, K, pk + b0 * MC * K);
+  });
   std::atomic<int64_t> taken{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (int64_t t; (t = taken.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
       const int64_t m0 = t / tasks_a_block * MC, g0 = t % tasks_a_block * per;
-      bf16w::blocked(wp, K, g0, std::min(G, g0 + per), xp + m0 * ldx, ldx, std::min(MC, M - m0), bp, op + m0 * N, N);
+      bf16w::blocked(wp, K, g0, std::min(G, g0 + per), xp + m0 * ldx, ldx, std::min(MC, M - m0), bp, op + m0 * N, N,
+                     pk + m0 * K);
     }
   });
   return out;

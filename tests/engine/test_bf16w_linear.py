@@ -23,8 +23,9 @@ def exact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[
 
 
 # Up to 4 rows the weights are widened in registers; beyond, in 128-k chunks for blocks of 64 rows in 6-row tiles,
-# and from 128 rows in tasks of one block x a few groups that threads take as they come free: m and k cover whole
-# and partial tiles, blocks, tasks and chunks (k 1000 = 7 chunks + 104, k 30 one partial chunk).
+# and from 128 rows (their activations packed tile by tile first) in tasks of one block x a few groups that threads
+# take as they come free: m and k cover whole and partial tiles, blocks, tasks and chunks (k 1000 = 7 chunks + 104,
+# k 30 one partial chunk).
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 17, 70, 150])
 @pytest.mark.parametrize("n,k,with_bias", [(16, 2, False), (48, 64, True), (896, 896, True), (32, 4864, False),
                                            (80, 30, True), (48, 1000, True)])
@@ -45,8 +46,8 @@ def test_matches_the_fp64_product(f32_kernels, m, n, k, with_bias):
 
 @pytest.mark.parametrize("k", [896, 1000])
 def test_a_rows_output_does_not_depend_on_its_batch_or_the_thread_count(f32_kernels, k):
-    """The decode path (<= 4 rows) and the blocked one (more) run each output's chain in the same order: a prompt's
-    rows in a 512-token prefill equal the same rows decoded one at a time, bit for bit."""
+    """The decode path (<= 4 rows) and the blocked one (more, packed from 128) run each output's chain in the same
+    order: a prompt's rows in a 512-token prefill equal the same rows decoded one at a time, bit for bit."""
     g = torch.Generator().manual_seed(3)
     w = f32_kernels.prepare_bf16w(torch.randn(112, k, generator=g).bfloat16())  # 7 column groups: odd pairs
     bias = torch.randn(112, generator=g)
@@ -56,6 +57,10 @@ def test_a_rows_output_does_not_depend_on_its_batch_or_the_thread_count(f32_kern
         assert torch.equal(f32_kernels.linear(x[:m], w, bias), alone[:m]), f"batch of {m}"
     no_bias = torch.cat([f32_kernels.linear(x[i:i + 1], w) for i in range(19)])
     assert torch.equal(f32_kernels.linear(x[:19], w), no_bias)
+    # a prompt's rows read in place where they lie apart (a view of wider rows), as the packing reads them
+    wide = torch.zeros(133, k + 24)
+    wide[:, :k] = x
+    assert torch.equal(torch.ops.deploykit.linear_bf16w(wide[:, :k], w, bias), alone)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
