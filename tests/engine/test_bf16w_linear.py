@@ -57,7 +57,7 @@ def test_a_rows_output_does_not_depend_on_its_batch_or_the_thread_count(f32_kern
         assert torch.equal(f32_kernels.linear(x[:m], w, bias), alone[:m]), f"batch of {m}"
     no_bias = torch.cat([f32_kernels.linear(x[i:i + 1], w) for i in range(19)])
     assert torch.equal(f32_kernels.linear(x[:19], w), no_bias)
-    # a prompt's rows read in place where they lie apart (a view of wider rows), as the packing reads them
+    # rows that lie apart (a view of wider rows): the packing reads them at their stride
     wide = torch.zeros(133, k + 24)
     wide[:, :k] = x
     assert torch.equal(torch.ops.deploykit.linear_bf16w(wide[:, :k], w, bias), alone)
