@@ -18,6 +18,8 @@
 //   y = silu(x W_gate^T) * (x W_up^T)       gate group j and up group j on one thread    | barrier
 //   d = y W_down^T + b                      column groups split                          | barrier
 //   h += d; x = rms_norm(h) * ln1 of the next layer
+// A phase's column groups (or attention tasks) are split between threads in fixed shares up to 4 rows, and past 4
+// handed out in runs as threads come free (STREAM_ROWS below).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -32,6 +34,7 @@
 
 #include "bf16w_blocked.h"
 #include "f32_rows.h"
+#include "runs.h"
 #include "step_args.h"
 #include "step_profile.h"
 #ifdef __AVX512F__
@@ -49,6 +52,15 @@ namespace {
 // Past 4 rows on bf16 matrices the step had gone per op: on a 2-core Zen 3 a 16-sequence step of the benchmark model
 // spent ~10 % of its time beside the GEMMs (benchmarks/README.md, session 29).
 constexpr int64_t MAX_ROWS = 16;
+// Past STREAM_ROWS rows (where both the bf16 and the quantized GEMV give way to tiles) a phase is compute-bound and
+// hands its items out in Runs as threads come free (runs.h: why). Measured on a 2-core Zen 3, fixed shares and
+// runs alternated in one process: 16 rows 0.92-0.96x the time of a step (bf16 and Q4_0), 8 rows 0.93-0.96x, 4 rows the
+// same. Up to 4 rows a phase is bound by the weight stream, and each thread keeps one contiguous share: in runs, Q4_0
+// at one row took 1.07x the time.
+constexpr int64_t STREAM_ROWS = 4;
+constexpr int64_t PHASES = 5;        // qkv, attention, o_proj, gate_up, down: a Runs counter each, per layer
+constexpr int64_t LEAST_GROUPS = 2;  // the shortest run of column groups (2 x 16 columns)
+static_assert(STREAM_ROWS == bf16w::FEW_ROWS);
 
 using namespace step_args;  // Slot, share, checked_rows
 
@@ -195,6 +207,8 @@ void decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at::T
   const float* sin_table = sin.data_ptr<float>();
   const float fscale = (float)scale, feps = (float)eps;
   const int64_t row = 2 * Hkv * D;
+  // One hand-out counter per phase of each layer, so none is reset while a thread may still read it.
+  std::vector<Runs> runs(L * PHASES);
 
 #pragma omp parallel num_threads(max_threads)
   {
@@ -204,39 +218,53 @@ void decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at::T
     std::copy(hp, hp + B * H, res);
     quant::ActBuffer& room = acts[tid];
     f32::Scratch& scratch = scratches[tid];
-    const auto [qg0, qg1] = share(NQKV / 16, tid, nt);
-    const auto [og0, og1] = share(H / 16, tid, nt);
-    const auto [jg0, jg1] = share(I / 16, tid, nt);
-    const auto [t0, t1] = share(B * Hkv, tid, nt);  // attention tasks: (row, KV head)
     const int64_t J = I / 16;
+    // This thread's part of a phase's n column groups (or attention tasks): its share, or its runs; `fresh` is true
+    // for its first, where a quantized matrix's rows are quantized into `room` (a later run reads them there).
+    auto each_run = [&](Runs& runs, int64_t n, int64_t least, auto&& run) {
+      if (B <= STREAM_ROWS) {
+        const auto [r0, r1] = share(n, tid, nt);
+        run(r0, r1, true);
+        return;
+      }
+      bool fresh = true;
+      for (int64_t r0, r1; runs.take(n, nt, least, r0, r1); fresh = false) run(r0, r1, fresh);
+    };
     step_profile::Clock clock(tid);
     for (int64_t b = 0; b < B; ++b) f32::rms_norm(res + b * H, layers[0].ln1, H, feps, x + b * H);
     for (int64_t l = 0; l < L; ++l) {
       const Layer& y = layers[l];
-      matvec(B, x, H, y.qkv, room, qg0, qg1, y.qkv_bias, qkv.data(), NQKV);
+      Runs* phase = runs.data() + l * PHASES;
+      each_run(phase[0], NQKV / 16, LEAST_GROUPS, [&](int64_t g0, int64_t g1, bool fresh) {
+        matvec(B, x, H, y.qkv, room, g0, g1, y.qkv_bias, qkv.data(), NQKV, !fresh);
+      });
       clock.mark(step_profile::QKV);
 #pragma omp barrier
       clock.mark(step_profile::BARRIER);
-      for (int64_t task = t0; task < t1; ++task) {
-        const int64_t b = task / Hkv, kh = task % Hkv;
-        float* q = qkv.data() + b * NQKV;  // this row's q heads, then k heads, then v heads
-        const float* c = cos_table + pos[b] * D;
-        const float* sn = sin_table + pos[b] * D;
-        for (int64_t g = 0; g <= G; ++g) {  // the G query heads of this KV head, then the key head
-          const int64_t head = g < G ? kh * G + g : Hq + kh;
-          float* r = q + head * D;
-          if (y.qk_norm) f32::rms_norm(r, y.qk_norm + head * D, D, feps, r);
-          f32::rotary(r, c, sn, D);
+      each_run(phase[1], B * Hkv, 1, [&](int64_t t0, int64_t t1, bool) {
+        for (int64_t task = t0; task < t1; ++task) {  // (row, KV head)
+          const int64_t b = task / Hkv, kh = task % Hkv;
+          float* q = qkv.data() + b * NQKV;  // this row's q heads, then k heads, then v heads
+          const float* c = cos_table + pos[b] * D;
+          const float* sn = sin_table + pos[b] * D;
+          for (int64_t g = 0; g <= G; ++g) {  // the G query heads of this KV head, then the key head
+            const int64_t head = g < G ? kh * G + g : Hq + kh;
+            float* r = q + head * D;
+            if (y.qk_norm) f32::rms_norm(r, y.qk_norm + head * D, D, feps, r);
+            f32::rotary(r, c, sn, D);
+          }
+          std::memcpy(y.kv + dst[b] * row + kh * D, q + (Hq + kh) * D, D * sizeof(float));
+          std::memcpy(y.kv + dst[b] * row + (Hkv + kh) * D, q + (Hq + Hkv + kh) * D, D * sizeof(float));
+          f32::attend(q + kh * G * D, y.kv, bs, Hkv, D, tbl + b * W, end[b], y.window, kh, G, fscale, scratch,
+                      o.data() + (b * Hq + kh * G) * D);
         }
-        std::memcpy(y.kv + dst[b] * row + kh * D, q + (Hq + kh) * D, D * sizeof(float));
-        std::memcpy(y.kv + dst[b] * row + (Hkv + kh) * D, q + (Hq + Hkv + kh) * D, D * sizeof(float));
-        f32::attend(q + kh * G * D, y.kv, bs, Hkv, D, tbl + b * W, end[b], y.window, kh, G, fscale, scratch,
-                    o.data() + (b * Hq + kh * G) * D);
-      }
+      });
       clock.mark(step_profile::ATTENTION);
 #pragma omp barrier
       clock.mark(step_profile::BARRIER);
-      matvec(B, o.data(), Hq * D, y.o, room, og0, og1, y.o_bias, d.data(), H);
+      each_run(phase[2], H / 16, LEAST_GROUPS, [&](int64_t g0, int64_t g1, bool fresh) {
+        matvec(B, o.data(), Hq * D, y.o, room, g0, g1, y.o_bias, d.data(), H, !fresh);
+      });
       clock.mark(step_profile::O_PROJ);
 #pragma omp barrier
       clock.mark(step_profile::BARRIER);
@@ -244,17 +272,21 @@ void decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at::T
         f32::add_(res + b * H, d.data() + b * H, H);
         f32::rms_norm(res + b * H, y.ln2, H, feps, x + b * H);
       }
-      // Gate groups [jg0, jg1) and the up groups J later, then silu(gate) * up of this thread's own columns.
-      matvec(B, x, H, y.gate_up, room, jg0, jg1, y.gate_up_bias, gu.data(), 2 * I);
-      matvec(B, x, H, y.gate_up, room, J + jg0, J + jg1, y.gate_up_bias, gu.data(), 2 * I, true);
-      for (int64_t b = 0; b < B; ++b) {
-        const float* g = gu.data() + b * 2 * I;
-        f32::silu_mul(g + jg0 * 16, g + I + jg0 * 16, (jg1 - jg0) * 16, act.data() + b * I + jg0 * 16);
-      }
+      // Gate groups [g0, g1) and the up groups J later, then silu(gate) * up of those columns.
+      each_run(phase[3], J, LEAST_GROUPS, [&](int64_t g0, int64_t g1, bool fresh) {
+        matvec(B, x, H, y.gate_up, room, g0, g1, y.gate_up_bias, gu.data(), 2 * I, !fresh);
+        matvec(B, x, H, y.gate_up, room, J + g0, J + g1, y.gate_up_bias, gu.data(), 2 * I, true);
+        for (int64_t b = 0; b < B; ++b) {
+          const float* g = gu.data() + b * 2 * I;
+          f32::silu_mul(g + g0 * 16, g + I + g0 * 16, (g1 - g0) * 16, act.data() + b * I + g0 * 16);
+        }
+      });
       clock.mark(step_profile::GATE_UP);
 #pragma omp barrier
       clock.mark(step_profile::BARRIER);
-      matvec(B, act.data(), I, y.down, room, og0, og1, y.down_bias, d.data(), H);
+      each_run(phase[4], H / 16, LEAST_GROUPS, [&](int64_t g0, int64_t g1, bool fresh) {
+        matvec(B, act.data(), I, y.down, room, g0, g1, y.down_bias, d.data(), H, !fresh);
+      });
       clock.mark(step_profile::DOWN);
 #pragma omp barrier
       clock.mark(step_profile::BARRIER);

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "op_args.h"
+#include "runs.h"
 #ifdef __AVX512F__
 #include "quant_gemv.h"
 #else
@@ -61,8 +62,12 @@ void run(const In* x, int64_t ldx, int64_t M, const Matrix& w, const float* bias
     quant_amx::linear(acts.data(), M, w, bias, out);
     return;
   }
-  at::parallel_for(0, NG, M <= 4 ? 8 : 1,
-                   [&](int64_t b0, int64_t b1) { tiled_rows(M, acts.data(), w, b0, b1, bias, out, N); });
+  // Up to 4 rows the GEMV is bound by the weight stream: each thread one contiguous share. Past 4, compute-bound: the
+  // groups in runs as threads come free (runs.h: why). On a 2-core Zen 3 (AVX2), against fixed shares: a 512-token
+  // prefill 0.91x the time on Q4_0, 0.86x on Q4_K_M; a 64-token one 0.89x on Q4_0.
+  const auto tiles_of = [&](int64_t b0, int64_t b1) { tiled_rows(M, acts.data(), w, b0, b1, bias, out, N); };
+  if (M <= 4) at::parallel_for(0, NG, 8, tiles_of);
+  else in_runs(NG, 2, tiles_of);
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // What the two fused decode steps (decode_step.cpp in bf16, decode_step_f32.cpp in fp32) take alike: the per-layer
 // order of their weight list, the checks on each row's position, block table, context length and cache slot, and
-// each thread's share of a phase's items. No ISA code here, so every build includes it.
+// each thread's fixed share of a phase's items. No ISA code here, so every build includes it.
 #pragma once
 
 #include <ATen/ATen.h>

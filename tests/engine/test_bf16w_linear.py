@@ -61,10 +61,13 @@ def test_a_rows_output_does_not_depend_on_its_batch_or_the_thread_count(f32_kern
     wide = torch.zeros(133, k + 24)
     wide[:, :k] = x
     assert torch.equal(torch.ops.deploykit.linear_bf16w(wide[:, :k], w, bias), alone)
+    # Past 4 rows threads take column groups in runs as they come free (kernels/runs.h): any hand-out, the same bits.
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        assert torch.equal(f32_kernels.linear(x, w, bias), alone)
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            for m in (16, 64, 133):
+                assert torch.equal(f32_kernels.linear(x[:m], w, bias), alone[:m]), f"{t} threads, batch of {m}"
     finally:
         torch.set_num_threads(threads)
 

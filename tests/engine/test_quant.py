@@ -164,6 +164,26 @@ def test_rows_are_bitwise_the_same_in_any_batch(fmt):
         assert torch.equal(kernels.linear(x[:m], blob), alone[:m]), m
 
 
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K"])
+def test_rows_are_bitwise_the_same_on_any_number_of_threads(fmt):
+    """Past 4 rows the threads take a matrix's column groups in runs as they come free (kernels/runs.h), so which
+    thread computes which columns changes from call to call: on 1, 2 or 3 threads, every output is the same bits."""
+    raw = random_raw(fmt, 16 * 23, 512)  # 23 groups: runs of odd length split the GEMV's group pairs
+    blob = quant.pack([raw])
+    x = torch.randn(40, 512)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [kernels.linear(x[:m], blob) for m in (5, 16, 40)]
+        for t in (2, 3):
+            torch.set_num_threads(t)
+            for _ in range(3):
+                for m, want in zip((5, 16, 40), alone):
+                    assert torch.equal(kernels.linear(x[:m], blob), want), f"{t} threads, {m} rows"
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.skipif(not kernels.status().get("quant_amx"),
                     reason="this CPU has no AMX-INT8 (or the OS grants no tile state): the tiles cannot run here")
 @pytest.mark.parametrize("fmt", FORMATS + ["mixed"])
