@@ -82,7 +82,8 @@ def test_head_rms_norm_in_place_on_the_q_and_k_heads_of_a_qkv_view(f32_kernels, 
 
 @pytest.mark.parametrize("heads,kv_heads,d,block,lens", [
     (14, 2, 64, 16, [1]), (14, 2, 64, 16, [17]), (8, 8, 128, 16, [1, 40, 100]), (32, 8, 128, 32, [5, 300, 64, 1000]),
-    (4, 1, 32, 8, [9, 8, 7]), (18, 2, 16, 16, [23, 3]), (2, 2, 256, 16, [33]), (10, 1, 8, 4, [13])])
+    (4, 1, 32, 8, [9, 8, 7]), (18, 2, 16, 16, [23, 3]), (2, 2, 256, 16, [33]), (10, 1, 8, 4, [13]),
+    (16, 2, 40, 16, [70, 2]), (32, 2, 64, 16, [129, 31])])  # 16-lane slices and an 8-lane tail; heads in 3 passes
 def test_decode_attention_reads_scattered_blocks_in_place(f32_kernels, heads, kv_heads, d, block, lens):
     g = torch.Generator().manual_seed(heads * d + len(lens))
     kv = torch.randn(200, block, 2, kv_heads, d, generator=g)
