@@ -39,7 +39,7 @@ sys.path[0] = str(ROOT)  # not benchmarks/: this file's own name would shadow th
 
 SHAPE = {"arch": "qwen2", "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864}
 DEFAULT_MODEL_DIR = Path.home() / ".cache/deploykit/bench/qwen2-350m-bf16"
-PREFILL, BATCH, PROMPT, MAX_LEN = 512, 16, 16, 1024
+PREFILL, BATCH, PROMPT, MAX_LEN = 512, 16, 16, 1024  # PROMPT: --context's default; MAX_LEN: the least max_model_len
 SMALL_BATCH = 4  # ours and llama.cpp: the largest decode step the fused native step (kernels.STEP_MAX_ROWS) takes
 FOREIGN_MAX, RETRIES = 0.1, 3
 TARGETS = {"b1_pct_roofline": 80.0, "b1_vs_llamacpp": 1.25, "b16_vs_transformers_b16": 3.0, "prefill_pct_peak": 50.0,
@@ -59,7 +59,7 @@ class Ours:
         # bf16 where an AVX-512 build runs; without one (the AVX2 build) the engine's own choice, fp32 activations,
         # as `serve` runs there.
         dtype = "bfloat16" if kernels.status()["path"] != "fallback" else "auto"
-        self.core = EngineCore(EngineConfig(src, dtype=dtype, max_model_len=MAX_LEN, max_num_seqs=BATCH,
+        self.core = EngineCore(EngineConfig(src, dtype=dtype, max_model_len=max_len(a), max_num_seqs=BATCH,
                                             prefix_caching=False, compact_weights=not a.no_compact))
         m = self.core.model
         mats = [w for L in getattr(m, "layers", ()) for w in (L.qkv, L.o, L.gate_up, L.down)]
@@ -154,7 +154,12 @@ class Transformers:
 
 def llamacpp_worker(a):
     from benchmarks.gguf_export import LlamaCppRunner
-    return LlamaCppRunner(a.gguf, a.threads, MAX_LEN, PREFILL)
+    return LlamaCppRunner(a.gguf, a.threads, max_len(a), PREFILL)
+
+
+def max_len(a) -> int:
+    """Tokens a sequence may reach: its prompt (--context) and the decoded tokens."""
+    return max(MAX_LEN, a.context + a.tokens + 8)
 
 
 WORKERS = {"ours": Ours, "transformers": Transformers, "llamacpp": llamacpp_worker}
@@ -200,7 +205,8 @@ class Worker:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
         self.kind, self.proc = kind, subprocess.Popen(
             [sys.executable, __file__, "--worker", kind, "--model-dir", str(a.model_dir), "--cpus", cpus,
-             "--threads", str(threads), "--gguf", str(a.gguf), "--weights", a.weights]
+             "--threads", str(threads), "--gguf", str(a.gguf), "--weights", a.weights, "--context", str(a.context),
+             "--tokens", str(a.tokens)]
             + (["--no-compact"] if a.no_compact else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
 
@@ -262,12 +268,13 @@ def stats(xs: list[float], nd: int = 2, lower_is_better: bool = False, samples: 
     return {**out, "samples": [round(x, nd) for x in xs]} if samples else out
 
 
-def jobs_for(kinds: list[str], vocab: int, tokens: int, read_bytes: int) -> list[tuple[str, str, str, dict]]:
+def jobs_for(kinds: list[str], vocab: int, tokens: int, read_bytes: int,
+             context: int = PROMPT) -> list[tuple[str, str, str, dict]]:
     """(result name, worker, op, arguments) of one round. Prompt ids skip 0-2, the special tokens. read_bytes: what a
-    decode step reads from the file, the bandwidth probe's working set."""
+    decode step reads from the file, the bandwidth probe's working set; context: each decode prompt's tokens."""
     ids = range(3, vocab)
-    p1, pre = [random.Random(1).choices(ids, k=PROMPT)], [random.Random(2).choices(ids, k=PREFILL)]
-    p16 = [random.Random(100 + i).choices(ids, k=PROMPT) for i in range(BATCH)]
+    p1, pre = [random.Random(1).choices(ids, k=context)], [random.Random(2).choices(ids, k=PREFILL)]
+    p16 = [random.Random(100 + i).choices(ids, k=context) for i in range(BATCH)]
     return ([("bandwidth", "ours", "bandwidth", {"working_set": read_bytes})]
             + [(f"decode_b1/{k}", k, "generate", {"prompts": p1, "tokens": tokens}) for k in kinds]
             + [(f"decode_b{SMALL_BATCH}/{k}", k, "generate", {"prompts": p16[:SMALL_BATCH], "tokens": tokens})
@@ -436,6 +443,9 @@ def main() -> None:
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per decode measurement")
+    ap.add_argument("--context", type=int, default=PROMPT,
+                    help="prompt tokens before each decode measurement: a long one times the decode steps' attention "
+                         "over that many keys (every sequence has its own prompt)")
     ap.add_argument("--threads", type=int, default=None, help="default: one per core, as `serve --binding auto`")
     ap.add_argument("--quick", action="store_true", help="smoke run: one round of 8-token decodes")
     for flag in ("--skip-transformers", "--skip-llamacpp"):
@@ -453,6 +463,11 @@ def main() -> None:
         return serve_worker(a)
     if a.quick:
         a.rounds, a.tokens = 1, 8
+    cfg = json.loads((a.model_dir / "config.json").read_text()) if (a.model_dir / "config.json").is_file() else {}
+    if a.context < 1 or max_len(a) > cfg.get("max_position_embeddings", max_len(a)):
+        raise SystemExit(f"--context {a.context}: a sequence of {a.context} + {a.tokens} tokens (+ 8) must fit the "
+                         f"model's {cfg['max_position_embeddings']} positions; use a shorter --context or --tokens"
+                         if a.context >= 1 else f"--context {a.context}: use at least 1")
     from deploykit import cpulist
     from engine import binding
     b = binding.resolve("auto" if a.threads is None else tuple(sorted(os.sched_getaffinity(0))[:a.threads]))
@@ -485,7 +500,7 @@ def main() -> None:
         if kern["path"] == "fallback" and not avx2_build and not a.allow_fallback:
             raise SystemExit(f"ours runs on the PyTorch fallback ({kern['reason']}): build the kernels with "
                              "`python -m engine.kernels build`, or pass --allow-fallback to measure that path")
-        jobs = jobs_for(kinds, cfg["vocab_size"], a.tokens, w["decode_read_bytes"])
+        jobs = jobs_for(kinds, cfg["vocab_size"], a.tokens, w["decode_read_bytes"], a.context)
         samples = run_rounds(workers, jobs, a.rounds, b.cpus, notes)
         print("batch against single sequences ...", file=sys.stderr)
         single = batch_vs_single(workers, samples, jobs, a.tokens)
@@ -519,7 +534,7 @@ def main() -> None:
         "machine": {"cpus": cpulist.format(b.cpus), "threads": b.threads, "isa": kern["isa"],
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "workers": infos},
         "settings": {"weights": a.weights, "compact": not a.no_compact, "rounds": a.rounds, "decode_tokens": a.tokens,
-                     "decode_prompt_tokens": PROMPT,
+                     "decode_prompt_tokens": a.context,
                      "batch": BATCH, "small_batch": SMALL_BATCH, "prefill_tokens": PREFILL, "quick": a.quick},
         **s, "ratios": derived, "targets": targets,
         "retried_for_foreign_load": {k: sum(x["retries"] for x in v) for k, v in samples.items()},
