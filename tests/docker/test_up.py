@@ -66,8 +66,14 @@ def _client():
 
 
 def _labelled(name: str) -> tuple[list, list]:
+    import docker
     c = _client()
     flt = {"label": f"deploykit.deployment={name}"}
+    for _ in range(20):  # list() inspects each container it found: one that `up` or `down` removed in between is a 404
+        try:
+            return c.containers.list(all=True, filters=flt), c.networks.list(filters=flt)
+        except docker.errors.NotFound:
+            time.sleep(0.1)
     return c.containers.list(all=True, filters=flt), c.networks.list(filters=flt)
 
 
