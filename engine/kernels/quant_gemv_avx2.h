@@ -47,13 +47,13 @@ inline __m256 u8s(const uint8_t* p) {  // 8 u8 -> fp32
 }
 inline __m256i s8s(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 
-// Bit i of `bits` -> 0xFF in byte i (the Q5 formats' fifth bits, one per byte of a half line).
-inline __m256i bytes_of_bits(uint32_t bits) {
-  const __m256i spread = _mm256_shuffle_epi8(  // byte i <- byte i / 8 of bits (in-lane: the broadcast has all four)
-      _mm256_set1_epi32(static_cast<int32_t>(bits)),
-      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-  const __m256i select = _mm256_set1_epi64x(0x8040201008040201LL);  // byte i keeps bit i % 8
-  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+// Bit e of every byte of a b-line half (the Q5 formats' 5th bits of k-group e, quant_layout.h) moved to bit 4, the
+// rest of the byte cleared: a 16-bit shift by at most 4 moves bit 4 of each byte within its byte.
+[[gnu::always_inline]] inline __m256i fifth_bits(__m256i bline, int e) {
+  const __m256i bit5 = _mm256_set1_epi8(0x10);
+  if (e < 4) return _mm256_and_si256(_mm256_slli_epi16(bline, 4 - e), bit5);
+  if (e == 4) return _mm256_and_si256(bline, bit5);
+  return _mm256_and_si256(_mm256_srli_epi16(bline, e - 4), bit5);
 }
 
 // 8 fp32 -> 8 bf16 as vec.h's to_bf16 (and vcvtneps2bf16): nearest even, NaN quiet, denormal inputs a signed zero.
@@ -113,17 +113,19 @@ template <int F, int MT>
   }
 }
 
-// One unit of a 16-row group for MT >= 2 rows of a 4- or 8-bit format, both halves in one pass over its lines: each
-// activation broadcast serves 16 rows and each line is loaded once, where group() below takes one half a pass. The
-// same int32 sums and fp32 steps per output, so the same bits. On a 2-vCPU Zen 3 (benchmarks/README.md, variants
+// One unit of a 16-row group for MT >= 2 rows of a 4-, 5- or 8-bit format, both halves in one pass over its lines:
+// each activation broadcast serves 16 rows and each line is loaded once, where group() below takes one half a pass.
+// The same int32 sums and fp32 steps per output, so the same bits. On a 2-vCPU Zen 3 (benchmarks/README.md, variants
 // alternated in one process), time against one half a pass: 4 rows Q4_0 0.83-0.90, Q4_1 0.78, Q4_K 0.74, Q8_0 0.83;
 // 16 rows Q4_0 0.79, Q8_0 0.74; 2 rows Q4_0 0.90-0.93; 1 row within the noise (the weight stream decides there, and
-// group() keeps one half a pass). The 5- and 6-bit formats keep one half a pass: their extra bits' registers spill
-// AVX2's 16 (Q5_0 1.12x the time at 16 rows, Q6_K 1.96x at 4).
+// group() keeps one half a pass). The 5-bit formats joined once their 5th bits came as a b-line (a shift and an AND
+// a plane; expanding masks had spilled AVX2's 16 registers, 1.12x the time at 16 rows): with the b-line, Q5_0 and
+// Q5_1 at 4 and 16 rows ran 1.2-1.6x the rate of masks one half a pass (benchmarks/README.md, session 33). Q6_K keeps
+// one half a pass: its h-lines' registers spill (1.96x the time at 4 rows).
 template <int F, int MT>
 [[gnu::always_inline]] inline void both_halves(const Act* act, const uint8_t* ch, int u, int64_t unit,
                                                __m256 (*accf)[MT]) {
-  static_assert(F == Q4_0 || F == Q4_1 || F == Q4_K || F == Q8_0);
+  static_assert(F != Q6_K);
   __m256i acc[2][MT];  // per half (rows 8h .. 8h + 7): int32 sums of code x q over the unit
   if constexpr (F == Q8_0) {
     for (int h = 0; h < 2; ++h)
@@ -141,18 +143,27 @@ template <int F, int MT>
           acc[h][m] = _mm256_add_epi32(acc[h][m], widen(_mm256_maddubs_epi16(aw[h], _mm256_sign_epi8(x, w[h]))));
       }
     }
-  } else {  // the unit's 8 products of pairs a half stay within int16 (the bound above): widened once
+  } else {  // int16 pair sums widened every 4 lines (4-bit codes) or 2 (5-bit), the bounds above
+    constexpr bool five = fifth_bit(F);
+    constexpr int widen_every = five ? 2 : 4;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const uint8_t* lines = ch + u * 256;
     __m256i pa[2][MT];
     for (int h = 0; h < 2; ++h)
-      for (int m = 0; m < MT; ++m) pa[h][m] = _mm256_setzero_si256();
+      for (int m = 0; m < MT; ++m) pa[h][m] = acc[h][m] = _mm256_setzero_si256();
+#pragma GCC unroll 4  // so each plane's shift count is a constant
     for (int l = 0; l < 4; ++l) {
       __m256i lo[2], hi[2];
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines + l * 64 + 32 * h));
         lo[h] = _mm256_and_si256(v, low4);
         hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if constexpr (five) {  // this half's b-line bytes, bit e the 5th bit of k-group e (quant_layout.h)
+          const __m256i bline =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + masks_at(F) + u * 64 + 32 * h));
+          lo[h] = _mm256_or_si256(lo[h], fifth_bits(bline, l));
+          hi[h] = _mm256_or_si256(hi[h], fifth_bits(bline, l + 4));
+        }
       }
       for (int m = 0; m < MT; ++m) {
         const __m256i xl = bcast4(act[m].q + unit * 32 + 4 * l), xh = bcast4(act[m].q + unit * 32 + 16 + 4 * l);
@@ -160,26 +171,30 @@ template <int F, int MT>
           pa[h][m] = _mm256_add_epi16(pa[h][m], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),
                                                                  _mm256_maddubs_epi16(hi[h], xh)));
       }
+      if ((l + 1) % widen_every == 0)
+        for (int h = 0; h < 2; ++h)
+          for (int m = 0; m < MT; ++m) {
+            acc[h][m] = _mm256_add_epi32(acc[h][m], widen(pa[h][m]));
+            pa[h][m] = _mm256_setzero_si256();
+          }
     }
-    for (int h = 0; h < 2; ++h)
-      for (int m = 0; m < MT; ++m) acc[h][m] = widen(pa[h][m]);
   }
   for (int h = 0; h < 2; ++h) scale_unit<F, MT>(act, ch, u, unit, h, acc[h], nullptr, accf[h]);
 }
 
 // out[m, 16 gl .. 16 gl + 16) of part p for MT activation rows: one 16-row group, one half (8 rows) at a time inside
 // each unit, so the int accumulators of one half and the fp32 ones of both fit AVX2's 16 registers at MT <= 2; from 2
-// rows, the 4- and 8-bit formats in one pass for both halves (both_halves).
+// rows, every format but Q6_K in one pass for both halves (both_halves).
 template <int F, int MT, bool Ahead, class Out>
 inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const float* bias, Out* out, int64_t ldo) {
   constexpr Info inf = info_of(F);
   constexpr bool five = fifth_bit(F);
-  constexpr bool both = MT >= 2 && (F == Q4_0 || F == Q4_1 || F == Q4_K || F == Q8_0);
+  constexpr bool both = MT >= 2 && F != Q6_K;
   const uint8_t* base = p.data + gl * p.group_bytes;
   __m256 accf[2][MT];
   for (int h = 0; h < 2; ++h)
     for (int m = 0; m < MT; ++m) accf[h][m] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0x0F), bit5 = _mm256_set1_epi8(0x10), top2 = _mm256_set1_epi8(0x30);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
   const int64_t chunks = K / (32 * inf.units);
   const int64_t ahead = Ahead ? stream_ahead.bytes[F].load(std::memory_order_relaxed) : 0;
   const Hint hint = stream_ahead.hint.load(std::memory_order_relaxed);
@@ -212,16 +227,17 @@ inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const fl
           const uint8_t* lines = ch + u * unit_bytes + 32 * h;
           __m256i pa[MT], pb[MT];  // int16 pair sums since the last widening: low nibbles (Q6_K: first 16 k), high
           for (int m = 0; m < MT; ++m) pa[m] = pb[m] = _mm256_setzero_si256();
+          // Q5: this half's b-line bytes (rows 8h .. 8h + 7), bit e the 5th bit of k-group e.
+          const __m256i bline = five ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                           ch + masks_at(F) + u * 64 + 32 * h))
+                                     : _mm256_setzero_si256();
+#pragma GCC unroll 4  // so each plane's shift count is a constant
           for (int l = 0; l < 4; ++l) {
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines + l * 64));
             __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            if constexpr (five) {  // masks e = l and l + 4 of this unit, bits 32h .. 32h + 31 of each
-              uint32_t ml, mh;
-              const uint8_t* masks = ch + masks_at(F) + u * 64;
-              std::memcpy(&ml, masks + 8 * l + 4 * h, 4);
-              std::memcpy(&mh, masks + 8 * (l + 4) + 4 * h, 4);
-              lo = _mm256_or_si256(lo, _mm256_and_si256(bytes_of_bits(ml), bit5));
-              hi = _mm256_or_si256(hi, _mm256_and_si256(bytes_of_bits(mh), bit5));
+            if constexpr (five) {  // k-group l in the low nibbles, l + 4 in the high ones
+              lo = _mm256_or_si256(lo, fifth_bits(bline, l));
+              hi = _mm256_or_si256(hi, fifth_bits(bline, l + 4));
             }
             if constexpr (F == Q6_K) {  // top 2 bits of k-group l in h-line 0, of l + 4 in h-line 1, bits 2l..2l+1
               const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines + 256));

@@ -7,18 +7,18 @@
 // K is walked in units of 32 (one activation block, quant_act.h); a unit is 8 such lines (k-groups 0..7):
 //   byte formats (Q8_0):  8 stored lines, value + 128 (so it is unsigned);
 //   nibble formats:       4 stored lines, line g = k-group g in the low nibble and k-group g + 4 in the high one;
-//     Q5_0/Q5_1/Q5_K add the 5th bits as 8 masks a unit (mask e, bit r*4 + j = k-group e), Q6_K the top 2 bits as
-//     2 h-lines (h-line h, bits 2s..2s+1 of byte r*4 + j = k-group 4h + s).
+//     Q5_0/Q5_1/Q5_K add the 5th bits, 64 bytes a unit (fifth_bit_of below: 8 masks or a b-line, per build), Q6_K
+//     the top 2 bits as 2 h-lines (h-line h, bits 2s..2s+1 of byte r*4 + j = k-group 4h + s).
 // Units are grouped into chunks that carry their scales after the quants, so a 16-row group is one contiguous
 // stream of whole 64-byte lines (the file's bytes per weight, except Q4_K's and Q5_K's u8 sub-scales, 4.625 vs 4.5
 // and 5.625 vs 5.5 bits, and Q6_K's padding to whole lines, 6.625 vs 6.5625 bits):
 //   Q8_0  2 units: 16 lines | d0[16] d1[16] fp16                              1088 B per 16 x 64 weights
 //   Q4_0  2 units:  8 lines | d0 d1                                            576 B
 //   Q4_1  2 units:  8 lines | d0 d1 | m0 m1 (fp16, value = d q + m)            640 B
-//   Q5_0  2 units:  8 lines | 16 masks | d0 d1                                 704 B
-//   Q5_1  2 units:  8 lines | 16 masks | d0 d1 | m0 m1                         768 B
+//   Q5_0  2 units:  8 lines | 5th bits (2 x 64 B) | d0 d1                      704 B
+//   Q5_1  2 units:  8 lines | 5th bits | d0 d1 | m0 m1                         768 B
 //   Q4_K  8 units: 32 lines | d[16] dmin[16] fp16 | sc[8][16] m[8][16] u8      2368 B per 16 x 256 weights
-//   Q5_K  8 units: 32 lines | 64 masks | then Q4_K's scales                   2880 B
+//   Q5_K  8 units: 32 lines | 5th bits (8 x 64 B) | then Q4_K's scales        2880 B
 //   Q6_K  8 units: (4 lines + 2 h-lines) x 8 | sc[16][16] s8 | d[16] fp16 | pad 3392 B
 // Each format's value: Q8_0 d (q - 128); Q4_0 d (q - 8); Q5_0 d (q - 16); Q4_1/Q5_1 d q + m;
 // Q4_K and Q5_K (d sc_j) q - (dmin m_j) per 32; Q6_K d sc_i (q - 32) per 16.
@@ -54,6 +54,29 @@ inline bool known(int32_t f) {
 // The formats whose codes carry a fifth bit in masks after a chunk's lines, and where a chunk's masks start.
 constexpr bool fifth_bit(int32_t f) { return f == Q5_0 || f == Q5_1 || f == Q5_K; }
 constexpr int64_t masks_at(int32_t f) { return f == Q5_K ? 2048 : 512; }
+// A unit's 64 bytes of 5th bits (at masks_at(F) + 64 u of its chunk) are arranged for the build's kernels:
+//   AVX-512 builds, 8 masks: u64 e, bit r*4 + j = the 5th bit of row r, k 4e + j; one kmask a nibble plane
+//                            (quant_gemv.h, quant_amx.h load it and OR 0x10 under it);
+//   the AVX2 build, a b-line: byte r*4 + j, bit e = the same bit, as Q6_K's h-lines hold its top bits. A nibble
+//                            plane's 5th bits are then a shift and an AND of one 32-byte load per 8 rows, where
+//                            expanding a mask without mask registers took 7 operations a plane (quant_gemv_avx2.h).
+// One library is loaded per process and it both packs and reads, so the two arrangements never meet.
+#ifdef __AVX512F__
+inline constexpr bool FIFTH_BIT_LINE = false;
+#else
+inline constexpr bool FIFTH_BIT_LINE = true;
+#endif
+inline int fifth_bit_of(const uint8_t* unit_bits, int r, int k) {  // row r, k 0..31 of the unit
+  const int e = k / 4, b = r * 4 + k % 4;
+  return FIFTH_BIT_LINE ? (unit_bits[b] >> e) & 1 : (unit_bits[8 * e + b / 8] >> (b % 8)) & 1;
+}
+inline void set_fifth_bit(uint8_t* unit_bits, int r, int k) {  // into zeroed bytes
+  const int e = k / 4, b = r * 4 + k % 4;
+  if (FIFTH_BIT_LINE)
+    unit_bits[b] |= static_cast<uint8_t>(1 << e);
+  else
+    unit_bits[8 * e + b / 8] |= static_cast<uint8_t>(1 << (b % 8));
+}
 // Where a K-quant chunk's d, dmin and sub-scales start (Q4_K and Q5_K): after its lines and masks.
 constexpr int64_t kscales_at(int32_t f) { return f == Q5_K ? 2560 : 2048; }
 

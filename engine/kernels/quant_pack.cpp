@@ -128,13 +128,10 @@ void nibble_lines(Q q, uint8_t* out) {  // 4 lines
       for (int j = 0; j < 4; ++j) out[g * 64 + r * 4 + j] = (q(r, 4 * g + j) & 15) | ((q(r, 16 + 4 * g + j) & 15) << 4);
 }
 template <class Q>
-void fifth_bit_masks(Q q, uint8_t* out) {  // 8 x u64
-  for (int e = 0; e < 8; ++e) {
-    uint64_t mask = 0;
-    for (int r = 0; r < 16; ++r)
-      for (int j = 0; j < 4; ++j) mask |= (uint64_t)((q(r, 4 * e + j) >> 4) & 1) << (r * 4 + j);
-    std::memcpy(out + 8 * e, &mask, 8);
-  }
+void fifth_bits(Q q, uint8_t* out) {  // 64 zeroed bytes, arranged as quant_layout.h's fifth_bit_of reads them
+  for (int r = 0; r < 16; ++r)
+    for (int k = 0; k < 32; ++k)
+      if ((q(r, k) >> 4) & 1) set_fifth_bit(out, r, k);
 }
 template <class Q>
 void top_bit_lines(Q q, uint8_t* out) {  // 2 lines
@@ -171,7 +168,7 @@ void pack_group(int32_t f, const Row* rows, int64_t K, uint8_t* out) {
         case Q5_1: {
           nibble_lines(q, o + u * 256);
           const bool five = f == Q5_0 || f == Q5_1;
-          if (five) fifth_bit_masks(q, o + 512 + u * 64);
+          if (five) fifth_bits(q, o + 512 + u * 64);
           uint8_t* scales = o + 512 + (five ? 128 : 0);
           put16(scales + u * 32, [&](int r) { return rows[r].d[unit]; });
           if (f == Q4_1 || f == Q5_1) put16(scales + 64 + u * 32, [&](int r) { return rows[r].m[unit]; });
@@ -180,7 +177,7 @@ void pack_group(int32_t f, const Row* rows, int64_t K, uint8_t* out) {
         case Q4_K:
         case Q5_K: {
           nibble_lines(q, o + u * 256);
-          if (f == Q5_K) fifth_bit_masks(q, o + masks_at(f) + u * 64);
+          if (f == Q5_K) fifth_bits(q, o + masks_at(f) + u * 64);
           uint8_t* s = o + kscales_at(f);
           for (int r = 0; r < 16; ++r) s[64 + u * 16 + r] = rows[r].sc[unit], s[192 + u * 16 + r] = rows[r].mn[unit];
           if (u == 0) {
@@ -276,11 +273,7 @@ void dequant_row(const Matrix& m, int64_t row, float* out) {
           const float d = half(scales + u * 32 + 2 * r), mn = offset ? half(scales + 64 + u * 32 + 2 * r) : 0.0f;
           for (int k = 0; k < 32; ++k) {
             int q = nib(o + u * 256, k);
-            if (five) {
-              uint64_t mask;
-              std::memcpy(&mask, o + 512 + u * 64 + 8 * (k / 4), 8);
-              q |= (int)((mask >> (r * 4 + k % 4)) & 1) << 4;
-            }
+            if (five) q |= fifth_bit_of(o + 512 + u * 64, r, k) << 4;
             y[k] = offset ? d * (float)q + mn : d * (float)(q - (five ? 16 : 8));
           }
           break;
@@ -292,11 +285,7 @@ void dequant_row(const Matrix& m, int64_t row, float* out) {
           const float mn = half(s + 32 + 2 * r) * (float)s[192 + u * 16 + r];
           for (int k = 0; k < 32; ++k) {
             int q = nib(o + u * 256, k);
-            if (p.format == Q5_K) {
-              uint64_t mask;
-              std::memcpy(&mask, o + masks_at(Q5_K) + u * 64 + 8 * (k / 4), 8);
-              q |= (int)((mask >> (r * 4 + k % 4)) & 1) << 4;
-            }
+            if (p.format == Q5_K) q |= fifth_bit_of(o + masks_at(Q5_K) + u * 64, r, k) << 4;
             y[k] = d * (float)q - mn;
           }
           break;
