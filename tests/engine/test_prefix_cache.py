@@ -294,7 +294,7 @@ def test_real_model_outputs_are_the_same_tokens_with_the_cache_on_and_off(smollm
     runs = {}
     for caching in (False, True):
         core = EngineCore(EngineConfig(smollm2, dtype=dtype, max_model_len=2048, prefix_caching=caching, **config))
-        assert (core.model.step_weights is not None) == (dtype == "bfloat16")  # the fused decode step runs in bf16
+        assert core.model.step_weights is not None  # decode steps run fused: decode_step.cpp, fp32 its _f32 twin
         runs[caching] = _conversations(core, tok), core.stats()
         _idle(core.allocator)
     (off, _), (on, stats) = runs[False], runs[True]
