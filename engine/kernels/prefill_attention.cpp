@@ -4,10 +4,14 @@
 // The PyTorch path (engine/models/layers.py) runs SDPA on 64-query tiles with an additive mask, one call per tile,
 // so that a query's result depends on its position alone: 0.30-0.46 TFLOP/s on a 2-core Sapphire Rapids-class Xeon
 // at 512-4,096 tokens, against 0.36-0.70 for one causal SDPA call (benchmarks/README.md, session 21). Here, per
-// (query head, 16 queries), a flash-attention loop over 32-key blocks from key 0:
-//   S [16 q, 32 k] = Q K^T by tdpbf16ps (fp32), scaled and masked in fp32 (key > query, or outside the window: -inf);
-//   an online softmax per query row: m = max so far, P = exp(S - m) rounded to bf16, l = l e^(m_old - m) + sum P;
-//   O [16 q, D] = O e^(m_old - m) + P V by tdpbf16ps (fp32);  out = O / l in bf16.
+// (query head, 16 queries), a flash-attention loop over 64-key blocks from key 0:
+//   S [16 q, 64 k] = Q K^T by tdpbf16ps (fp32), unscaled; hidden keys (key > query, or outside the window) masked
+//   only in a block that holds the diagonal or the window's edge, every key of any other block being visible;
+//   an online softmax per query row: m = max of S so far, P = e^((S - m) scale) rounded to bf16, computed as
+//   2^(S scale log2 e - m scale log2 e) (one FMA into the exponent), l = l e^((m_old - m) scale) + sum P;
+//   O [16 q, D] = O e^((m_old - m) scale) + P V by tdpbf16ps (fp32);  out = O / l in bf16.
+// The softmax's vector work bounds this loop, not the tiles: scaling S into the exponent and skipping the masks of
+// whole blocks took 0.78-0.82 of the time at 512-2,000 tokens (benchmarks/README.md, session 35).
 // K is transposed and V interleaved in key pairs once per call into the tiles' B layouts, shared by all heads.
 //
 // A query's result is a function of its position and the keys alone: its row runs the same blocks from key 0 in the
@@ -96,6 +100,22 @@ void make_tiles(const bf16* const* keys, int64_t voff, int64_t T, int64_t D, Hea
   _tile_stored(3, &dst[0][48], sizeof(dst[0]));
 }
 
+// 2^t for t at most ~0 (a score below its row's max, in units of log2): vec::exp without its multiply by log2(e) and
+// its upper clamp; t is kept above -126 so that 2^n stays a normal float (no denormal results, which are slow).
+[[gnu::always_inline]] inline __m512 exp2_below(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);  // vec::exp's polynomial for 2^f, f in [-0.5, 0.5]
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // Query head rows [0, rows) of q (positions pos0 + r, rows ldq apart) -> out rows (ldo apart). lo, hi: the key
 // blocks to visit. The 16 rows' softmax state lives in vectors (lane r: row r).
 void tile_task(const bf16* q, int64_t ldq, int64_t rows, int64_t pos0, int64_t window, float scale, int64_t D,
@@ -125,35 +145,48 @@ void tile_task(const bf16* q, int64_t ldq, int64_t rows, int64_t pos0, int64_t w
       times_four(t.kt.data() + (b * dk + c) * 4 * 512);
     }
     store_four(s);
-    // Scaled and masked scores (hidden keys -inf) and each row's max; rows that see no key of this block are left
-    // untouched below.
-    __m512i k[4];
-    for (int i = 0; i < 4; ++i) k[i] = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(b * KEYS + 16 * i)));
+    // Which keys each row sees: every key of the block, for every row of the tile, unless the block holds the
+    // diagonal or the window's edge; then each row compares key and query positions. The scores stay unscaled and
+    // the scale goes into the exponent, 2^((s - m) scale log2 e), so a visible key's P is the same bits either way:
+    // a query's result may not depend on which tile it is in (see above).
+    const int64_t k0 = b * KEYS;
+    const bool whole = k0 + KEYS - 1 <= pos0 && (window == 0 || k0 > pos0 + 15 - window);
     __mmask16 vis[16][4], live = 0;
     __m512 mx[16];
-    const __m512 ninf = _mm512_set1_ps(-inf), sc = _mm512_set1_ps(scale);
-    for (int r = 0; r < 16; ++r) {
-      const __m512i last = _mm512_set1_epi32((int)(pos0 + r)), first = _mm512_set1_epi32((int)(pos0 + r - window));
-      __mmask16 any = 0;
-      mx[r] = ninf;
-      for (int i = 0; i < 4; ++i) {
-        vis[r][i] = _mm512_cmple_epi32_mask(k[i], last);
-        if (window > 0) vis[r][i] &= _mm512_cmpgt_epi32_mask(k[i], first);
-        any |= vis[r][i];
-        const __m512 x = _mm512_mask_mul_ps(ninf, vis[r][i], _mm512_load_ps(s[r] + 16 * i), sc);
-        _mm512_store_ps(s[r] + 16 * i, x);
-        mx[r] = _mm512_max_ps(mx[r], x);
+    const __m512 ninf = _mm512_set1_ps(-inf);
+    if (whole) {
+      for (int r = 0; r < 16; ++r) {
+        const __m512 a = _mm512_max_ps(_mm512_load_ps(s[r]), _mm512_load_ps(s[r] + 16));
+        mx[r] = _mm512_max_ps(a, _mm512_max_ps(_mm512_load_ps(s[r] + 32), _mm512_load_ps(s[r] + 48)));
       }
-      if (any) live |= (__mmask16)(1u << r);
+      live = 0xFFFF;
+    } else {
+      __m512i k[4];
+      for (int i = 0; i < 4; ++i) k[i] = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(k0 + 16 * i)));
+      for (int r = 0; r < 16; ++r) {
+        const __m512i last = _mm512_set1_epi32((int)(pos0 + r)), first = _mm512_set1_epi32((int)(pos0 + r - window));
+        __mmask16 any = 0;
+        mx[r] = ninf;
+        for (int i = 0; i < 4; ++i) {
+          vis[r][i] = _mm512_cmple_epi32_mask(k[i], last);
+          if (window > 0) vis[r][i] &= _mm512_cmpgt_epi32_mask(k[i], first);
+          any |= vis[r][i];
+          mx[r] = _mm512_max_ps(mx[r], _mm512_mask_mov_ps(ninf, vis[r][i], _mm512_load_ps(s[r] + 16 * i)));
+        }
+        if (any) live |= (__mmask16)(1u << r);
+      }
     }
     live &= real;
     const auto max = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
-    const __m512 mnew = _mm512_mask_max_ps(m, live, m, vec::reduce16(mx, max));  // lane r: row r's max
-    // e^(m_old - m_new): exactly 1 where the max did not move; ~1e-38 (vec::exp's floor) where nothing was seen
-    // yet, which multiplies O = l = 0.
-    _mm512_store_ps(alpha, _mm512_maskz_mov_ps(live, vec::exp(_mm512_sub_ps(m, mnew))));
+    const __m512 mnew = _mm512_mask_max_ps(m, live, m, vec::reduce16(mx, max));  // lane r: row r's max (unscaled)
+    // e^((m_old - m_new) scale): exactly 1 where the max did not move; ~1e-38 (vec::exp's floor) where nothing was
+    // seen yet, which multiplies O = l = 0.
+    _mm512_store_ps(alpha, _mm512_maskz_mov_ps(live, vec::exp(_mm512_mul_ps(_mm512_sub_ps(m, mnew),
+                                                                             _mm512_set1_ps(scale)))));
     alignas(64) float mrow[16];
     _mm512_store_ps(mrow, mnew);
+    const float c = scale * 1.44269504f;  // scale log2(e)
+    const __m512 cv = _mm512_set1_ps(c);
     __m512 sums[16];
     for (int r = 0; r < 16; ++r) {
       sums[r] = _mm512_setzero_ps();
@@ -163,12 +196,13 @@ void tile_task(const bf16* q, int64_t ldq, int64_t rows, int64_t pos0, int64_t w
       }
       // Hidden keys get exactly 0; P is rounded to bf16 for the P V product, and l sums the rounded values, so O / l
       // normalises what was multiplied.
-      const __m512 mv = _mm512_set1_ps(mrow[r]);
+      const __m512 nmc = _mm512_set1_ps(-mrow[r] * c);
       for (int i = 0; i < 4; ++i) {
-        const __m512 e = _mm512_maskz_mov_ps(vis[r][i], vec::exp(_mm512_sub_ps(_mm512_load_ps(s[r] + 16 * i), mv)));
+        __m512 e = exp2_below(_mm512_fmadd_ps(_mm512_load_ps(s[r] + 16 * i), cv, nmc));
+        if (!whole) e = _mm512_maskz_mov_ps(vis[r][i], e);
         const __m256i h = vec::to_bf16(e);
         _mm256_store_si256(reinterpret_cast<__m256i*>(p[r] + 16 * i), h);
-        sums[r] = _mm512_add_ps(sums[r], vec::load16(p[r] + 16 * i));
+        sums[r] = _mm512_add_ps(sums[r], _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
       }
     }
     l = _mm512_mask_fmadd_ps(l, live, _mm512_load_ps(alpha), vec::reduce16(sums));
