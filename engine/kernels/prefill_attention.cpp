@@ -100,22 +100,6 @@ void make_tiles(const bf16* const* keys, int64_t voff, int64_t T, int64_t D, Hea
   _tile_stored(3, &dst[0][48], sizeof(dst[0]));
 }
 
-// 2^t for t at most ~0 (a score below its row's max, in units of log2): vec::exp without its multiply by log2(e) and
-// its upper clamp; t is kept above -126 so that 2^n stays a normal float (no denormal results, which are slow).
-[[gnu::always_inline]] inline __m512 exp2_below(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);  // vec::exp's polynomial for 2^f, f in [-0.5, 0.5]
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Query head rows [0, rows) of q (positions pos0 + r, rows ldq apart) -> out rows (ldo apart). lo, hi: the key
 // blocks to visit. The 16 rows' softmax state lives in vectors (lane r: row r).
 void tile_task(const bf16* q, int64_t ldq, int64_t rows, int64_t pos0, int64_t window, float scale, int64_t D,
@@ -198,7 +182,7 @@ void tile_task(const bf16* q, int64_t ldq, int64_t rows, int64_t pos0, int64_t w
       // normalises what was multiplied.
       const __m512 nmc = _mm512_set1_ps(-mrow[r] * c);
       for (int i = 0; i < 4; ++i) {
-        __m512 e = exp2_below(_mm512_fmadd_ps(_mm512_load_ps(s[r] + 16 * i), cv, nmc));
+        __m512 e = vec::exp2_below(_mm512_fmadd_ps(_mm512_load_ps(s[r] + 16 * i), cv, nmc));
         if (!whole) e = _mm512_maskz_mov_ps(vis[r][i], e);
         const __m256i h = vec::to_bf16(e);
         _mm256_store_si256(reinterpret_cast<__m256i*>(p[r] + 16 * i), h);

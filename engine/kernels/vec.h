@@ -90,12 +90,9 @@ inline __m512 reduce16(__m512 acc[16]) {
   return reduce16(acc, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
 }
 
-// exp(x) = 2^t, t = x log2(e) = 2^n * 2^f with n = round(t), f in [-0.5, 0.5] (the compiler has no vector
-// exp). t is clamped to [-126, 126] so 2^n stays a normal float: exp(x) for x < -87 comes out ~1e-38
-// instead of 0 and for x > 87 ~1e38 instead of inf, far outside anything a bf16 result can tell apart.
-inline __m512 exp(__m512 x) {
-  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-  t = _mm512_max_ps(_mm512_min_ps(t, _mm512_set1_ps(126.0f)), _mm512_set1_ps(-126.0f));
+// 2^t = 2^n * 2^f with n = round(t), f in [-0.5, 0.5], for t in [-126, 126] (2^n a normal float). The compiler has
+// no vector exp.
+inline __m512 exp2_normal(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   // 2^f: Cephes exp2f polynomial, relative error ~2e-7 (bf16 resolves 4e-3).
@@ -108,6 +105,18 @@ inline __m512 exp(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
+
+// exp(x) = 2^(x log2(e)), the exponent clamped to [-126, 126] so 2^n stays a normal float: exp(x) for x < -87 comes
+// out ~1e-38 instead of 0 and for x > 87 ~1e38 instead of inf, far outside anything a bf16 result can tell apart.
+inline __m512 exp(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  return exp2_normal(_mm512_max_ps(_mm512_min_ps(t, _mm512_set1_ps(126.0f)), _mm512_set1_ps(-126.0f)));
+}
+
+// 2^t for t at most ~0, as a softmax takes it (a score less its row's max, already in units of log2: the scale and
+// log2(e) folded into one FMA by the caller): one clamp fewer and no multiply, against exp. Below -126 it gives
+// ~1e-38, never a denormal (slow).
+inline __m512 exp2_below(__m512 t) { return exp2_normal(_mm512_max_ps(t, _mm512_set1_ps(-126.0f))); }
 
 // silu(x) * up = x / (1 + exp(-x)) * up, through a reciprocal estimate and one Newton step (2^-28 relative): a zmm
 // divide would make silu_mul divider-bound. One home for it: rows::silu_mul and the AMX tiles' fused gate_up epilogue
