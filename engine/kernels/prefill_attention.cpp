@@ -237,6 +237,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, const at
                              double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.size(0) >= 1, "q must be a [L, Hq, D] tensor with L >= 1");
   TORCH_CHECK(position >= 0 && window >= 0, "position and window must be >= 0");
+  TORCH_CHECK(scale > 0, "scale must be > 0 (the softmax takes each row's max before scaling), not ", scale);
   const int64_t L = q.size(0), end = position + L;
   const at::Tensor tables = table.view({1, -1}), lens = at::full({1}, end, table.options());
   // The decode op's checks, as one sequence (q's first row stands for the chunk: the rows share strides and heads).

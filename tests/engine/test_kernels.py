@@ -514,6 +514,8 @@ def test_prefill_attention_refuses_what_it_cannot_read(kernels):
         kernels.prefill_attention(q, kv, torch.tensor([9], dtype=i32), 0, 1.0)
     with pytest.raises(RuntimeError, match="context length"):  # 5 queries from position 12 need 17 > 16 slots
         kernels.prefill_attention(q, kv, torch.tensor([0], dtype=i32), 12, 1.0)
+    with pytest.raises(RuntimeError, match="scale must be > 0"):  # each row's max is taken before scaling
+        kernels.prefill_attention(q, kv, torch.tensor([0], dtype=i32), 0, -1.0)
     with pytest.raises(RuntimeError, match="head_dim must be a multiple of 64"):
         kernels.prefill_attention(torch.zeros(5, 4, 32, dtype=torch.bfloat16), kv[..., :32].contiguous(),
                                   torch.tensor([0], dtype=i32), 0, 1.0)
