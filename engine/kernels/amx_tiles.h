@@ -113,7 +113,7 @@ struct Partial {
 
 // v rounded to bf16 and widened back, bit for bit what storing it as bf16 and loading it gives.
 inline __m512 bf16_round(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+  return vec::widen((__m256i)_mm512_cvtneps_pbh(v));
 }
 
 // silu (NB == 2: nb[0] a gate block, nb[1] its up block): out[r, 16 nb[0] + c] = silu(gate) * up instead, computed

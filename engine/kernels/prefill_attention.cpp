@@ -186,7 +186,7 @@ void tile_task(const bf16* q, int64_t ldq, int64_t rows, int64_t pos0, int64_t w
         if (!whole) e = _mm512_maskz_mov_ps(vis[r][i], e);
         const __m256i h = vec::to_bf16(e);
         _mm256_store_si256(reinterpret_cast<__m256i*>(p[r] + 16 * i), h);
-        sums[r] = _mm512_add_ps(sums[r], _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        sums[r] = _mm512_add_ps(sums[r], vec::widen(h));
       }
     }
     l = _mm512_mask_fmadd_ps(l, live, _mm512_load_ps(alpha), vec::reduce16(sums));

@@ -15,13 +15,10 @@ namespace vec {
 
 using bf16 = at::BFloat16;
 
-// bf16 is the top half of an fp32.
-inline __m512 load16(const bf16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline __m512 load16_masked(const bf16* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
+// bf16 is the top half of an fp32: 16 bf16 bit patterns widened to 16 fp32, exactly.
+inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+inline __m512 load16(const bf16* p) { return widen(_mm256_loadu_si256((const __m256i*)p)); }
+inline __m512 load16_masked(const bf16* p, __mmask16 m) { return widen(_mm256_maskz_loadu_epi16(m, p)); }
 
 // 16 fp32 -> 16 bf16 as vcvtneps2bf16 does it: round to nearest even, NaN stays a quiet NaN, denormal inputs
 // become a signed zero.
