@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import functools
 import itertools
@@ -52,7 +53,17 @@ class Generation:
         self.first_at: float | None = None
         self.created = int(time.time())
         self.choices: list[Choice] = []
-        self.queue: asyncio.Queue = asyncio.Queue()
+        # Outputs waiting for the stream, and the future it sleeps on while there are none. Not an asyncio.Queue read
+        # through asyncio.wait_for: on Python 3.11 that wraps every get in a new Task, a cost paid per token of every
+        # stream on CPUs the front end shares with the engine.
+        self._items: collections.deque[tuple[int, RequestOutput] | APIError] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item: tuple[int, RequestOutput] | APIError) -> None:
+        """A choice's output, or the error that ends the stream (event-loop thread)."""
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def stream(self, keepalive: float | None = None) -> AsyncIterator[tuple[int, RequestOutput] | None]:
         """Yields every output until all choices finished; raises APIError if the engine refused or died. With
@@ -60,12 +71,21 @@ class Generation:
         SSE stream can show the client and any proxy it is alive. Callers must call cancel() when they stop early
         (client gone)."""
         remaining = len(self.choices)
+        loop = asyncio.get_running_loop()
         while remaining:
-            try:
-                item = await (asyncio.wait_for(self.queue.get(), keepalive) if keepalive else self.queue.get())
-            except asyncio.TimeoutError:
-                yield None
-                continue
+            if not self._items:
+                self._waiter = waiter = loop.create_future()
+                timer = loop.call_later(keepalive, _wake, waiter) if keepalive else None
+                try:
+                    await waiter
+                finally:
+                    self._waiter = None
+                    if timer is not None:
+                        timer.cancel()
+                if not self._items:  # woken by the timer
+                    yield None
+                    continue
+            item = self._items.popleft()
             if isinstance(item, APIError):
                 raise item
             remaining -= item[1].finished
@@ -224,7 +244,7 @@ class Frontend:
                 if error is None:  # the client went away
                     self.metrics.finished("abort")
         if error is not None:
-            gen.queue.put_nowait(error)
+            gen.put(error)
 
     def abort_all(self) -> None:
         """Finish every request now with finish_reason "abort" (shutdown grace period over)."""
@@ -232,7 +252,7 @@ class Frontend:
             del self._choices[ch.engine_id]
             self._send(AbortRequest(ch.engine_id))
             self.metrics.finished("abort")
-            ch.gen.queue.put_nowait((ch.index, ch.state.abort()))
+            ch.gen.put((ch.index, ch.state.abort()))
 
     async def call(self, name: str):
         fut = self._loop.create_future()
@@ -308,7 +328,7 @@ class Frontend:
             del self._choices[out.request_id]
             m.e2e.observe(now - ch.gen.arrival)
             m.finished(ro.finish_reason)
-        ch.gen.queue.put_nowait((ch.index, ro))
+        ch.gen.put((ch.index, ro))
 
     def _on_exit(self, code: int | None) -> None:
         if self.engine.stopping:
@@ -326,6 +346,11 @@ class Frontend:
             if not fut.done():
                 fut.set_exception(dead)
         self.on_engine_exit(code)
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _rejection(r: Rejected) -> APIError:

@@ -7,6 +7,8 @@ import asyncio
 import socket
 from multiprocessing.connection import Connection
 
+import pytest
+
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.messages import AbortRequest, AddRequest, Call, EngineStats, StepResult, TokenOutput
@@ -66,10 +68,11 @@ def test_a_failing_text_layer_fails_one_request_not_the_step(tokenizer, monkeypa
                                    TokenOutput("good-0", (9,), None, False, None)), stats=EngineStats())
         fe._on_step(step)
         await asyncio.sleep(0)  # the batched abort goes out on the next loop iteration
-        index, ro = good.queue.get_nowait()
+        index, ro = await anext(good.stream())
         assert index == 0 and ro.token_ids == [9] and not ro.finished
-        err = bad.queue.get_nowait()
-        assert isinstance(err, APIError) and err.status == 500
+        with pytest.raises(APIError) as err:
+            await anext(bad.stream())
+        assert err.value.status == 500
         assert "bad-0" not in fe._choices and "good-0" in fe._choices
         assert AbortRequest("bad-0") in engine.sent  # its KV cache is freed in the engine
 
