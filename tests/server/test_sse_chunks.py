@@ -12,7 +12,7 @@ TEXTS = ["", " world", 'a "quoted" \\ back\\slash', "line\nbreak\ttab\r", "\x00\
          "\u2028\u2029 separators", "\ufffd", "</script>", "{\"json\": [1, 2]}"]
 
 
-@pytest.mark.parametrize("model", ["tiny", 'we"ird \\ mödel/name'])
+@pytest.mark.parametrize("model", ["tiny", 'we"ird \\ mödel/name', _MARK])
 @pytest.mark.parametrize("text", TEXTS)
 def test_a_spliced_chunk_is_the_whole_chunk_serialized(model, text):
     head = {"id": "chatcmpl-0f", "object": "chat.completion.chunk", "created": 1764567890, "model": model}
