@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # not benchmarks/: engine.py there would shadow the engine package
 
 from benchmarks.server import Server, clean_env, one_stream  # noqa: E402
+from deploykit.bench import client  # noqa: E402
 
 TARGETS = {"ttft_later_over_first_max": 0.20, "chats_speedup_min": 1.5}
 TTFT_REQUESTS, TTFT_TOKENS, CHAT_TOKENS = 6, 8, 32
@@ -115,17 +116,17 @@ def engine_child(arg: str) -> None:
 
 # ---- HTTP ----
 
-async def http_ttft(port: int, w: dict) -> list[float]:
+async def http_ttft(port: int, model: str, w: dict) -> list[float]:
     out = []
     for user in w["ttft_users"]:
-        r = await one_stream(port, w["system"] + user, TTFT_TOKENS)
+        r = await one_stream(port, model, w["system"] + user, TTFT_TOKENS)
         out.append(r.ttft)
     return out
 
 
-async def http_chats(port: int, w: dict) -> tuple[float, int]:
+async def http_chats(port: int, model: str, w: dict) -> tuple[float, int]:
     async def chat(c: int) -> int:
-        return sum([(await one_stream(port, conversation(w, c, t), CHAT_TOKENS)).tokens
+        return sum([(await one_stream(port, model, conversation(w, c, t), CHAT_TOKENS)).output_tokens
                     for t in range(len(w["chat_users"][c]))])
 
     t0 = time.perf_counter()
@@ -184,10 +185,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench-prefix-") as logdir:
             for caching in (False, True):
                 print(f"HTTP: cache {'on' if caching else 'off'}", file=sys.stderr)
-                with Server(model, logdir, "--max-model-len", str(max_len), "--max-num-seqs", str(a.chats),
-                            "--prefix-caching" if caching else "--no-prefix-caching") as port:
-                    ttft = asyncio.run(http_ttft(port, w))
-                    wall, tokens = asyncio.run(http_chats(port, w))
+                srv = Server(model, logdir, "--max-model-len", str(max_len), "--max-num-seqs", str(a.chats),
+                             "--prefix-caching" if caching else "--no-prefix-caching")
+                with srv as port:
+                    ttft = client.run(http_ttft(port, srv.model, w))
+                    wall, tokens = client.run(http_chats(port, srv.model, w))
                 http["on" if caching else "off"] = summarize(ttft, wall, tokens)
         result["http"] = compare(http["off"], http["on"])
     print(json.dumps(result, indent=2))

@@ -340,7 +340,7 @@ def main() -> None:
                              "start_s": round(time.monotonic() - t0, 1),
                              "version": version.json() if version.status_code == 200 else None}
             raw[name] = {}
-            servers[name]["loads"] = asyncio.run(drive(p, port, loads, raw[name]))
+            servers[name]["loads"] = client.run(drive(p, port, loads, raw[name]))
         finally:
             stop(proc)
     derived, targets = ratios(servers)

@@ -8,7 +8,6 @@ failed, 6 (OutputError) when results or the plot cannot be written; Ctrl-C shows
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 
@@ -94,7 +93,7 @@ ARGS = (
 
 def _need_extras() -> None:
     import importlib.util
-    for name in ("httpx", "rich"):
+    for name in ("httpx", "httptools", "rich"):
         if importlib.util.find_spec(name) is None:
             raise TargetError(f"deploykit bench needs {name}", hint="pip install 'deploykit[bench]'")
 
@@ -126,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from . import plot, report, target
+    from . import client, plot, report, target
     from .run import Partial, measure
     s = settings(args)
     t = target.resolve(args.target, args.state_dir, args.api_key)
@@ -134,7 +133,7 @@ def _bench(args: argparse.Namespace) -> int:
     interrupted = False
     try:
         with report.Progress(args.progress) as progress:
-            doc = asyncio.run(measure(t, s, partial, progress=progress))
+            doc = client.run(measure(t, s, partial, progress=progress))
     except KeyboardInterrupt:
         interrupted = True
         if not partial.server:

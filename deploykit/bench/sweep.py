@@ -8,7 +8,6 @@ tears down the candidate running and keeps everything measured until then.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import io
 import tempfile
@@ -20,7 +19,7 @@ import yaml
 
 from ..errors import DeploykitError, PlanError
 from . import candidates as cands
-from . import report, run, target
+from . import client, report, run, target
 
 KIND = "deploykit-bench-sweep"
 SUFFIX = "-sweep"
@@ -132,7 +131,7 @@ def sweep(spec_path: str, settings: run.Settings, *, runtime: str, state_dir: st
                     lifecycle.up(plan, str(path), runtime=runtime, state_dir=state_dir, timeout=up_timeout,
                                  keep_on_failure=False)
                 tgt = target.from_deployment(str(path), state_dir, None)
-                t.doc = asyncio.run(run.measure(tgt, settings, partial, progress=progress, shared_prompts=shared))
+                t.doc = client.run(run.measure(tgt, settings, partial, progress=progress, shared_prompts=shared))
                 shared = shared or partial.made
                 t.status = "measured"
             except KeyboardInterrupt:

@@ -1,8 +1,10 @@
 """A real HTTP server on loopback that misbehaves on purpose, for `deploykit bench`'s error handling: it serves
 /v1/models, then answers completions in turn with a good stream, a 500, a 429, a stream whose connection is cut
 mid-body, and an error event inside the stream; "grouped" streams its tokens two to a chunk and ends with
-finish_reason "length", as servers that hold back partial UTF-8 do. No usage chunk and no /tokenize: bench must
-count chunks (or trust "length") and estimate prompt lengths, and say so."""
+finish_reason "length", as servers that hold back partial UTF-8 do; "trickle" sends a good stream a few bytes at a
+time (lines split across reads); "stall" sends one chunk and then nothing for `delay` seconds. `idle` closes a
+kept-alive connection after that many idle seconds; `tls` (cert, key) serves HTTPS. No usage chunk and no
+/tokenize: bench must count chunks (or trust "length") and estimate prompt lengths, and say so."""
 from __future__ import annotations
 
 import itertools
@@ -16,14 +18,22 @@ BEHAVIOURS = ("good", "500", "429", "drop", "stream-error")
 
 
 class Misbehaving:
-    def __init__(self, behaviours=BEHAVIOURS, chunks: int = 4, delay: float = 0.0):
+    def __init__(self, behaviours=BEHAVIOURS, chunks: int = 4, delay: float = 0.0, idle: float | None = None,
+                 tls: tuple[str, str] | None = None):
         turn = itertools.cycle(behaviours)
         lock = threading.Lock()
         outer = self
         self.completions = 0  # completion requests answered so far
+        self.connections = 0  # connections accepted so far
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            timeout = idle  # a kept-alive connection idle this long is closed
+
+            def setup(self) -> None:
+                with lock:
+                    outer.connections += 1
+                super().setup()
 
             def log_message(self, *args) -> None:
                 pass
@@ -62,6 +72,18 @@ class Misbehaving:
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
+                if what == "trickle":
+                    events = "".join("data: " + json.dumps({"choices": [{"index": 0, "text": f"t{i} "}]}) + "\r\n\r\n"
+                                     for i in range(chunks)) + "data: [DONE]\r\n\r\n"
+                    for i in range(0, len(events), 5):
+                        self._chunk(events[i:i + 5])
+                        time.sleep(0.001)
+                    self.wfile.write(b"0\r\n\r\n")
+                    return
+                if what == "stall":
+                    self._chunk("data: " + json.dumps({"choices": [{"index": 0, "text": "t0 "}]}) + "\n\n")
+                    time.sleep(delay)
+                    return
                 if what == "grouped":
                     for i in range(0, chunks, 2):
                         last = i + 2 >= chunks
@@ -86,7 +108,12 @@ class Misbehaving:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        if tls:
+            import ssl
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(*tls)
+            self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True)
+        self.url = f"http{'s' if tls else ''}://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def __enter__(self) -> Misbehaving:
