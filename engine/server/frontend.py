@@ -62,8 +62,8 @@ class Generation:
     def put(self, item: tuple[int, RequestOutput] | APIError) -> None:
         """A choice's output, or the error that ends the stream (event-loop thread)."""
         self._items.append(item)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        if self._waiter is not None:
+            _wake(self._waiter)
 
     async def stream(self, keepalive: float | None = None) -> AsyncIterator[tuple[int, RequestOutput] | None]:
         """Yields every output until all choices finished; raises APIError if the engine refused or died. With
