@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -146,6 +147,12 @@ async def one(endpoint: stream.Endpoint, w: Workload, prompt: str | list[int], i
                   output_tokens={"usage": tokens, "length": w.max_tokens}.get(counted, len(stamps)),
                   prompt_tokens=usage.get("prompt_tokens") if usage else None, counted=counted, chunks=len(stamps),
                   finish_reason=finish, status=tally.status)
+
+
+def cpu_seconds() -> float:
+    """This process's CPU time so far (user + system, every thread)."""
+    t = os.times()
+    return t.user + t.system
 
 
 def run(main):

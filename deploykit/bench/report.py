@@ -35,6 +35,9 @@ def document(settings: dict, server: dict, prompts: dict, levels: list[dict], *,
             "levels": levels}
 
 
+CLIENT_SHARE_NOTED = 0.10  # a level's client CPU share (of one CPU) worth a note under the table
+
+
 def level(summary: dict, results: list, metrics: dict | None) -> dict:
     return {**summary, "replica_metrics": metrics, "raw": [asdict(r) for r in results]}
 
@@ -114,6 +117,12 @@ def notes(doc: dict) -> list[str]:
         if lv["tokens_from"].get("chunks"):
             out.append(f"concurrency {c}: the server sent no usage chunk for {lv['tokens_from']['chunks']} request(s): "
                        "their tokens are counted content chunks (a chunk may hold several)")
+        share = lv.get("client_cpu_share")
+        if share is not None and share >= CLIENT_SHARE_NOTED:
+            per = lv["client_cpu_s"] / lv["output_tokens"] * 1e6 if lv["output_tokens"] else None
+            out.append(f"concurrency {c}: this client used {share:.0%} of a CPU"
+                       + (f" ({per:.0f} µs a token)" if per is not None else "")
+                       + "; on a host it shares with the server, that is CPU the server did not get")
         if lv["short_requests"]:
             out.append(f"concurrency {c}: {lv['short_requests']} request(s) ended before max_tokens (EOS or a stop; "
                        "the server may not honour ignore_eos)")

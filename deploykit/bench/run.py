@@ -105,8 +105,10 @@ async def measure(t: target.Target, s: Settings, partial: Partial, *, progress: 
             if metrics:
                 await metrics.start()
                 sampler = asyncio.create_task(metrics.sampling(stop))
+            cpu = client.cpu_seconds()
             await client.run_level(w, texts, concurrency=c, requests=s.requests_at(c), duration=s.duration,
                                    sink=partial.current, on_result=progress.done)
+            cpu = client.cpu_seconds() - cpu
             used += len(partial.current)
             m = None
             if metrics:
@@ -114,6 +116,9 @@ async def measure(t: target.Target, s: Settings, partial: Partial, *, progress: 
                 await sampler
                 m = await metrics.finish()
             summary = stats.summarize(c, partial.current, max_tokens=s.max_tokens)
+            # this process's own CPU over the level: on a host it shares with the server, CPU the server lacked
+            summary["client_cpu_s"] = cpu
+            summary["client_cpu_share"] = cpu / summary["wall_s"] if summary["wall_s"] > 0 else None
             summary["prompts_reused"] = max(0, used - n) - max(0, first - n)  # duration runs that outran the pool
             partial.levels.append(report.level(summary, partial.current, m))
             partial.current = []

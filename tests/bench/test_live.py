@@ -55,6 +55,7 @@ def test_numbers_agree_with_the_server_and_with_each_other(ours, tmp_path):
             assert 0 < r["ttft"] <= r["e2e"] and sum(r["itl"]) <= r["e2e"] - r["ttft"] + 1e-6
             assert len(r["itl"]) == MAX_TOKENS - 1
         assert lv["output_tokens"] == sum(r["output_tokens"] for r in raw) == 8 * MAX_TOKENS
+        assert lv["client_cpu_share"] == pytest.approx(lv["client_cpu_s"] / lv["wall_s"]) and lv["client_cpu_s"] >= 0
         # throughput = tokens / wall, and the wall is what the requests' own times add up to: back to back at
         # concurrency 1, at most 4 in flight at concurrency 4
         busy = sum(r["e2e"] for r in raw)

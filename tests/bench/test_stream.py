@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from deploykit.bench import client, stream
+from deploykit.bench import client, report, stream
 from tests.bench.misbehaving import Misbehaving
 
 
@@ -86,3 +86,13 @@ def test_https_verifies_the_certificate(tmp_path, monkeypatch):
 def test_a_url_that_is_not_http_is_refused():
     with pytest.raises(ValueError, match="not an http"):
         stream.Endpoint("ftp://example.org", "/v1/completions", {})
+
+
+def test_a_level_whose_client_took_a_tenth_of_a_cpu_says_so_under_the_table():
+    def level(c: int, share: float) -> dict:
+        return {"concurrency": c, "error_samples": [], "tokens_from": {"usage": 8}, "short_requests": 0,
+                "output_tokens": 800, "client_cpu_s": share * 2.0, "client_cpu_share": share}
+
+    doc = {"prompts": {"exact": True}, "levels": [level(1, 0.02), level(16, 0.3)]}
+    assert report.notes(doc) == ["concurrency 16: this client used 30% of a CPU (750 µs a token); on a host it "
+                                 "shares with the server, that is CPU the server did not get"]
