@@ -5,8 +5,8 @@ Run: flock /tmp/deploykit-heavy.lock python benchmarks/server.py [--model DIR] [
 
 Without --model a random-weight model is generated (hidden/layers flags set its size; the default is big enough
 that a decode step costs about what a small real model's does on 2 cores, so the ratio is meaningful). The HTTP
-client is `deploykit bench`'s (deploykit/bench/stream.py), which takes 16-24 µs of CPU an event where httpx takes
-176: it shares the CPUs it measures, and its CPU a token is reported next to the front end's. Rounds alternate
+client is `deploykit bench`'s (deploykit/bench/stream.py), which takes 22-27 µs of CPU an event where httpx takes
+176-232: it shares the CPUs it measures, and its CPU a token is reported next to the front end's. Rounds alternate
 direct/HTTP (the host is shared) and the best round of each is kept.
 """
 from __future__ import annotations

@@ -156,8 +156,8 @@ def cpu_seconds() -> float:
 
 
 def run(main):
-    """asyncio.run, on uvloop where it is installed: the same Protocol streams cost 2.3x the client CPU an event on
-    asyncio's own loop (56 against 24 µs, 16 x 512 events on loopback)."""
+    """asyncio.run, on uvloop where it is installed: the same Protocol streams cost about 2.3x the client CPU an event
+    on asyncio's own loop (54-61 against 22-27 µs, 16 x 512 events on loopback)."""
     try:
         import uvloop
     except ImportError:
