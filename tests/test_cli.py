@@ -138,11 +138,12 @@ def test_example_snapshot_matches_its_generator(tmp_path):
 
 
 def test_cli_never_imports_torch(tmp_path, sysroots):
-    """Nor bench's httpx, rich and matplotlib (its extras): they load only when `deploykit bench` runs."""
+    """Nor bench's httpx, httptools, uvloop, rich and matplotlib (its extras): they load only when `deploykit bench`
+    runs."""
     code = ("import sys; from deploykit import cli; cli.main(['plan', sys.argv[1], '--sysroot', sys.argv[2]]); "
             "import deploykit.render.seccomp; "
             "bad = [m for m in sys.modules if m.split('.')[0] in "
-            "('torch', 'transformers', 'engine', 'httpx', 'rich', 'matplotlib')]; "
+            "('torch', 'transformers', 'engine', 'httpx', 'httptools', 'uvloop', 'rich', 'matplotlib')]; "
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code, str(write_spec(tmp_path)), str(sysroots["epyc-2s-nps1"])],
                        capture_output=True, text=True, cwd=ROOT)
