@@ -72,16 +72,16 @@ async def http_round(port: int, model: str, prompts: list[list[int]], max_tokens
     """One streamed greedy completion per prompt, all at once, through `deploykit bench`'s client (uvloop, one
     Protocol a connection, each SSE event handled where its bytes arrive): it shares the CPUs it measures."""
     w = client.Workload(f"http://127.0.0.1:{port}", model, max_tokens)
-    cpu0, t0 = os.times(), time.perf_counter()
+    cpu, t0 = client.cpu_seconds(), time.perf_counter()
     results = await client.run_level(w, prompts, concurrency=len(prompts), requests=len(prompts))
-    wall, cpu1 = time.perf_counter() - t0, os.times()
+    wall, cpu = time.perf_counter() - t0, client.cpu_seconds() - cpu
     bad = [r.error for r in results if r.error]
     if bad:
         raise RuntimeError(f"{len(bad)} streams failed: {bad[0]}")
     ttfts = sorted(r.ttft for r in results)
     gaps = sorted(g for r in results for g in r.itl)
     return {"wall_s": wall, "tokens": sum(r.output_tokens for r in results),
-            "events": sum(r.chunks for r in results), "client_cpu_s": cpu1.user + cpu1.system - cpu0.user - cpu0.system,
+            "events": sum(r.chunks for r in results), "client_cpu_s": cpu,
             "ttft_p50_s": ttfts[len(ttfts) // 2], "itl_p50_s": gaps[len(gaps) // 2],
             "itl_p99_s": gaps[int(len(gaps) * 0.99)], "itl_max_s": gaps[-1]}
 
