@@ -77,7 +77,8 @@ def test_the_same_command_runs_against_vllm_cpu(tmp_path):
     env = clean_env(VLLM_CPU_OMP_THREADS_BIND=cpulist.format(os.sched_getaffinity(0)), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                     VLLM_CPU_KVCACHE_SPACE="1")
     s = LiveServer(model, "--model", model, "--dtype", "bfloat16", "--max-model-len", "256", "--served-model-name",
-                   "tiny", env=env, cmd=[str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"])
+                   "tiny", env=env, cmd=[str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"],
+                   new_session=True)  # so that close() reaches its engine core too
     try:
         s.wait_ready(timeout=600)
         doc = bench(s.url, tmp_path / "vllm.json")
