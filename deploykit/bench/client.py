@@ -82,13 +82,6 @@ def _content(chunk: dict, chat: bool) -> bool:
     return False
 
 
-def _error_text(chunk: dict) -> str:
-    err = chunk.get("error")
-    if isinstance(err, dict):
-        err = err.get("message") or json.dumps(err)
-    return str(err)[:ERROR_TEXT]
-
-
 class Tally(stream.Sink):
     """One stream's chunks as they arrive: content chunks stamped, the last finish_reason, the usage chunk."""
 
@@ -108,7 +101,7 @@ class Tally(stream.Sink):
         if not isinstance(chunk, dict):
             return f"not a chunk object in the stream: {data[:ERROR_TEXT].decode(errors='replace')}"
         if "error" in chunk:
-            return f"error in the stream: {_error_text(chunk)}"
+            return f"error in the stream: {stream.error_text(chunk)}"
         if _content(chunk, self.chat):
             self.stamps.append(at)
         for choice in chunk.get("choices") or ():

@@ -30,6 +30,14 @@ KEEP_WAIT = 1.0  # seconds after [DONE] for the end of the HTTP message, to keep
 DONE = ""  # what Sink.line returns for [DONE]
 
 
+def error_text(doc, fallback: str = "") -> str:
+    """What an OpenAI-shaped error (a JSON body, or a chunk inside a stream) says: error.message, else the error."""
+    err = doc.get("error") if isinstance(doc, dict) else None
+    if isinstance(err, dict):
+        err = err.get("message") or json.dumps(err)
+    return str(err or fallback)[:ERROR_TEXT]
+
+
 class Failed(Exception):
     """A request that did not end in [DONE]: the text a Result carries as its error."""
 
@@ -143,9 +151,8 @@ class Answer:
         if self.status is not None and self.status >= 400:
             text = b"".join(self.body).decode(errors="replace")
             try:
-                err = json.loads(text).get("error")
-                text = (err.get("message") or json.dumps(err)) if isinstance(err, dict) else str(err or text)
-            except (ValueError, AttributeError):
+                text = error_text(json.loads(text), text)
+            except ValueError:
                 pass
             self.finish(Failed(f"HTTP {self.status}: {text.strip()[:ERROR_TEXT]}"))
         elif not self.done:
