@@ -1,6 +1,6 @@
 // The many-row AMX-BF16 driver for weights held in another form than bf16 (compact 12-bit, block-quantized): x is
-// copied into tile blocks, and each pair of 16-column blocks is decoded to bf16 into L1 a k-slice at a time for every
-// 32-row block of a chunk that stays in L2; a long K takes the k-slices outermost. A Source says how its blocks decode
+// copied into tile blocks, and each pair of 16-column blocks is decoded to bf16 once, whole, for every 32-row block of a
+// chunk that stays in L2; a long K takes the k-slices outermost. A Source says how its blocks decode
 // (compact_amx.cpp, quant_prompt_amx.cpp); every way gives each row the same tdpbf16ps sequence (amx_tiles.h).
 #pragma once
 
@@ -22,17 +22,31 @@ using bf16 = at::BFloat16;
 // Past 32 rows x is copied into tile blocks and taken in chunks of 32-row blocks of at most CHUNK_BYTES, which stay in
 // L2 (2 MiB a core on every AMX CPU so far) while each of the thread's column-block pairs goes over them.
 constexpr int64_t CHUNK_BYTES = 1024 * 1024;
-// Decoded once, a pair is decoded a slice of SLICE k-pairs at a time into L1 (2 x 192 x 64 bytes = 24 KiB), and every
-// 32-row block of the chunk runs that slice's tiles on it, its C tiles' fp32 sums kept in L1 between slices
-// (amx::Partial: bitwise one pass over K). Decoding the whole pair into L2 instead read B tiles from L2 at
-// 1.06-1.09x the packed 16-bit kernel's time; slices of 192 k-pairs 0.93-1.01x, of 448 1.07-1.17x, of 96 1.00-1.05x.
-constexpr int64_t SLICE = 192;
+// Decoded once, a pair is decoded a slice of k-pairs at a time into a buffer, and every 32-row block of the chunk runs
+// that slice's tiles on it. Each C tile store costs the AMX unit its pipeline: a tile loop with A from L2 and B from
+// L1 ran at 2.7 TFLOP/s a core here, 1.9 when every 12 k-steps stored its 4 C tiles (session 38, a scratch loop on an
+// Emerald Rapids-class Xeon). So the pair is decoded whole, up to PAIR_SLICE k-pairs (2 x 2048 x 64 bytes = 256 KiB,
+// B tiles from L2), and its C tiles' sums stay in the tiles over all of K. Measured in one process against slices of
+// 192 k-pairs that stayed in L1 (the C tiles' sums kept between slices, amx::Partial), alternated call by call,
+// median time ratio: K = 896 at 128-2,048 rows 0.91-0.95, K = 2048 0.90-0.94, K = 4096 0.91; a 512-token prefill of
+// the benchmark model 0.92-0.94 on compact bf16, Q4_0, Q4_K_M and Q5_K_M weights alike. A longer K is cut into equal
+// slices (amx::Partial: bitwise one pass over K).
+constexpr int64_t PAIR_SLICE = 2048;
 // A long K leaves too few 32-row blocks in a chunk that stays in L2 (K = 4864: 3) to decode a pair once for them, so
 // every block decoded the pair again, from memory (a 512-token prefill's down projection at 1.3 TFLOP/s against 2.1
 // for gate_up). There the k-slices go outermost instead: for each slice, every pair of the thread is decoded once
-// into L1 and run on the slice of up to KOUTER_BLOCKS blocks (their A slices stay in L2 across the pairs), the C
-// tiles' sums of every (block, pair) kept between slices in at most about KOUTER_C_BYTES.
+// and run on the slice of up to KOUTER_BLOCKS blocks (their A slices stay in L2 across the pairs), the C tiles' sums
+// of every (block, pair) kept between slices in at most about KOUTER_C_BYTES. Equal slices of at most KOUTER_SLICE
+// k-pairs: against 192, down [896, 4864] 0.94-0.97 of the time (4 slices of 608), [2048, 8192] 0.91-0.93; 3 slices
+// of 816 took 1.06 (their A slices outgrow L2).
+constexpr int64_t KOUTER_SLICE = 640;
 constexpr int64_t KOUTER_BLOCKS = 16, KOUTER_C_BYTES = 1024 * 1024;
+
+// k-pairs a slice, for Kh k-pairs cut into equal slices of at most `most` (whole k-tiles of 16).
+inline int64_t slice_of(int64_t Kh, int64_t most) {
+  const int64_t n = (Kh + most - 1) / most;
+  return ((Kh + n - 1) / n + 15) / 16 * 16;
+}
 
 // The column-block pairs a call runs and where their rows go: adjacent blocks (2p, 2p + 1) of a linear into
 // [M, N], or, for a gate_up matrix [gate; up] with silu, gate block p and up block NB/2 + p into [M, N/2] as
@@ -61,12 +75,13 @@ inline void slice_block(int64_t M, const bf16* xbp, int64_t Kh, int64_t mb, int6
                    pairs.silu);
 }
 
-// Pair p's k-pairs [k0, k0 + kn) decoded into buf (two blocks of SLICE k-pairs); returns its block count.
+// Pair p's k-pairs [k0, k0 + kn) decoded into buf (two blocks of `slice` k-pairs); returns its block count.
 // Source: src.slice(nb, k0, kn, dst) writes block nb's k-pairs [k0, k0 + kn) as packed [kn][16][2] bf16.
 template <class Source>
-inline int decode_slice(Source& src, const Pairs& pairs, int64_t p, int64_t k0, int64_t kn, bf16* buf, int64_t* nb) {
+inline int decode_slice(Source& src, const Pairs& pairs, int64_t p, int64_t k0, int64_t kn, int64_t slice, bf16* buf,
+                        int64_t* nb) {
   const int n = pairs.ids(p, nb);
-  for (int j = 0; j < n; ++j) src.slice(nb[j], k0, kn, buf + j * SLICE * 32);
+  for (int j = 0; j < n; ++j) src.slice(nb[j], k0, kn, buf + j * slice * 32);
   return n;
 }
 
@@ -74,13 +89,13 @@ inline int decode_slice(Source& src, const Pairs& pairs, int64_t p, int64_t k0, 
 template <class Source>
 inline void k_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pairs, int64_t c0, int64_t c1, int64_t p0,
                     int64_t p1, bf16* buf, float* cbuf, const float* bias, bf16* out) {
-  const int64_t Kh = src.K / 2;
-  for (int64_t k0 = 0; k0 < Kh; k0 += SLICE) {
-    const int64_t kn = std::min(SLICE, Kh - k0);
+  const int64_t Kh = src.K / 2, slice = slice_of(Kh, KOUTER_SLICE);
+  for (int64_t k0 = 0; k0 < Kh; k0 += slice) {
+    const int64_t kn = std::min(slice, Kh - k0);
     for (int64_t p = p0; p < p1; ++p) {
       int64_t nb[2];
-      const int n = decode_slice(src, pairs, p, k0, kn, buf, nb);
-      amx::PackedB<false> b{buf, buf + SLICE * 32};
+      const int n = decode_slice(src, pairs, p, k0, kn, slice, buf, nb);
+      amx::PackedB<false> b{buf, buf + slice * 32};
       for (int64_t mb = c0; mb < c1; ++mb)
         slice_block(M, xbp, Kh, mb, k0, kn, nb, n, b, cbuf + ((p - p0) * (c1 - c0) + (mb - c0)) * 1024, bias, out,
                     pairs);
@@ -97,10 +112,11 @@ inline void pair_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pai
   for (int64_t p = p0; p < p1; ++p) {
     int64_t nb[2];
     if (c1 - c0 >= once) {
-      for (int64_t k0 = 0; k0 < Kh; k0 += SLICE) {
-        const int64_t kn = std::min(SLICE, Kh - k0);
-        const int n = decode_slice(src, pairs, p, k0, kn, buf, nb);
-        amx::PackedB<false> b{buf, buf + SLICE * 32};
+      const int64_t slice = slice_of(Kh, PAIR_SLICE);
+      for (int64_t k0 = 0; k0 < Kh; k0 += slice) {
+        const int64_t kn = std::min(slice, Kh - k0);
+        const int n = decode_slice(src, pairs, p, k0, kn, slice, buf, nb);
+        amx::PackedB<false> b{buf, buf + slice * 32};
         for (int64_t mb = c0; mb < c1; ++mb)
           slice_block(M, xbp, Kh, mb, k0, kn, nb, n, b, cbuf + (mb - c0) * 1024, bias, out, pairs);
       }
@@ -124,7 +140,8 @@ void blocked(int64_t M, const at::Tensor& xt, Source& src, const Pairs& pairs, i
     // The C tiles' sums between k-slices: 4 KiB per 32-row block and pair.
     const int64_t span = std::clamp<int64_t>(KOUTER_C_BYTES / ((p1 - p0) * 4096), 1, KOUTER_BLOCKS);
     const bool outer = chunk < outer_min && std::min(mblocks, span) >= outer_min;
-    bf16* buf = static_cast<bf16*>(std::aligned_alloc(64, 2 * SLICE * 64));
+    const int64_t slice = slice_of(src.K / 2, outer ? KOUTER_SLICE : PAIR_SLICE);
+    bf16* buf = static_cast<bf16*>(std::aligned_alloc(64, 2 * slice * 64));
     float* cbuf = static_cast<float*>(std::aligned_alloc(64, (outer ? span * (p1 - p0) : chunk) * 4096));
     TORCH_CHECK(buf && cbuf, "AMX tiles: out of memory for a decode buffer");
     {

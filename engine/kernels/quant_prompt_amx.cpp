@@ -1,6 +1,6 @@
 // A prompt's rows times a block-quantized matrix on AMX-BF16 tiles: each unit (32 k) of a 16-column group is decoded
-// to bf16 (value = scale x code + offset, rounded once, as the "dequantized" path would hold it) into L1 a k-slice at a
-// time, and every 32-row block of the prompt runs its tiles there (amx_slices.h, as compact weights do).
+// to bf16 (value = scale x code + offset, rounded once, as the "dequantized" path would hold it) once for the prompt's
+// 32-row blocks, and every block runs its tiles on it (amx_slices.h, as compact weights do).
 //
 // Why not the AMX-INT8 tiles of quant_amx.h for prompts: every unit has its own weight and activation scales, so each
 // 16 x 16 int32 C tile is folded into fp32 per unit, ~50 vector instructions next to one 16-cycle tdpbssd, and the

@@ -111,11 +111,11 @@ def test_compact_linear_is_close_to_fp32_and_row_invariant(m, n, k):
 @pytest.mark.parametrize("m", [1, 4, 40, 130, 300])
 @pytest.mark.parametrize("k", [896, 4864])
 def test_amx_tiles_on_compact_weights_decode_once_or_again_to_the_same_bits(m, k):
-    # A prefill decodes each pair of column blocks once (in k-slices of 192 pairs, the C tiles' sums kept between
-    # them) for a chunk of 4+ 32-row blocks, else again for every block; where K is so long that fewer than 4 blocks
-    # fit a chunk (K = 4864: 3), the k-slices go outermost and each pair is decoded once per slice for up to 16
-    # blocks (the default, 4, at m = 130 and 300). The AVX-512 compact kernels (the switch off) sum in another
-    # order: close to the tiles, not bitwise.
+    # A prefill decodes each pair of column blocks once (whole up to K = 4096, else in equal k-slices, the C tiles'
+    # sums kept between them: K = 4864 at m <= 40 takes two) for a chunk of 4+ 32-row blocks, else again for every
+    # block; where K is so long that fewer than 4 blocks fit a chunk (K = 4864: 3), the k-slices (4 of 608 k-pairs)
+    # go outermost and each pair is decoded once per slice for up to 16 blocks (the default, 4, at m = 130 and 300).
+    # The AVX-512 compact kernels (the switch off) sum in another order: close to the tiles, not bitwise.
     w, x = weights(208, k, seed=m), torch.randn(m, k).bfloat16()
     w[3, 5], w[40, k - 800], w[207, k - 1] = 1e4, -1e-25, 7e3  # escapes, patched into each decoded k-tile
     blob, bias = compact(w), torch.randn(208)
