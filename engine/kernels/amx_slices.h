@@ -1,6 +1,6 @@
 // The many-row AMX-BF16 driver for weights held in another form than bf16 (compact 12-bit, block-quantized): x is
-// copied into tile blocks, and each pair of 16-column blocks is decoded to bf16 once, whole, for every 32-row block of a
-// chunk that stays in L2; a long K takes the k-slices outermost. A Source says how its blocks decode
+// copied into tile blocks, and each pair of 16-column blocks is decoded to bf16 once, whole, for every 32-row block
+// of a chunk that stays in L2; a long K takes the k-slices outermost. A Source says how its blocks decode
 // (compact_amx.cpp, quant_prompt_amx.cpp); every way gives each row the same tdpbf16ps sequence (amx_tiles.h).
 #pragma once
 
@@ -85,11 +85,12 @@ inline int decode_slice(Source& src, const Pairs& pairs, int64_t p, int64_t k0, 
   return n;
 }
 
-// Blocks [c0, c1) against pairs [p0, p1), k-slices outermost; cbuf holds (c1 - c0) * (p1 - p0) * 1024 floats.
+// Blocks [c0, c1) against pairs [p0, p1), k-slices of `slice` k-pairs outermost; cbuf holds (c1 - c0) * (p1 - p0) *
+// 1024 floats.
 template <class Source>
 inline void k_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pairs, int64_t c0, int64_t c1, int64_t p0,
-                    int64_t p1, bf16* buf, float* cbuf, const float* bias, bf16* out) {
-  const int64_t Kh = src.K / 2, slice = slice_of(Kh, KOUTER_SLICE);
+                    int64_t p1, int64_t slice, bf16* buf, float* cbuf, const float* bias, bf16* out) {
+  const int64_t Kh = src.K / 2;
   for (int64_t k0 = 0; k0 < Kh; k0 += slice) {
     const int64_t kn = std::min(slice, Kh - k0);
     for (int64_t p = p0; p < p1; ++p) {
@@ -103,16 +104,16 @@ inline void k_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pairs,
   }
 }
 
-// Blocks [c0, c1) against pairs [p0, p1), a pair at a time: decoded once in k-slices for all the blocks (from `once`
-// blocks on; cbuf holds (c1 - c0) * 1024 floats), else again for every block as its tiles go (src.again).
+// Blocks [c0, c1) against pairs [p0, p1), a pair at a time: decoded once in k-slices of `slice` k-pairs (all of K up
+// to PAIR_SLICE) for all the blocks (from `once` blocks on; cbuf holds (c1 - c0) * 1024 floats), else again for
+// every block as its tiles go (src.again).
 template <class Source>
 inline void pair_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pairs, int64_t c0, int64_t c1, int64_t p0,
-                       int64_t p1, int64_t once, bf16* buf, float* cbuf, const float* bias, bf16* out) {
+                       int64_t p1, int64_t once, int64_t slice, bf16* buf, float* cbuf, const float* bias, bf16* out) {
   const int64_t Kh = src.K / 2;
   for (int64_t p = p0; p < p1; ++p) {
     int64_t nb[2];
     if (c1 - c0 >= once) {
-      const int64_t slice = slice_of(Kh, PAIR_SLICE);
       for (int64_t k0 = 0; k0 < Kh; k0 += slice) {
         const int64_t kn = std::min(slice, Kh - k0);
         const int n = decode_slice(src, pairs, p, k0, kn, slice, buf, nb);
@@ -148,10 +149,11 @@ void blocked(int64_t M, const at::Tensor& xt, Source& src, const Pairs& pairs, i
       amx::Tiles tiles(32);
       if (outer)
         for (int64_t c0 = 0; c0 < mblocks; c0 += span)
-          k_outer(M, xbp, src, pairs, c0, std::min(mblocks, c0 + span), p0, p1, buf, cbuf, bias, out);
+          k_outer(M, xbp, src, pairs, c0, std::min(mblocks, c0 + span), p0, p1, slice, buf, cbuf, bias, out);
       else
         for (int64_t c0 = 0; c0 < mblocks; c0 += chunk)
-          pair_outer(M, xbp, src, pairs, c0, std::min(mblocks, c0 + chunk), p0, p1, once, buf, cbuf, bias, out);
+          pair_outer(M, xbp, src, pairs, c0, std::min(mblocks, c0 + chunk), p0, p1, once, slice, buf, cbuf, bias,
+                     out);
     }
     std::free(buf);
     std::free(cbuf);
