@@ -8,10 +8,12 @@
 //   S [16 q, 64 k] = Q K^T by tdpbf16ps (fp32), unscaled; hidden keys (key > query, or outside the window) masked
 //   only in a block that holds the diagonal or the window's edge, every key of any other block being visible;
 //   an online softmax per query row: m = max of S so far, P = e^((S - m) scale) rounded to bf16, computed as
-//   2^(S scale log2 e - m scale log2 e) (one FMA into the exponent), l = l e^((m_old - m) scale) + sum P;
-//   O [16 q, D] = O e^((m_old - m) scale) + P V by tdpbf16ps (fp32);  out = O / l in bf16.
+//   2^(S scale log2 e - m scale log2 e) (one FMA into the exponent, vec::exp2_below's bf16-precision polynomial);
+//   O [16 q, D] = O e^((m_old - m) scale) + P V by tdpbf16ps (fp32); l = l e^((m_old - m) scale) + sum P, the row
+//   sums also by tdpbf16ps (P times a column of ones, tile 7 into the one-column tile 6);  out = O / l in bf16.
 // The softmax's vector work bounds this loop, not the tiles: scaling S into the exponent and skipping the masks of
-// whole blocks took 0.78-0.82 of the time at 512-2,000 tokens (benchmarks/README.md, session 35).
+// whole blocks took 0.78-0.82 of the time at 512-2,000 tokens (benchmarks/README.md, session 35); handing the row
+// sums to the tiles, the shorter polynomial and one conversion per 32 P took 0.80-0.83 more (session 39).
 // K is transposed and V interleaved in key pairs once per call into the tiles' B layouts, shared by all heads.
 //
 // A query's result is a function of its position and the keys alone: its row runs the same blocks from key 0 in the
@@ -30,6 +32,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "paged_kv.h"
@@ -47,32 +50,84 @@ constexpr int64_t KEYS = 64;  // keys per block: S in 4 C tiles of 16 keys, P V 
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 
+// A 64-byte aligned buffer, left uninitialised: make_tiles writes every element (zero-filling a std::vector first,
+// two bytes a step, cost more than the tiles themselves).
+struct TileBuf {
+  struct Free {
+    void operator()(bf16* p) const { std::free(p); }
+  };
+  std::unique_ptr<bf16[], Free> p;
+  void alloc(int64_t n) {
+    p.reset(static_cast<bf16*>(std::aligned_alloc(64, (n * (int64_t)sizeof(bf16) + 63) / 64 * 64)));
+    TORCH_CHECK(p, "prefill_attention: out of memory");
+  }
+  const bf16* data() const { return p.get(); }
+  bf16* data() { return p.get(); }
+};
+
 // B tiles of one KV head, made once per call (1 KiB each): kt[block][d/32][4 quarters of 16 keys] (16 d-pairs x 16
 // keys x 2 bf16) for Q K^T, and vp[block][2 halves of 32 keys][d/16] (16 key pairs x 16 d x 2 bf16) for P V.
 struct HeadTiles {
-  std::vector<bf16> kt, vp;
+  TileBuf kt, vp;
 };
 
+// r[i]: row i of a 16 x 16 matrix of 32-bit elements -> r[i]: its column i (64 shuffles).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {  // t[i], t[i + 1], lane L: rows i, i + 1 interleaved, elements 4L .. 4L + 3
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + k], lane L: element 4L + k of rows i .. i + 3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // column 4L + k: lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
+    const __m512i a = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44), b = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
+    const __m512i c = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE), d = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
+    r[k] = _mm512_shuffle_i32x4(a, b, 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(a, b, 0xDD);
+    r[8 + k] = _mm512_shuffle_i32x4(c, d, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(c, d, 0xDD);
+  }
+}
+
+// keys[i]: key i's row (its value row voff elements on). Keys past T read as zeros: their scores are masked, and a
+// zero V row keeps 0 x garbage (possibly NaN) out of P V.
 void make_tiles(const bf16* const* keys, int64_t voff, int64_t T, int64_t D, HeadTiles& t) {
   const int64_t blocks = (T + KEYS - 1) / KEYS, dk = D / 32, dv = D / 16;
-  t.kt.assign(blocks * dk * 4 * 512, bf16(0.0f));
-  t.vp.assign(blocks * 2 * dv * 512, bf16(0.0f));
-  for (int64_t b = 0; b < blocks; ++b)
-    for (int64_t j = 0; j < KEYS && b * KEYS + j < T; ++j) {
-      const bf16* k = keys[b * KEYS + j];
-      const bf16* v = k + voff;
-      // K^T: pair (2p, 2p + 1) of d-chunk c at row p, key column j % 16 of quarter j / 16.
-      for (int64_t c = 0; c < dk; ++c)
-        for (int64_t p = 0; p < 16; ++p) {
-          bf16* dst = t.kt.data() + ((b * dk + c) * 4 + j / 16) * 512 + p * 32 + (j % 16) * 2;
-          dst[0] = k[c * 32 + 2 * p];
-          dst[1] = k[c * 32 + 2 * p + 1];
-        }
-      // V pairs: key j is element j % 2 of pair row (j % 32) / 2 of half j / 32, for its d-chunk's 16 columns.
-      for (int64_t c = 0; c < dv; ++c)
-        for (int64_t n = 0; n < 16; ++n)
-          t.vp[((b * 2 + j / 32) * dv + c) * 512 + (j % 32 / 2) * 32 + n * 2 + j % 2] = v[c * 16 + n];
+  t.kt.alloc(blocks * dk * 4 * 512);
+  t.vp.alloc(blocks * 2 * dv * 512);
+  alignas(64) static const uint16_t zero[256] = {};  // a key row of D <= 256 zeros
+  const bf16* none = reinterpret_cast<const bf16*>(zero);
+  alignas(64) int16_t order[32];  // element n of key 2i, then of key 2i + 1
+  for (int n = 0; n < 16; ++n) order[2 * n] = (int16_t)n, order[2 * n + 1] = (int16_t)(16 + n);
+  const __m512i pairs = _mm512_load_si512(order);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const auto key = [&](int64_t j) { return b * KEYS + j < T ? keys[b * KEYS + j] : none; };
+    const auto value = [&](int64_t j) { return b * KEYS + j < T ? keys[b * KEYS + j] + voff : none; };
+    // K^T: 16 keys of 16 d-pairs (32 bits each) transposed to 16 d-pairs of 16 keys, per quarter and d-chunk.
+    for (int64_t quarter = 0; quarter < 4; ++quarter)
+      for (int64_t c = 0; c < dk; ++c) {
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(key(quarter * 16 + j) + c * 32);
+        transpose16(r);
+        bf16* dst = t.kt.data() + ((b * dk + c) * 4 + quarter) * 512;
+        for (int p = 0; p < 16; ++p) _mm512_store_si512(dst + p * 32, r[p]);
+      }
+    // V: keys (j, j + 1) interleaved element by element, 16 d of each a tile row: row (j % 32) / 2 of half j / 32.
+    for (int64_t j = 0; j < KEYS; j += 2) {
+      const bf16 *v0 = value(j), *v1 = value(j + 1);
+      for (int64_t c = 0; c < dv; ++c) {
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + c * 16));
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + c * 16));
+        _mm512_store_si512(t.vp.data() + ((b * 2 + j / 32) * dv + c) * 512 + (j % 32 / 2) * 32,
+                           _mm512_permutexvar_epi16(pairs, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
+      }
     }
+  }
 }
 
 // C tiles 0-3 += A tile 4 times the four 1 KiB B tiles from b, each through tile 5.
@@ -171,34 +226,42 @@ void tile_task(const bf16* q, int64_t ldq, int64_t rows, int64_t pos0, int64_t w
     _mm512_store_ps(mrow, mnew);
     const float c = scale * 1.44269504f;  // scale log2(e)
     const __m512 cv = _mm512_set1_ps(c);
-    __m512 sums[16];
     for (int r = 0; r < 16; ++r) {
-      sums[r] = _mm512_setzero_ps();
       if (!(live >> r & 1)) {
         std::memset(p[r], 0, sizeof(p[r]));
         continue;
       }
-      // Hidden keys get exactly 0; P is rounded to bf16 for the P V product, and l sums the rounded values, so O / l
-      // normalises what was multiplied.
+      // Hidden keys get exactly 0. P is rounded to bf16 for the P V product (32 at a time: keys 32 h .. 32 h + 31
+      // from two vectors in one vcvtne2ps2bf16), and l sums the rounded values, so O / l normalises what was
+      // multiplied.
       const __m512 nmc = _mm512_set1_ps(-mrow[r] * c);
-      for (int i = 0; i < 4; ++i) {
-        __m512 e = vec::exp2_below(_mm512_fmadd_ps(_mm512_load_ps(s[r] + 16 * i), cv, nmc));
-        if (!whole) e = _mm512_maskz_mov_ps(vis[r][i], e);
-        const __m256i h = vec::to_bf16(e);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(p[r] + 16 * i), h);
-        sums[r] = _mm512_add_ps(sums[r], vec::widen(h));
+      for (int i = 0; i < 4; i += 2) {
+        __m512 e0 = vec::exp2_below(_mm512_fmadd_ps(_mm512_load_ps(s[r] + 16 * i), cv, nmc));
+        __m512 e1 = vec::exp2_below(_mm512_fmadd_ps(_mm512_load_ps(s[r] + 16 * i + 16), cv, nmc));
+        if (!whole) {
+          e0 = _mm512_maskz_mov_ps(vis[r][i], e0);
+          e1 = _mm512_maskz_mov_ps(vis[r][i + 1], e1);
+        }
+        _mm512_store_si512(p[r] + 16 * i, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
       }
     }
-    l = _mm512_mask_fmadd_ps(l, live, _mm512_load_ps(alpha), vec::reduce16(sums));
     m = mnew;
-    // O = O alpha + P V, 64 d at a time (4 C tiles of 16 d), the block's two 32-key halves summed in the tiles.
+    // O = O alpha + P V, 64 d at a time (4 C tiles of 16 d), the block's two 32-key halves summed in the tiles; with
+    // the first 64 d, the rows' sums of P: tile 6 [16 rows, 1 fp32] += P half [16, 32 keys] x ones [32 keys, 1].
+    _tile_zero(6);
     for (int64_t c0 = 0; c0 < dv; c0 += 4) {
       zero_four();
       for (int half = 0; half < 2; ++half) {
         _tile_loadd(4, &p[0][32 * half], sizeof(p[0]));
         times_four(t.vp.data() + ((b * 2 + half) * dv + c0) * 512);
+        if (c0 == 0) _tile_dpbf16ps(6, 4, 7);
       }
       store_four(pv);
+      if (c0 == 0) {
+        alignas(64) float sums[16];  // lane r: row r's sum of P (one fp32 a tile row)
+        _tile_stored(6, sums, sizeof(float));
+        l = _mm512_mask_fmadd_ps(l, live, _mm512_load_ps(alpha), _mm512_load_ps(sums));
+      }
       for (int r = 0; r < 16; ++r) {
         if (!(live >> r & 1)) continue;
         const __m512 a = _mm512_set1_ps(alpha[r]);
@@ -219,11 +282,16 @@ void tile_task(const bf16* q, int64_t ldq, int64_t rows, int64_t pos0, int64_t w
   }
 }
 
-// Whole-tile shapes: every tile 16 rows of 64 bytes.
+// Tiles 0-5 16 rows of 64 bytes; 6 and 7 16 rows of one 32-bit column: the rows' sums of P, and 16 key pairs of
+// ones (bf16 1.0 = 0x3F80), which stays loaded for the thread's tasks.
 void configure() {
-  static constexpr uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 0, 0};
-  static constexpr uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 0, 0};
+  static constexpr uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+  static constexpr uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 4, 4};
   amx::configure(rows, colsb);
+  alignas(64) static constexpr uint32_t ones[16] = {
+      0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u,
+      0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
+  _tile_loadd(7, ones, sizeof(uint32_t));
 }
 
 #endif
