@@ -116,11 +116,56 @@ inline __m512 bf16_round(__m512 v) {
   return vec::widen((__m256i)_mm512_cvtneps_pbh(v));
 }
 
+// One row of a block's epilogue: 16 fp32 sums c plus the bias bv to bf16 at o; with silu, silu(gate) * up from the
+// gate and up blocks' rows, each rounded to bf16 first, as a stored gate_up row is.
+[[gnu::always_inline]] inline void epilogue_row(const float* c, __m512 bv, bf16* o) {
+  __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c), bv));
+  std::memcpy(o, &v, sizeof(v));
+}
+[[gnu::always_inline]] inline void silu_row(const float* g, const float* u, __m512 bg, __m512 bu, bf16* o) {
+  vec::store16(o, vec::silu_mul(bf16_round(_mm512_add_ps(_mm512_load_ps(g), bg)),
+                                bf16_round(_mm512_add_ps(_mm512_load_ps(u), bu))));
+}
+
+// A block's SiLU epilogue, deferred: its C tiles wait in c while the next block's k-loop converts a few of its rows
+// after each k-step, so that vector work (an exp and a reciprocal a value) runs beside the tile work instead of
+// after it. Each row the same bits as at once.
+struct Pending {
+  alignas(64) float c[4][16 * 16];
+  __m512 bg, bu;
+  int rows[2] = {0, 0}, done = 0, units = 0, h = 0, r = 0;  // the next row: r of half h
+  bf16* out = nullptr;
+  int64_t ldo = 0;
+  bool active() const { return done < units; }
+  // Converts rows until `upto` of them are done.
+  void run(int upto) {
+    for (upto = std::min(upto, units); done < upto; ++done) {
+      silu_row(c[h * 2] + r * 16, c[h * 2 + 1] + r * 16, bg, bu, out + (h * 16 + r) * ldo);
+      if (++r == rows[h]) r = 0, ++h;
+    }
+  }
+  void finish() { run(units); }
+  // This block's rows (rows0, rows1 of two halves), its C tiles already in c; nb: the gate and up blocks.
+  void set(int rows0, int rows1, const int64_t* nb, const float* bias, bf16* o, int64_t ld) {
+    bg = bias ? _mm512_loadu_ps(bias + nb[0] * 16) : _mm512_setzero_ps();
+    bu = bias ? _mm512_loadu_ps(bias + nb[1] * 16) : _mm512_setzero_ps();
+    rows[0] = rows0;
+    rows[1] = rows1;
+    out = o + nb[0] * 16;
+    ldo = ld;
+    done = h = r = 0;
+    units = rows0 + rows1;
+  }
+};
+
 // silu (NB == 2: nb[0] a gate block, nb[1] its up block): out[r, 16 nb[0] + c] = silu(gate) * up instead, computed
 // from the two blocks' bf16 outputs exactly as silu_mul computes it from a stored gate_up row.
+// pend (or nullptr): a deferred SiLU epilogue (Pending), run a few rows a k-step; with silu, this block's then takes
+// its place, else every epilogue runs at once.
 template <int MB, int NB, class Source>
 inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t Kh, const int64_t nb[NB],
-                       const float* bias, bf16* out, int64_t ldo, const Partial* partial = nullptr, bool silu = false) {
+                       const float* bias, bf16* out, int64_t ldo, const Partial* partial = nullptr, bool silu = false,
+                       Pending* pend = nullptr) {
   if (partial && !partial->first) {
     _tile_loadd(0, partial->c, 64);
     if constexpr (NB > 1) _tile_loadd(1, partial->c + 256, 64);
@@ -137,6 +182,8 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
     }
   }
   const bf16* a0 = a.base;
+  const int steps = (int)((Kh + 15) / 16);
+  const int per = pend && pend->active() ? (pend->units - pend->done + steps - 1) / steps : 0;
   for (int64_t kp = 0; kp < Kh; kp += 16, a0 += a.step) {
     _tile_loadd(4, a0, a.ld);
     if constexpr (MB > 1) _tile_loadd(5, a0 + a.half, a.ld);
@@ -147,6 +194,7 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (NB > 1) _tile_dpbf16ps(3, 5, 7);
     }
+    if (per) pend->run(pend->done + per);
   }
   if (partial && !partial->last) {
     _tile_stored(0, partial->c, 64);
@@ -157,6 +205,20 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
     }
     return;
   }
+  if constexpr (NB > 1) {
+    if (pend && silu) {  // the previous block's rows are all out, and this block's C tiles take their place
+      pend->finish();
+      _tile_stored(0, pend->c[0], 64);
+      _tile_stored(1, pend->c[1], 64);
+      if constexpr (MB > 1) {
+        _tile_stored(2, pend->c[2], 64);
+        _tile_stored(3, pend->c[3], 64);
+      }
+      pend->set(rows0, MB > 1 ? rows1 : 0, nb, bias, out, ldo);
+      return;
+    }
+  }
+  if (pend) pend->finish();
   alignas(64) float c[4][16 * 16];  // [tile][row * 16 + col]
   _tile_stored(0, c[0], 64);
   if constexpr (NB > 1) _tile_stored(1, c[1], 64);
@@ -169,12 +231,8 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
       const __m512 bg = bias ? _mm512_loadu_ps(bias + nb[0] * 16) : _mm512_setzero_ps();
       const __m512 bu = bias ? _mm512_loadu_ps(bias + nb[1] * 16) : _mm512_setzero_ps();
       for (int h = 0; h < MB; ++h)
-        for (int r = 0, rows = h == 0 ? rows0 : rows1; r < rows; ++r) {
-          // Rounded to bf16 first, as a stored gate_up row is.
-          const __m512 g = bf16_round(_mm512_add_ps(_mm512_load_ps(c[h * 2] + r * 16), bg));
-          const __m512 u = bf16_round(_mm512_add_ps(_mm512_load_ps(c[h * 2 + 1] + r * 16), bu));
-          vec::store16(out + (h * 16 + r) * ldo + nb[0] * 16, vec::silu_mul(g, u));
-        }
+        for (int r = 0, rows = h == 0 ? rows0 : rows1; r < rows; ++r)
+          silu_row(c[h * 2] + r * 16, c[h * 2 + 1] + r * 16, bg, bu, out + (h * 16 + r) * ldo + nb[0] * 16);
       return;
     }
   }
@@ -183,10 +241,7 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
     for (int j = 0; j < NB; ++j) {
       const float* ct = c[h * 2 + j];
       const __m512 bv = bias ? _mm512_loadu_ps(bias + nb[j] * 16) : _mm512_setzero_ps();
-      for (int r = 0; r < rows; ++r) {
-        __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(ct + r * 16), bv));
-        std::memcpy(out + (h * 16 + r) * ldo + nb[j] * 16, &v, sizeof(v));
-      }
+      for (int r = 0; r < rows; ++r) epilogue_row(ct + r * 16, bv, out + (h * 16 + r) * ldo + nb[j] * 16);
     }
   }
 }
@@ -195,13 +250,13 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
 template <class Source>
 inline void tile_blocks(const ATiles& a, int rows0, int rows1, Source& b, int64_t Kh, const int64_t* nb, int n,
                         const float* bias, bf16* out, int64_t ldo, const Partial* partial = nullptr,
-                        bool silu = false) {
+                        bool silu = false, Pending* pend = nullptr) {
   if (rows1 > 0) {
-    if (n > 1) tile_block<2, 2>(a, rows0, rows1, b, Kh, nb, bias, out, ldo, partial, silu);
-    else tile_block<2, 1>(a, rows0, rows1, b, Kh, nb, bias, out, ldo, partial);
+    if (n > 1) tile_block<2, 2>(a, rows0, rows1, b, Kh, nb, bias, out, ldo, partial, silu, pend);
+    else tile_block<2, 1>(a, rows0, rows1, b, Kh, nb, bias, out, ldo, partial, false, pend);
   } else {
-    if (n > 1) tile_block<1, 2>(a, rows0, 0, b, Kh, nb, bias, out, ldo, partial, silu);
-    else tile_block<1, 1>(a, rows0, 0, b, Kh, nb, bias, out, ldo, partial);
+    if (n > 1) tile_block<1, 2>(a, rows0, 0, b, Kh, nb, bias, out, ldo, partial, silu, pend);
+    else tile_block<1, 1>(a, rows0, 0, b, Kh, nb, bias, out, ldo, partial, false, pend);
   }
 }
 
