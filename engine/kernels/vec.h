@@ -87,21 +87,21 @@ inline __m512 reduce16(__m512 acc[16]) {
   return reduce16(acc, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
 }
 
-// 2^t = 2^n * 2^f with n = round(t), f in [-0.5, 0.5], for t in [-126, 126] (2^n a normal float). The compiler has
-// no vector exp.
-inline __m512 exp2_normal(__m512 t) {
+// 2^t = 2^n * 2^f with n = round(t), f in [-0.5, 0.5], for t in [-126, 126] (2^n a normal float); 2^f by the
+// polynomial c[0] + c[1] f + ... + c[N - 1] f^(N - 1), in Horner's order. The compiler has no vector exp.
+template <int N>
+inline __m512 exp2_poly(__m512 t, const float (&c)[N]) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  // 2^f: Cephes exp2f polynomial, relative error ~2e-7 (bf16 resolves 4e-3).
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(c[N - 1]);
+  for (int i = N - 2; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
   return _mm512_scalef_ps(p, n);
 }
+
+// 2^f: the Cephes exp2f polynomial, relative error ~2e-7 (bf16 resolves 4e-3).
+inline constexpr float EXP2_CEPHES[7] = {1.0f, 6.931472028550421e-1f, 2.402264791363012e-1f, 5.550332471162809e-2f,
+                                         9.618437357674640e-3f, 1.339887440266574e-3f, 1.535336188319500e-4f};
+inline __m512 exp2_normal(__m512 t) { return exp2_poly(t, EXP2_CEPHES); }
 
 // exp(x) = 2^(x log2(e)), the exponent clamped to [-126, 126] so 2^n stays a normal float: exp(x) for x < -87 comes
 // out ~1e-38 instead of 0 and for x > 87 ~1e38 instead of inf, far outside anything a bf16 result can tell apart.
@@ -116,16 +116,8 @@ inline __m512 exp(__m512 x) {
 // degree 6 gives 2e-7), so a P rounds to the same bf16 as the exact value's but within 7.5e-5 of a rounding
 // boundary. Three FMAs fewer than exp2_normal: the exponential is the prefill attention's largest cost. One clamp
 // and no multiply against exp; below -126 it gives ~1e-38, never a denormal (slow).
-inline __m512 exp2_below(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(5.5171619e-2f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4261112e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9326099e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9992807e-1f));
-  return _mm512_scalef_ps(p, n);
-}
+inline constexpr float EXP2_BF16[4] = {9.9992807e-1f, 6.9326099e-1f, 2.4261112e-1f, 5.5171619e-2f};
+inline __m512 exp2_below(__m512 t) { return exp2_poly(_mm512_max_ps(t, _mm512_set1_ps(-126.0f)), EXP2_BF16); }
 
 // silu(x) * up = x / (1 + exp(-x)) * up, through a reciprocal estimate and one Newton step (2^-28 relative): a zmm
 // divide would make silu_mul divider-bound. One home for it: rows::silu_mul and the AMX tiles' fused gate_up epilogue
