@@ -1,9 +1,10 @@
 """benchmarks/engine.py's roofline percentages on a host whose memory bandwidth changes regime mid-run: each round's
-decode is held to that round's own probe, and the run says when its probes disagree."""
+decode is held to that round's own probe, and the run says when its probes disagree. Likewise each round's prefill
+is held to that round's matmul peak."""
 
 from __future__ import annotations
 
-from benchmarks.engine import paired_pct_roofline, regime_note
+from benchmarks.engine import paired_pct_peak, paired_pct_roofline, ratios, regime_note, summarize
 
 
 def summary(by_round: list[float], bytes_per_token: float = 0.5e9) -> dict:
@@ -33,3 +34,30 @@ def test_a_regime_change_is_reported_and_steady_runs_are_not():
     note = regime_note(summary([57.3, 34.1, 35.3]))
     assert note is not None and "34.1-57.3 GB/s" in note and "paired_median" in note
     assert regime_note(summary([40.0])) is None
+
+
+def peak_round(seconds: dict[str, float]) -> dict:
+    """One matmul_peak sample: two shapes of 1 TFLOP each, `seconds` per implementation for both."""
+    return {"shapes": {shape: {"flop": 1e12, "seconds": dict(seconds)} for shape in ("qkv", "down")}}
+
+
+def test_a_prefill_round_is_held_to_its_own_matmul_peak():
+    # A quiet round: peak 2.0 TFLOP/s (the faster implementation), prefill 1.5 -> 75 %. A noisy round, tiles at half
+    # speed: peak 1.0, prefill 0.8 -> 80 %. Best against best says 1.5 / 2.0 = 75 %; a slow round's prefill against
+    # the quiet round's peak would say 40 %.
+    params = 1e12 / (2 * 512)  # layer_matmul_params for which a 1 s prefill is 1 TFLOP/s
+    samples = {"prefill/ours": [{"ttft_s": 1 / 1.5}, {"ttft_s": 1 / 0.8}],
+               "matmul_peak": [peak_round({"a": 0.5, "b": 0.6}), peak_round({"a": 1.0, "b": 1.2})]}
+    s = summarize(samples, {"layer_matmul_params": params}, 64)
+    assert s["matmul_bf16_m512"]["peak_tflops_by_round"] == [2.0, 1.0]
+    assert s["prefill_512"]["ours"]["tflops_by_round"] == [1.5, 0.8]
+    assert paired_pct_peak(s) == 77.5
+    derived, _ = ratios(s)
+    assert derived["prefill_pct_peak"]["best"] == 75.0 and derived["prefill_pct_peak"]["paired_median"] == 77.5
+
+
+def test_prefill_rounds_that_do_not_pair_give_no_figure():
+    params = 1e12 / (2 * 512)
+    samples = {"prefill/ours": [{"ttft_s": 1.0}], "matmul_peak": [peak_round({"a": 1.0}), peak_round({"a": 2.0})]}
+    assert paired_pct_peak(summarize(samples, {"layer_matmul_params": params}, 64)) is None
+    assert paired_pct_peak({"prefill_512": {}}) is None
