@@ -13,7 +13,8 @@
 //   sums also by tdpbf16ps (P times a column of ones, tile 7 into the one-column tile 6);  out = O / l in bf16.
 // The softmax's vector work bounds this loop, not the tiles: scaling S into the exponent and skipping the masks of
 // whole blocks took 0.78-0.82 of the time at 512-2,000 tokens (benchmarks/README.md, session 35); handing the row
-// sums to the tiles, the shorter polynomial and one conversion per 32 P took 0.80-0.83 more (session 39).
+// sums to the tiles, the shorter polynomial and one conversion per 32 P took 0.79-0.94 more (session 39: 0.79-0.83
+// in the host's quieter minutes, up to 0.94 while a neighbour slowed its tile loads).
 // K is transposed and V interleaved in key pairs once per call into the tiles' B layouts, shared by all heads.
 //
 // A query's result is a function of its position and the keys alone: its row runs the same blocks from key 0 in the

@@ -113,7 +113,7 @@ inline __m512 exp(__m512 x) {
 // 2^t for t at most ~0, as a softmax takes it (a score less its row's max, already in units of log2: the scale and
 // log2(e) folded into one FMA by the caller), for a result rounded to bf16: a degree-3 polynomial for 2^f, f in
 // [-0.5, 0.5], fitted for the least maximum relative error (7.5e-5, against bf16's 2^-9 half step; exp2_normal's
-// degree 6 gives 2e-7), so a P rounds to the same bf16 as the exact value's but within 7.5e-5 of a rounding
+// degree 6 gives 2e-7), so a P rounds to the same bf16 as the exact value's except within 7.5e-5 of a rounding
 // boundary. Three FMAs fewer than exp2_normal: the exponential is the prefill attention's largest cost. One clamp
 // and no multiply against exp; below -126 it gives ~1e-38, never a denormal (slow).
 inline constexpr float EXP2_BF16[4] = {9.9992807e-1f, 6.9326099e-1f, 2.4261112e-1f, 5.5171619e-2f};
