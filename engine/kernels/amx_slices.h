@@ -66,24 +66,38 @@ struct Pairs {
 // Block mb's tiles over k-pairs [k0, k0 + kn) of column blocks nb (n of them), B decoded into `b`, partial sums at c.
 inline void slice_block(int64_t M, const bf16* xbp, int64_t Kh, int64_t mb, int64_t k0, int64_t kn, const int64_t* nb,
                         int n, amx::PackedB<false>& b, float* c, const float* bias, bf16* out, const Pairs& pairs,
-                        amx::Pending* pend) {
+                        amx::Pending* pend, amx::Ahead* ahead) {
   const int64_t ldo = pairs.ldo();
   const int rows = (int)std::min<int64_t>(32, M - mb * 32);
   amx::ATiles a = amx::blocked_a(xbp, Kh, mb);
   a.base += (k0 / 16) * a.step;
   const amx::Partial part{c, k0 == 0, k0 + kn == Kh};
   amx::tile_blocks(a, std::min(rows, 16), std::max(rows - 16, 0), b, kn, nb, n, bias, out + mb * 32 * ldo, ldo, &part,
-                   pairs.silu, pend);
+                   pairs.silu, pend, ahead);
 }
 
 // Pair p's k-pairs [k0, k0 + kn) decoded into buf (two blocks of `slice` k-pairs); returns its block count.
-// Source: src.slice(nb, k0, kn, dst) writes block nb's k-pairs [k0, k0 + kn) as packed [kn][16][2] bf16.
+// Source: src.slice(nb, k0, kn, dst) writes block nb's k-pairs [k0, k0 + kn) as packed [kn][16][2] bf16, and
+// src.bytes(nb, k0, kn, begin, end) says which bytes of the weights that reads.
 template <class Source>
 inline int decode_slice(Source& src, const Pairs& pairs, int64_t p, int64_t k0, int64_t kn, int64_t slice, bf16* buf,
                         int64_t* nb) {
   const int n = pairs.ids(p, nb);
   for (int j = 0; j < n; ++j) src.slice(nb[j], k0, kn, buf + j * slice * 32);
   return n;
+}
+
+// The next decode, pair q's k-pairs [k0, k0 + kn), as the weights `steps` k-steps of tiles request before it.
+template <class Source>
+inline amx::Ahead* next_decode(Source& src, const Pairs& pairs, int64_t q, int64_t k0, int64_t kn, int64_t steps,
+                               amx::Ahead& ahead) {
+  int64_t nb[2];
+  const char* begin[2];
+  const char* end[2];
+  const int n = pairs.ids(q, nb);
+  for (int j = 0; j < n; ++j) src.bytes(nb[j], k0, kn, begin[j], end[j]);
+  ahead.set(n, begin, end, steps);
+  return &ahead;
 }
 
 // Blocks [c0, c1) against pairs [p0, p1), k-slices of `slice` k-pairs outermost; cbuf holds (c1 - c0) * (p1 - p0) *
@@ -99,9 +113,13 @@ inline void k_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pairs,
       int64_t nb[2];
       const int n = decode_slice(src, pairs, p, k0, kn, slice, buf, nb);
       amx::PackedB<false> b{buf, buf + slice * 32};
+      amx::Ahead ahead, *next = nullptr;  // the next pair's slice, else the first pair's next slice
+      const int64_t steps = (c1 - c0) * ((kn + 15) / 16);
+      if (p + 1 < p1) next = next_decode(src, pairs, p + 1, k0, kn, steps, ahead);
+      else if (k0 + kn < Kh) next = next_decode(src, pairs, p0, k0 + kn, std::min(slice, Kh - k0 - kn), steps, ahead);
       for (int64_t mb = c0; mb < c1; ++mb)
         slice_block(M, xbp, Kh, mb, k0, kn, nb, n, b, cbuf + ((p - p0) * (c1 - c0) + (mb - c0)) * 1024, bias, out,
-                    pairs, pend);
+                    pairs, pend, next);
     }
   }
 }
@@ -121,8 +139,12 @@ inline void pair_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pai
         const int64_t kn = std::min(slice, Kh - k0);
         const int n = decode_slice(src, pairs, p, k0, kn, slice, buf, nb);
         amx::PackedB<false> b{buf, buf + slice * 32};
+        amx::Ahead ahead, *next = nullptr;  // this pair's next slice, else the next pair's first
+        const int64_t steps = (c1 - c0) * ((kn + 15) / 16);
+        if (k0 + kn < Kh) next = next_decode(src, pairs, p, k0 + kn, std::min(slice, Kh - k0 - kn), steps, ahead);
+        else if (p + 1 < p1) next = next_decode(src, pairs, p + 1, 0, std::min(slice, Kh), steps, ahead);
         for (int64_t mb = c0; mb < c1; ++mb)
-          slice_block(M, xbp, Kh, mb, k0, kn, nb, n, b, cbuf + (mb - c0) * 1024, bias, out, pairs, pend);
+          slice_block(M, xbp, Kh, mb, k0, kn, nb, n, b, cbuf + (mb - c0) * 1024, bias, out, pairs, pend, next);
       }
     } else {
       const int n = pairs.ids(p, nb);

@@ -158,14 +158,46 @@ struct Pending {
   }
 };
 
+// The weights of the next decode (amx_slices.h decodes a pair's B once for many 32-row blocks), requested into L2 a
+// few lines after each k-step of the tiles that run before it. Decoding them straight from memory left the tiles
+// idle for its stalls: a build with no decode at all ran 512-row matmuls in 0.78-0.93 of the time. Requested all at
+// once when the decode ended, presumably holding the core's line-fill buffers, they bought nothing (0.98-1.29). Spread
+// over the k-steps, time with / without, in quiet minutes of an Emerald Rapids-class Xeon (benchmarks/README.md,
+// session 40): gate_up at 512 rows 0.94-0.96 (compact bf16, Q4_0, Q4_K_M), the other shapes 0.94-1.04 (noise); a
+// 512-token prefill 0.96 (compact bf16) and 0.97 (Q4_K_M).
+struct Ahead {
+  const char* p[2] = {nullptr, nullptr};  // up to two byte ranges [p, e): a pair's two column blocks
+  const char* e[2] = {nullptr, nullptr};
+  int per = 0;  // lines a k-step
+  // Ranges that `steps` k-steps should request in all.
+  void set(int n, const char* const* begin, const char* const* end, int64_t steps) {
+    int64_t lines = 0;
+    for (int j = 0; j < 2; ++j) {
+      p[j] = j < n ? begin[j] : nullptr;
+      e[j] = j < n ? end[j] : nullptr;
+      lines += (e[j] - p[j] + 63) / 64;
+    }
+    per = (int)std::max<int64_t>(1, (lines + steps - 1) / std::max<int64_t>(steps, 1));
+  }
+  [[gnu::always_inline]] inline void step() {
+    for (int i = 0; i < per; ++i) {
+      const int j = p[0] < e[0] ? 0 : 1;
+      if (p[j] >= e[j]) return;
+      _mm_prefetch(p[j], _MM_HINT_T1);
+      p[j] += 64;
+    }
+  }
+};
+
 // silu (NB == 2: nb[0] a gate block, nb[1] its up block): out[r, 16 nb[0] + c] = silu(gate) * up instead, computed
 // from the two blocks' bf16 outputs exactly as silu_mul computes it from a stored gate_up row.
 // pend (or nullptr): a deferred SiLU epilogue (Pending), run a few rows a k-step; with silu, this block's then takes
-// its place, else every epilogue runs at once.
+// its place, else every epilogue runs at once. ahead (or nullptr): the next decode's weights, requested a few lines a
+// k-step.
 template <int MB, int NB, class Source>
 inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t Kh, const int64_t nb[NB],
                        const float* bias, bf16* out, int64_t ldo, const Partial* partial = nullptr, bool silu = false,
-                       Pending* pend = nullptr) {
+                       Pending* pend = nullptr, Ahead* ahead = nullptr) {
   if (partial && !partial->first) {
     _tile_loadd(0, partial->c, 64);
     if constexpr (NB > 1) _tile_loadd(1, partial->c + 256, 64);
@@ -195,6 +227,7 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
       if constexpr (NB > 1) _tile_dpbf16ps(3, 5, 7);
     }
     if (per) pend->run(pend->done + per);
+    if (ahead) ahead->step();
   }
   if (partial && !partial->last) {
     _tile_stored(0, partial->c, 64);
@@ -250,13 +283,13 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
 template <class Source>
 inline void tile_blocks(const ATiles& a, int rows0, int rows1, Source& b, int64_t Kh, const int64_t* nb, int n,
                         const float* bias, bf16* out, int64_t ldo, const Partial* partial = nullptr,
-                        bool silu = false, Pending* pend = nullptr) {
+                        bool silu = false, Pending* pend = nullptr, Ahead* ahead = nullptr) {
   if (rows1 > 0) {
-    if (n > 1) tile_block<2, 2>(a, rows0, rows1, b, Kh, nb, bias, out, ldo, partial, silu, pend);
-    else tile_block<2, 1>(a, rows0, rows1, b, Kh, nb, bias, out, ldo, partial, false, pend);
+    if (n > 1) tile_block<2, 2>(a, rows0, rows1, b, Kh, nb, bias, out, ldo, partial, silu, pend, ahead);
+    else tile_block<2, 1>(a, rows0, rows1, b, Kh, nb, bias, out, ldo, partial, false, pend, ahead);
   } else {
-    if (n > 1) tile_block<1, 2>(a, rows0, 0, b, Kh, nb, bias, out, ldo, partial, silu, pend);
-    else tile_block<1, 1>(a, rows0, 0, b, Kh, nb, bias, out, ldo, partial, false, pend);
+    if (n > 1) tile_block<1, 2>(a, rows0, 0, b, Kh, nb, bias, out, ldo, partial, silu, pend, ahead);
+    else tile_block<1, 1>(a, rows0, 0, b, Kh, nb, bias, out, ldo, partial, false, pend, ahead);
   }
 }
 

@@ -109,6 +109,16 @@ struct Source {
         unit_bf16<F>(base + v / inf.units * inf.chunk_bytes, (int)(v % inf.units), dst + (v - k0 / 16) * 512);
     });
   }
+  // The chunks that slice() reads: a 16-row group's chunks hold their scales, so they are one range.
+  void bytes(int64_t nb, int64_t k0, int64_t kn, const char*& begin, const char*& end) const {
+    const Part& p = part_of(w, nb);
+    const uint8_t* base = p.data + (nb - p.row0 / 16) * p.group_bytes;
+    with_format(p.format, [&](auto f) {
+      constexpr Info inf = info_of(decltype(f)::value);
+      begin = reinterpret_cast<const char*>(base + k0 / 16 / inf.units * inf.chunk_bytes);
+      end = reinterpret_cast<const char*>(base + ((k0 + kn) / 16 + inf.units - 1) / inf.units * inf.chunk_bytes);
+    });
+  }
   void again(int64_t, const bf16*, int64_t, const int64_t*, int, const float*, bf16*, const amx_slices::Pairs&) {
     TORCH_CHECK(false, "quantized prompt rows decode each slice once");  // blocked() is called with once = 1
   }
