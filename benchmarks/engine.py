@@ -339,11 +339,13 @@ def summarize(samples: dict[str, list[dict]], w: dict, tokens: int) -> dict:
         flop = {shape: r["flop"] for shape, r in mm[0].items()}
         sec = {shape: {i: min(s[shape]["seconds"][i] for s in mm) for i in r["seconds"]} for shape, r in mm[0].items()}
         tf = {shape: {i: round(flop[shape] / t / 1e12, 3) for i, t in r.items()} for shape, r in sec.items()}
-        # The peak a prefill's matmuls can reach: one layer's FLOP mix, each shape on its fastest implementation.
+        # The peak a prefill's matmuls can reach: one layer's FLOP mix, each shape on its fastest implementation;
+        # over all rounds, and each round's own (for the prefill share paired by round).
+        def peak_of(seconds: dict[str, dict[str, float]]) -> float:
+            return sum(flop.values()) / sum(min(seconds[shape].values()) for shape in flop) / 1e12
         fastest = {s: min(r, key=r.get) for s, r in sec.items()}
-        peak = sum(flop.values()) / sum(sec[s][i] for s, i in fastest.items()) / 1e12
-        # Each round's own peak (its fastest implementation per shape), for the prefill share paired by round.
-        by_round = [sum(flop.values()) / sum(min(r[shape]["seconds"].values()) for shape in flop) / 1e12 for r in mm]
+        peak = peak_of(sec)
+        by_round = [peak_of({shape: r[shape]["seconds"] for shape in flop}) for r in mm]
         out["matmul_bf16_m512"] = {"peak_tflops": round(peak, 3), "peak_from": fastest, "tflops_by_shape": tf,
                                    "peak_tflops_by_round": [round(t, 3) for t in by_round]}
     for name, ss in samples.items():
