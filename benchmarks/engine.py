@@ -43,18 +43,19 @@ PREFILL, BATCH, PROMPT, MAX_LEN = 512, 16, 16, 1024  # PROMPT: --context's defau
 SMALL_BATCH = 4  # ours and llama.cpp: the largest decode step the fused native step (kernels.STEP_MAX_ROWS) takes
 FOREIGN_MAX, RETRIES = 0.1, 3
 TARGETS = {"b1_pct_roofline": 80.0, "b1_vs_llamacpp": 1.25, "b16_vs_transformers_b16": 3.0, "prefill_pct_peak": 50.0,
-           "b16_vs_b1": 2.0}
+           "b16_vs_b1": 2.0, "prefill_vs_bf16": 1.0}
 
 
 class Ours:
-    def __init__(self, a):
+    def __init__(self, a, bf16: bool = False):
         import torch
 
         from engine import kernels
         from engine.config import EngineConfig
         from engine.core import EngineCore
         self.torch, self.kernels = torch, kernels
-        src = a.model_dir if a.weights == "bf16" else a.gguf  # a quantized run loads llama.cpp's very file
+        # A quantized run loads llama.cpp's very file; its bf16 worker (bf16=True), the checkpoint it came from.
+        src = a.model_dir if a.weights == "bf16" or bf16 else a.gguf
         # No prefix cache: every round repeats its prompts, and a hit would time a 512-token prefill as one block.
         # bf16 where an AVX-512 build runs; without one (the AVX2 build) the engine's own choice, fp32 activations,
         # as `serve` runs there.
@@ -162,7 +163,11 @@ def max_len(a) -> int:
     return max(MAX_LEN, a.context + a.tokens + 8)
 
 
-WORKERS = {"ours": Ours, "transformers": Transformers, "llamacpp": llamacpp_worker}
+# ours_bf16: a quantized run's prefill on the bf16 checkpoint it was quantized from, beside ours on the file (issue
+# 19: a quantized 512-token prefill no slower than bf16's), in the same rounds. It runs the prefill job only.
+WORKERS = {"ours": Ours, "transformers": Transformers, "llamacpp": llamacpp_worker,
+           "ours_bf16": partial(Ours, bf16=True)}
+PREFILL_ONLY = ("ours_bf16",)
 
 
 def rss() -> dict:
@@ -275,12 +280,13 @@ def jobs_for(kinds: list[str], vocab: int, tokens: int, read_bytes: int,
     ids = range(3, vocab)
     p1, pre = [random.Random(1).choices(ids, k=context)], [random.Random(2).choices(ids, k=PREFILL)]
     p16 = [random.Random(100 + i).choices(ids, k=context) for i in range(BATCH)]
+    everything, kinds = kinds, [k for k in kinds if k not in PREFILL_ONLY]
     return ([("bandwidth", "ours", "bandwidth", {"working_set": read_bytes})]
             + [(f"decode_b1/{k}", k, "generate", {"prompts": p1, "tokens": tokens}) for k in kinds]
             + [(f"decode_b{SMALL_BATCH}/{k}", k, "generate", {"prompts": p16[:SMALL_BATCH], "tokens": tokens})
                for k in kinds if k != "transformers"]
             + [(f"decode_b{BATCH}/{k}", k, "generate", {"prompts": p16, "tokens": tokens}) for k in kinds]
-            + [(f"prefill/{k}", k, "generate", {"prompts": pre, "tokens": 1}) for k in kinds]
+            + [(f"prefill/{k}", k, "generate", {"prompts": pre, "tokens": 1}) for k in everything]
             + [("matmul_peak", "ours", "matmul_peak", {})])
 
 
@@ -378,7 +384,8 @@ def ratios(s: dict) -> tuple[dict, dict]:
              f"b{BATCH}_vs_llamacpp_b{BATCH}": (d.get(f"b{BATCH}/ours"), d.get(f"b{BATCH}/llamacpp"), 1),
              f"llamacpp_b{BATCH}_vs_b1": (d.get(f"b{BATCH}/llamacpp"), d.get("b1/llamacpp"), 1),
              "llamacpp_b1_pct_roofline": (d.get("b1/llamacpp"), roof, 100),
-             "prefill_vs_llamacpp": (pre.get("ours", {}).get("tflops"), pre.get("llamacpp", {}).get("tflops"), 1)}
+             "prefill_vs_llamacpp": (pre.get("ours", {}).get("tflops"), pre.get("llamacpp", {}).get("tflops"), 1),
+             "prefill_vs_bf16": (pre.get("ours", {}).get("tflops"), pre.get("ours_bf16", {}).get("tflops"), 1)}
     out = {k: None if a is None or b is None else {m: round(f * a[m] / b[m], 2) for m in ("best", "median")}
            for k, (a, b, f) in pairs.items()}
     # Rounds alternate between the frameworks, so a round's ratio compares them under the same memory bandwidth,
@@ -395,6 +402,9 @@ def ratios(s: dict) -> tuple[dict, dict]:
     # up to 4x for seconds at a time, so a best prefill and a best peak may come from different minutes.
     if out["prefill_pct_peak"] and (pct := paired_pct_peak(s)) is not None:
         out["prefill_pct_peak"]["paired_median"] = pct
+    # A quantized prefill against the bf16 one: the two run back to back in every round.
+    if out["prefill_vs_bf16"] and (r := paired_ratio(pre["ours"], pre["ours_bf16"])) is not None:
+        out["prefill_vs_bf16"]["paired_median"] = r
     targets = {k: {"target": v, "value": (out[k] or {}).get("best"),
                    "pass": None if out[k] is None else out[k]["best"] >= v} for k, v in TARGETS.items()}
     return out, targets
@@ -407,6 +417,14 @@ def paired_pct_roofline(s: dict, decode: dict | None) -> float | None:
     if not decode or not roofs or len(roofs) != len(decode["samples"]):
         return None
     return round(median(100 * t / r for t, r in zip(decode["samples"], roofs)), 2)
+
+
+def paired_ratio(a: dict, b: dict) -> float | None:
+    """Median over rounds of a's TFLOP/s over b's in the same round; None when the rounds do not pair."""
+    x, y = a.get("tflops_by_round"), b.get("tflops_by_round")
+    if not x or not y or len(x) != len(y):
+        return None
+    return round(median(u / v for u, v in zip(x, y)), 3)
 
 
 def paired_pct_peak(s: dict) -> float | None:
@@ -508,6 +526,7 @@ def main() -> None:
     if a.weights != "bf16":
         from benchmarks.gguf_export import ensure_gguf, ensure_quantized
         a.gguf = ensure_quantized(a.gguf or ensure_gguf(str(a.model_dir))[0], a.weights)
+        kinds.insert(1, "ours_bf16")  # its prefill job runs right after ours's in every round
     w = weight_stats(a.model_dir) if a.weights == "bf16" else gguf_weight_stats(a.gguf)
     cfg = json.loads((a.model_dir / "config.json").read_text())
     workers = {k: Worker(k, a, cpulist.format(b.cpus), b.threads) for k in kinds}
@@ -566,7 +585,8 @@ def main() -> None:
 METHOD = ("roofline = best bandwidth / bytes a decode step reads (all weights but the embedding table); bandwidth = "
           "the best of native reads of 1 GiB and of a buffer of those bytes (1-8 streams a thread, with and without "
           "an L2 prefetch 4 KiB ahead) and an MKL fp32 GEMV; prefill "
-          "TFLOP/s = 2 * decoder-layer matmul params * 512 / TTFT; matmul peak = [512,K]x[K,N] on one layer's "
+          "TFLOP/s = 2 * decoder-layer matmul params * 512 / TTFT (prefill_vs_bf16: a quantized file's against "
+          "the bf16 checkpoint's, both ours, in the same rounds); matmul peak = [512,K]x[K,N] on one layer's "
           "shapes (FLOP-weighted), each on its fastest implementation (bf16 ones, or MKL fp32 where faster); "
           "paired_median: the median over rounds of a figure against the same round's probe or peak")
 

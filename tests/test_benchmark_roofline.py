@@ -1,10 +1,10 @@
 """benchmarks/engine.py's roofline percentages on a host whose memory bandwidth changes regime mid-run: each round's
 decode is held to that round's own probe, and the run says when its probes disagree. Likewise each round's prefill
-is held to that round's matmul peak."""
+is held to that round's matmul peak, and a quantized file's prefill to the bf16 checkpoint's in the same round."""
 
 from __future__ import annotations
 
-from benchmarks.engine import paired_pct_peak, paired_pct_roofline, ratios, regime_note, summarize
+from benchmarks.engine import jobs_for, paired_pct_peak, paired_pct_roofline, ratios, regime_note, summarize
 
 
 def summary(by_round: list[float], bytes_per_token: float = 0.5e9) -> dict:
@@ -61,3 +61,31 @@ def test_prefill_rounds_that_do_not_pair_give_no_figure():
     samples = {"prefill/ours": [{"ttft_s": 1.0}], "matmul_peak": [peak_round({"a": 1.0}), peak_round({"a": 2.0})]}
     assert paired_pct_peak(summarize(samples, {"layer_matmul_params": params}, 64)) is None
     assert paired_pct_peak({"prefill_512": {}}) is None
+
+
+def test_a_quantized_prefill_is_paired_with_the_bf16_prefill_of_its_round():
+    # Round 1 quiet: Q4 1.6 TFLOP/s, bf16 1.6 -> 1.0. Round 2 noisy for both: 0.7 against 0.8 -> 0.875. Round 3:
+    # 1.1 against 1.0 -> 1.1. Best against best: 1.6 / 1.6 = 1.0; paired median 1.0.
+    params = 1e12 / (2 * 512)
+    samples = {"prefill/ours": [{"ttft_s": 1 / 1.6}, {"ttft_s": 1 / 0.7}, {"ttft_s": 1 / 1.1}],
+               "prefill/ours_bf16": [{"ttft_s": 1 / 1.6}, {"ttft_s": 1 / 0.8}, {"ttft_s": 1 / 1.0}]}
+    derived, targets = ratios(summarize(samples, {"layer_matmul_params": params}, 64))
+    assert derived["prefill_vs_bf16"] == {"best": 1.0, "median": 1.1, "paired_median": 1.0}
+    assert targets["prefill_vs_bf16"] == {"target": 1.0, "value": 1.0, "pass": True}
+    # A slower quantized prefill fails the target, by either measure.
+    samples["prefill/ours"] = [{"ttft_s": 1 / 1.4}, {"ttft_s": 1 / 0.7}, {"ttft_s": 1 / 0.9}]
+    derived, targets = ratios(summarize(samples, {"layer_matmul_params": params}, 64))
+    assert derived["prefill_vs_bf16"]["paired_median"] == 0.875 and targets["prefill_vs_bf16"]["pass"] is False
+    # A bf16 run has no such figure; a failed round leaves the paired one out.
+    del samples["prefill/ours_bf16"][2]
+    assert "paired_median" not in ratios(summarize(samples, {"layer_matmul_params": params}, 64))[0]["prefill_vs_bf16"]
+    del samples["prefill/ours_bf16"]
+    derived, targets = ratios(summarize(samples, {"layer_matmul_params": params}, 64))
+    assert derived["prefill_vs_bf16"] is None and targets["prefill_vs_bf16"]["pass"] is None
+
+
+def test_the_bf16_worker_runs_only_the_prefill_right_after_ours():
+    names = [name for name, *_ in jobs_for(["ours", "ours_bf16", "llamacpp"], 1024, 8, 10**6)]
+    assert [n for n in names if "ours_bf16" in n] == ["prefill/ours_bf16"]
+    assert names[names.index("prefill/ours") + 1] == "prefill/ours_bf16"
+    assert "decode_b1/llamacpp" in names and "prefill/llamacpp" in names
