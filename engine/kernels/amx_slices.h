@@ -148,6 +148,7 @@ inline void pair_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pai
       }
     } else {
       const int n = pairs.ids(p, nb);
+      if (pend) pend->flush_held();  // again() runs its own tiles, without the deferred epilogue
       for (int64_t mb = c0; mb < c1; ++mb) src.again(M, xbp, mb, nb, n, bias, out, pairs);
     }
   }

@@ -144,7 +144,20 @@ struct Pending {
       if (++r == rows[h]) r = 0, ++h;
     }
   }
-  void finish() { run(units); }
+  // C tiles 2 and 3 still hold this block's lower half (tile_block's `hold`): stored behind the next block's first
+  // tile products, or here when something else needs the tiles first.
+  bool held = false;
+  void flush_held() {
+    if (held) {
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+      held = false;
+    }
+  }
+  void finish() {
+    flush_held();
+    run(units);
+  }
   // This block's rows (rows0, rows1 of two halves), its C tiles already in c; nb: the gate and up blocks.
   void set(int rows0, int rows1, const int64_t* nb, const float* bias, bf16* o, int64_t ld) {
     bg = bias ? _mm512_loadu_ps(bias + nb[0] * 16) : _mm512_setzero_ps();
@@ -194,10 +207,16 @@ struct Ahead {
 // pend (or nullptr): a deferred SiLU epilogue (Pending), run a few rows a k-step; with silu, this block's then takes
 // its place, else every epilogue runs at once. ahead (or nullptr): the next decode's weights, requested a few lines a
 // k-step.
+// With a deferred SiLU epilogue over all of K, a block's C tiles 2 and 3 stay in the tiles when it ends and are stored
+// in the next block's first k-step, after its products on tiles 0 and 1 (as oneDNN's AMX kernel interleaves its
+// tile stores): 4 tile stores at the end of a block leave the tile unit idle while they drain.
 template <int MB, int NB, class Source>
 inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t Kh, const int64_t nb[NB],
                        const float* bias, bf16* out, int64_t ldo, const Partial* partial = nullptr, bool silu = false,
                        Pending* pend = nullptr, Ahead* ahead = nullptr) {
+  const bool hold = MB > 1 && NB > 1 && silu && pend && (!partial || (partial->first && partial->last));
+  if (pend && pend->held && !hold) pend->flush_held();
+  bool held = pend && pend->held;  // the previous block's tiles 2 and 3, stored in this block's first k-step
   if (partial && !partial->first) {
     _tile_loadd(0, partial->c, 64);
     if constexpr (NB > 1) _tile_loadd(1, partial->c + 256, 64);
@@ -209,8 +228,10 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
     _tile_zero(0);
     if constexpr (NB > 1) _tile_zero(1);
     if constexpr (MB > 1) {
-      _tile_zero(2);
-      if constexpr (NB > 1) _tile_zero(3);
+      if (!held) {
+        _tile_zero(2);
+        if constexpr (NB > 1) _tile_zero(3);
+      }
     }
   }
   const bf16* a0 = a.base;
@@ -222,6 +243,15 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
     b.template load<NB>(kp);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (NB > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MB > 1 && NB > 1) {
+      if (held) {
+        _tile_stored(2, pend->c[2], 64);
+        _tile_stored(3, pend->c[3], 64);
+        _tile_zero(2);
+        _tile_zero(3);
+        held = pend->held = false;
+      }
+    }
     if constexpr (MB > 1) {
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (NB > 1) _tile_dpbf16ps(3, 5, 7);
@@ -244,10 +274,13 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
       _tile_stored(0, pend->c[0], 64);
       _tile_stored(1, pend->c[1], 64);
       if constexpr (MB > 1) {
-        _tile_stored(2, pend->c[2], 64);
-        _tile_stored(3, pend->c[3], 64);
+        if (!hold) {
+          _tile_stored(2, pend->c[2], 64);
+          _tile_stored(3, pend->c[3], 64);
+        }
       }
       pend->set(rows0, MB > 1 ? rows1 : 0, nb, bias, out, ldo);
+      pend->held = hold;
       return;
     }
   }

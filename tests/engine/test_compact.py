@@ -139,11 +139,12 @@ def test_amx_tiles_on_compact_weights_decode_once_or_again_to_the_same_bits(m, k
 
 @pytest.mark.skipif(not kernels.status()["compact_amx"], reason="compact matrices run on AMX tiles only on AMX CPUs")
 @pytest.mark.parametrize("m", [1, 5, 32, 40, 130, 300])
-@pytest.mark.parametrize("k", [896, 4864])
+@pytest.mark.parametrize("k", [896, 2048, 4864])
 def test_gate_up_with_silu_in_the_tiles_gives_silu_mul_of_the_linear_bit_for_bit(m, k):
     # The MLP's gate_up [gate; up] with silu(gate) * up applied as the tiles store gate block j and up block j: each
     # row the bits silu_mul gives from the stored gate_up row, in every path (rows in place, decoded again or once per
-    # chunk, k-slices outermost), and the [m, 2I] intermediate never written.
+    # chunk, k-slices outermost, and at K = 2048 and 300 rows a chunk of 8 blocks decoded once, then one of 2 decoded
+    # again, after the last block's C tiles were held for the next), and the [m, 2I] intermediate never written.
     w, x = weights(416, k, seed=m), torch.randn(m, k).bfloat16()  # I = 208: 13 blocks of gate, 13 of up
     w[3, 5], w[300, k - 1] = 1e4, -7e3  # escapes in a gate block and in an up block
     blob = compact(w)
