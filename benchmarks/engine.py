@@ -410,31 +410,29 @@ def ratios(s: dict) -> tuple[dict, dict]:
     return out, targets
 
 
-def paired_pct_roofline(s: dict, decode: dict | None) -> float | None:
-    """Median over rounds of a decode's tok/s as a % of the roofline from the same round's bandwidth probe; None
-    when a round is missing (a failed or skipped job), since rounds would then pair wrongly."""
-    roofs = s.get("roofline_tok_s_by_round")
-    if not decode or not roofs or len(roofs) != len(decode["samples"]):
+def paired_median(xs: list[float] | None, ys: list[float] | None, scale: float, nd: int) -> float | None:
+    """Median over rounds of scale * x / y, x and y from the same round; None when a round is missing on either side
+    (a failed or skipped job), since rounds would then pair wrongly."""
+    if not xs or not ys or len(xs) != len(ys):
         return None
-    return round(median(100 * t / r for t, r in zip(decode["samples"], roofs)), 2)
+    return round(median(scale * x / y for x, y in zip(xs, ys)), nd)
+
+
+def paired_pct_roofline(s: dict, decode: dict | None) -> float | None:
+    """A decode's tok/s as a % of the roofline from the same round's bandwidth probe, median over rounds."""
+    return paired_median(decode and decode["samples"], s.get("roofline_tok_s_by_round"), 100, 2)
 
 
 def paired_ratio(a: dict, b: dict) -> float | None:
-    """Median over rounds of a's TFLOP/s over b's in the same round; None when the rounds do not pair."""
-    x, y = a.get("tflops_by_round"), b.get("tflops_by_round")
-    if not x or not y or len(x) != len(y):
-        return None
-    return round(median(u / v for u, v in zip(x, y)), 3)
+    """a's TFLOP/s over b's in the same round, median over rounds."""
+    return paired_median(a.get("tflops_by_round"), b.get("tflops_by_round"), 1, 3)
 
 
 def paired_pct_peak(s: dict) -> float | None:
-    """Median over rounds of our 512-token prefill's TFLOP/s as a % of the matmul peak measured in the same round
-    (its neighbouring job); None when the rounds do not pair (a failed or skipped job)."""
-    pre = s.get("prefill_512", {}).get("ours", {}).get("tflops_by_round")
-    peaks = s.get("matmul_bf16_m512", {}).get("peak_tflops_by_round")
-    if not pre or not peaks or len(pre) != len(peaks):
-        return None
-    return round(median(100 * t / p for t, p in zip(pre, peaks)), 2)
+    """Our 512-token prefill's TFLOP/s as a % of the matmul peak measured in the same round (its neighbouring job),
+    median over rounds."""
+    return paired_median(s.get("prefill_512", {}).get("ours", {}).get("tflops_by_round"),
+                         s.get("matmul_bf16_m512", {}).get("peak_tflops_by_round"), 100, 2)
 
 
 def regime_note(s: dict, spread: float = 1.2) -> str | None:
