@@ -21,10 +21,12 @@ and on the bytes it holds. `--gguf FILE --stream-ahead 0,4096,l2:8192,nta:4096,d
 distances of the quantized kernels for every format (kernels/quant_stream.h; `l2:`/`nta:` also set where the lines go,
 else the CPU's default hint; `default`: each format's own distance and the default hint). `--pages` alternates between
 the weights on 2 MiB pages (engine/hugepages.py, the default) and on 4 KiB pages (EngineConfig(huge_pages=False)),
-the same model loaded twice.
+the same model loaded twice. `--shares` alternates between the fused step's threads taking work over from a slower one
+(kernels/runs.h `Shares`, the default for quantized and compact matrices) and fixed shares.
 
     flock /tmp/deploykit-heavy.lock python benchmarks/decode_profile.py [--rounds 5] [--tokens 64] [--gguf FILE]
-                                                                        [--compact | --stream-ahead B,l2:B | --pages]
+                                                                        [--compact | --stream-ahead B,l2:B | --pages |
+                                                                         --shares]
 """
 
 from __future__ import annotations
@@ -145,6 +147,9 @@ def main() -> None:
     variant.add_argument("--pages", action="store_true",
                          help="alternate between the weights on 2 MiB pages and on 4 KiB pages instead of between the "
                               "two streamings")
+    variant.add_argument("--shares", action="store_true",
+                         help="alternate between the fused step's threads taking work over from a slower one (the "
+                              "default) and fixed shares, instead of between the two streamings")
     a = ap.parse_args()
     if a.stream_ahead and not a.gguf:
         raise SystemExit("--stream-ahead measures the quantized GEMV: give a quantized file with --gguf")
@@ -168,6 +173,8 @@ def main() -> None:
         raise SystemExit(f"the native kernels are not loaded ({st['reason']}): nothing to profile")
     if a.compact and not full:
         raise SystemExit("--compact measures the bf16 GEMV of the AVX-512 builds; this CPU runs the fp32 step")
+    if a.shares and not full:
+        raise SystemExit("--shares measures the bf16 fused step of the AVX-512 builds; this CPU runs the fp32 step")
     ops = torch.ops.deploykit
     src = str(a.gguf or a.model_dir)
     dtype = "bfloat16" if full else "float32"
@@ -183,14 +190,17 @@ def main() -> None:
     timers = Timers()
     timers.wrap(kernels, "decode_step_", "native_step")  # the model calls kernels.decode_step_ by attribute
     # The variants a round alternates between: (core, GEMV streaming, quantized prefetch distance in bytes for every
-    # format, or None: each format's default) by name.
-    ahead = None
+    # format, or None: each format's default) by name; and the variants whose quantized phases keep fixed shares.
+    ahead, fixed_shares = None, set()
     if a.compact:
         variants = {"packed 16-bit": (load(False), streams, ahead),
                     "compact 12-bit": (core, streams, ahead)}
     elif a.pages:
         variants = {"2 MiB pages": (core, streams, ahead),
                     "4 KiB pages": (load(True, huge_pages=False), streams, ahead)}
+    elif a.shares:
+        variants = {"taken over": (core, streams, ahead), "fixed shares": (core, streams, ahead)}
+        fixed_shares = {"fixed shares"}
     elif a.stream_ahead:
         variants = {("each format's default" if n == "default" else f"{n} bytes ahead"):
                     (core, streams, None if n == "default" else ahead_setting(n))
@@ -216,6 +226,7 @@ def main() -> None:
             if s is not None:
                 ops.set_gemv_streams(s)
             ops.reset_quant_stream_ahead()
+            ops.set_step_take_over(name not in fixed_shares)
             if n is not None:
                 ops.set_quant_stream_ahead(n[0])
                 if n[1]:
@@ -224,6 +235,7 @@ def main() -> None:
     if picked is not None:
         ops.set_gemv_streams(picked.streams)
     ops.reset_quant_stream_ahead()
+    ops.set_step_take_over(True)
     bw_after = read_bandwidth(3, working_set=w["decode_read_bytes"])
     roof = max(bw_before["best_gbps"], bw_after["best_gbps"])
     flags = kernels.status()["isa"]
@@ -238,7 +250,7 @@ def main() -> None:
         "roofline": {"before": bw_before, "after": bw_after, "best_gbps": roof,
                      "tok_s": round(roof * 1e9 / w["decode_read_bytes"], 1)},
         "weight_pages": {name: c.model.pages.text() for name, (c, _, _) in variants.items()},
-        "by_variant" if a.compact or a.stream_ahead or a.pages or not full else "by_streaming": {
+        "by_variant" if a.compact or a.stream_ahead or a.pages or a.shares or not full else "by_streaming": {
             name: summarize(r, w["decode_read_bytes"], roof,
                             held_read(variants[name][0].model, w) if a.compact else None)
             for name, r in rounds.items()},

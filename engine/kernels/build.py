@@ -19,13 +19,13 @@ from torch.utils import cpp_extension
 SOURCES = ("gemv_bf16.cpp", "amx_bf16.cpp", "amx_plain_bf16.cpp", "stream_read.cpp", "decode_ops.cpp",
            "decode_attention.cpp", "decode_step.cpp", "quant_pack.cpp", "qlinear.cpp", "argmax.cpp",
            "compact_bf16.cpp", "compact_amx.cpp", "f32_ops.cpp", "bf16w_linear.cpp", "prefill_attention.cpp",
-           "quant_prompt_amx.cpp", "decode_step_f32.cpp", "step_profile.cpp")
+           "quant_prompt_amx.cpp", "decode_step_f32.cpp", "step_profile.cpp", "runs_ops.cpp")
 # The AVX2 build holds the quantized-weight ops, the fp32 ops and the roofline probe: a CPU without AVX-512 runs a
 # model in fp32, keeps GGUF blocks quantized and reads them with the AVX2 int8 GEMV, keeps a bf16 checkpoint's
 # matrices in bf16 and widens them in registers (bf16w_linear.cpp), and runs the rest of a decoder layer on
 # f32_ops.cpp. Both of those files are AVX2 + FMA code that every build holds.
 AVX2_SOURCES = ("quant_pack.cpp", "qlinear.cpp", "stream_read.cpp", "f32_ops.cpp", "bf16w_linear.cpp",
-                "decode_step_f32.cpp", "step_profile.cpp")
+                "decode_step_f32.cpp", "step_profile.cpp", "runs_ops.cpp")
 HEADERS = ("vec.h", "gemv.h", "row_ops.h", "attention.h", "op_args.h", "quant_layout.h", "quant_act.h", "quant_gemv.h",
            "quant_gemv_avx2.h", "quant_rows.h", "quant_stream.h", "quant_scale.h", "quant_amx.h", "step_profile.h",
            "compact_bf16.h", "compact_amx.h", "amx_tiles.h", "amx_slices.h", "paged_kv.h", "step_matrix.h",

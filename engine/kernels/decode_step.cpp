@@ -17,6 +17,8 @@
 //   y = silu(x W_gate^T) * (x W_up^T)       gate block j and up block j on one thread    | barrier
 //   d = y W_down^T + b                      column blocks split                          | barrier
 //   h += d; x = rms_norm(h) * ln1 of the next layer
+// A thread's column blocks are its fixed share, walked in claims; one done with its own takes over the back half of
+// what the other has left (runs.h Shares), on every matrix but packed bf16.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -166,10 +168,28 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
   const bf16* sin_table = sin.data_ptr<bf16>();
   const float fscale = (float)scale, feps = (float)eps;
   const int64_t row = 2 * Hkv * D;
+  // A thread done with its share of a phase takes work over from a slower one (runs.h Shares), on every matrix but
+  // packed bf16 (step::shared). Per layer, the Shares of its qkv, o_proj, gate_up and down, made for the team the
+  // region gets. Read once: every thread must split a phase alike.
+  bool take_over = false;
+  if (take_over_on.load(std::memory_order_relaxed))
+    for (const Layer& y : layers)
+      for (const Weight* m : {&y.qkv, &y.o, &y.gate_up, &y.down}) take_over = take_over || step::shared(*m);
+  enum { QKV_SHARES, O_SHARES, GATE_UP_SHARES, DOWN_SHARES, SHARED_PHASES };
+  std::vector<Shares> shares;
+  if (take_over) {
+    shares.reserve(L * SHARED_PHASES);
+    for (int64_t i = 0; i < L * SHARED_PHASES; ++i) shares.emplace_back(max_threads);
+  }
 
 #pragma omp parallel num_threads(max_threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+#pragma omp single
+    for (int64_t l = 0; l < (take_over ? L : 0); ++l) {
+      const int64_t items[SHARED_PHASES] = {NQKV / 16, H / 16, I / 16, H / 16};
+      for (int p = 0; p < SHARED_PHASES; ++p) shares[l * SHARED_PHASES + p].reset(items[p], nt);
+    }
     bf16* res = own0 + stride * tid;
     bf16* x = res + B * H;
     std::copy(hp, hp + B * H, res);
@@ -184,7 +204,11 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
     for (int64_t b = 0; b < B; ++b) rows::rms_norm(res + b * H, layers[0].ln1, H, feps, x + b * H);
     for (int64_t l = 0; l < L; ++l) {
       const Layer& y = layers[l];
-      step::matvec(B, x, H, y.qkv, room, qb0, qb1, y.qkv_bias, qkv.data(), NQKV);
+      Shares* split = shares.empty() ? nullptr : &shares[l * SHARED_PHASES];
+      if (split && step::shared(y.qkv))
+        step::matvec_shares(B, x, H, y.qkv, room, split[QKV_SHARES], tid, y.qkv_bias, qkv.data(), NQKV);
+      else
+        step::matvec(B, x, H, y.qkv, room, qb0, qb1, y.qkv_bias, qkv.data(), NQKV);
       clock.mark(step_profile::QKV);
 #pragma omp barrier
       clock.mark(step_profile::BARRIER);
@@ -208,7 +232,10 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
       clock.mark(step_profile::ATTENTION);
 #pragma omp barrier
       clock.mark(step_profile::BARRIER);
-      step::matvec(B, o.data(), Hq * D, y.o, room, ob0, ob1, y.o_bias, d.data(), H);
+      if (split && step::shared(y.o))
+        step::matvec_shares(B, o.data(), Hq * D, y.o, room, split[O_SHARES], tid, y.o_bias, d.data(), H);
+      else
+        step::matvec(B, o.data(), Hq * D, y.o, room, ob0, ob1, y.o_bias, d.data(), H);
       clock.mark(step_profile::O_PROJ);
 #pragma omp barrier
       clock.mark(step_profile::BARRIER);
@@ -216,15 +243,26 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
         rows::add_(res + b * H, d.data() + b * H, H);
         rows::rms_norm(res + b * H, y.ln2, H, feps, x + b * H);
       }
-      step::gate_up(B, x, H, y.gate_up, J, jb0, jb1, y.gate_up_bias, room, gu.data());
-      for (int64_t b = 0; b < B; ++b) {
-        const bf16* g = gu.data() + b * 2 * I;
-        rows::silu_mul(g + jb0 * 16, g + I + jb0 * 16, (jb1 - jb0) * 16, act.data() + b * I + jb0 * 16);
+      const auto silu_mul = [&](int64_t j0, int64_t j1) {  // act = silu(gate) * up for column blocks [j0, j1)
+        for (int64_t b = 0; b < B; ++b) {
+          const bf16* g = gu.data() + b * 2 * I;
+          rows::silu_mul(g + j0 * 16, g + I + j0 * 16, (j1 - j0) * 16, act.data() + b * I + j0 * 16);
+        }
+      };
+      if (split && step::shared(y.gate_up)) {
+        step::gate_up_shares(B, x, H, y.gate_up, J, split[GATE_UP_SHARES], tid, y.gate_up_bias, room, gu.data(),
+                             silu_mul);
+      } else {
+        step::gate_up(B, x, H, y.gate_up, J, jb0, jb1, y.gate_up_bias, room, gu.data());
+        silu_mul(jb0, jb1);
       }
       clock.mark(step_profile::GATE_UP);
 #pragma omp barrier
       clock.mark(step_profile::BARRIER);
-      step::matvec(B, act.data(), I, y.down, room, ob0, ob1, y.down_bias, d.data(), H);
+      if (split && step::shared(y.down))
+        step::matvec_shares(B, act.data(), I, y.down, room, split[DOWN_SHARES], tid, y.down_bias, d.data(), H);
+      else
+        step::matvec(B, act.data(), I, y.down, room, ob0, ob1, y.down_bias, d.data(), H);
       clock.mark(step_profile::DOWN);
 #pragma omp barrier
       clock.mark(step_profile::BARRIER);

@@ -331,12 +331,12 @@ struct Rows16 {
     dec.reset(new int8_t[std::max<int64_t>(DECODED_BYTES, 16 * K) + 64]);  // per_pass(k) groups of 16 k bytes, k <= K
     tabs.reset(new float[K / 32 * TABLE_FLOATS]);
   }
-  // y[:, 16 g0 .. 16 g1) = the 16 rows a (quantized) times w's groups [g0, g1): what linear() gives them.
+  // The 16 rows a (quantized, K wide) packed for the tiles, for the groups_of calls that follow.
+  void pack(const Act* a, int64_t K) { pack_block(a, K / 32, align(xa.get()), tabs.get()); }
+  // y[:, 16 g0 .. 16 g1) = the packed rows times w's groups [g0, g1): what linear() gives them.
   template <class Out>
-  void run(const Act* a, const Matrix& w, int64_t g0, int64_t g1, const float* bias, Out* y, int64_t ldy) {
-    int8_t* x = align(xa.get());
-    pack_block(a, w.K / 32, x, tabs.get());
-    groups(x, tabs.get(), 16, w, g0, g1, bias, y, ldy, align(dec.get()));
+  void groups_of(const Matrix& w, int64_t g0, int64_t g1, const float* bias, Out* y, int64_t ldy) {
+    groups(align(xa.get()), tabs.get(), 16, w, g0, g1, bias, y, ldy, align(dec.get()));
   }
   static int8_t* align(int8_t* p) {
     return reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
@@ -354,8 +354,9 @@ void linear(const quant::Act*, int64_t, const quant::Matrix&, const float*, Out*
 
 struct Rows16 {
   void reserve(int64_t) {}
+  void pack(const quant::Act*, int64_t) { TORCH_CHECK(false, "this kernel library was built without AMX-INT8"); }
   template <class Out>
-  void run(const quant::Act*, const quant::Matrix&, int64_t, int64_t, const float*, Out*, int64_t) {
+  void groups_of(const quant::Matrix&, int64_t, int64_t, const float*, Out*, int64_t) {
     TORCH_CHECK(false, "this kernel library was built without AMX-INT8");
   }
 };

@@ -1,6 +1,7 @@
 // Work handed out as threads come free: Runs, which the fused fp32 decode step's phases take their column groups from
-// past 4 rows, and in_runs(), the same for one compute-bound op (linear_bf16w and quant_linear past 4 rows). No ISA
-// code here, so every build includes it.
+// past 4 rows, and in_runs(), the same for one compute-bound op (linear_bf16w and quant_linear past 4 rows); and
+// Shares, the fixed shares of a phase that a thread done with its own takes over from (the fused bf16 step's
+// quantized and compact matrices). No ISA code here, so every build includes it.
 //
 // Why: with fixed shares, a thread the host slows for a while (another tenant on the VM, or the front end sharing the
 // CPU) holds every other thread back at the end of each op or phase. Measured on a 2-core Zen 3 (benchmarks/README.md,
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 namespace deploykit {
 
@@ -50,5 +52,82 @@ inline void in_runs(int64_t n, int64_t least, const F& fn) {
     for (int64_t r0, r1; runs.take(n, nt, least, r0, r1);) fn(r0, r1);
   });
 }
+
+// Fixed shares that a thread done with its own takes work over from: each thread walks its contiguous share of
+// [0, n) forward, `step` items a claim; one whose share is done takes the back half of what is left of the share with
+// the most left, as its own share, and walks that. Each thread's weight stream then breaks once a take-over rather
+// than at every run, as Runs would break it (one row of Q4_0 took 1.07x the time in runs on Zen 3), and a thread
+// the host slows for a while (another tenant, or the front end on a 2-CPU host) no longer holds the other back at
+// the phase's barrier. Measured in the fused bf16 step at one row on a 2-vCPU Emerald Rapids-class Xeon
+// (benchmarks/decode_profile.py --shares, alternated in one process): with fixed shares one thread spent 7.97 ms a
+// token in gate_up and the other 4.92, then waited 5.5 ms at the barriers (which vCPU was slow changed between runs);
+// fixed shares took 1.074x the time of taking over on Q4_K_M (barrier waits 1.38 -> 0.33 ms a token), 1.018x on
+// compact bf16, and 1.062x on Q4_K_M with a process busy 5 % of one CPU; in quiet stretches the two tied (0.995-1.018).
+// A claim is one atomic add on the owner's cache line; a take-over one compare-and-swap on the victim's.
+// Which thread computes an item changes nothing in it: each item's result depends on the item alone.
+class Shares {
+ public:
+  explicit Shares(int max_threads) : slots_(max_threads) {}
+
+  // The shares of [0, n) for nt <= max_threads threads, as step_args::share splits them: before any thread walks,
+  // and without allocating (it may run inside a parallel region, once the team is known).
+  void reset(int64_t n, int nt) {
+    nt_ = std::min<int>(nt, static_cast<int>(slots_.size()));
+    const int64_t chunk = (n + nt_ - 1) / nt_;
+    for (int t = 0; t < nt_; ++t)
+      slots_[t].v.store(pack(std::min<int64_t>(n, t * chunk), std::min<int64_t>(n, (t + 1) * chunk)),
+                        std::memory_order_relaxed);
+  }
+
+  // fn(i0, i1) over the items thread tid claims, `step` at a time, its own share first; then over the back halves
+  // it takes over while some share has at least `least` items left (fewer: its owner is about to finish them).
+  template <class F>
+  void walk(int tid, int64_t step, int64_t least, const F& fn) {
+    for (;;) {
+      for (;;) {
+        const uint64_t was = slots_[tid].v.fetch_add(step, std::memory_order_relaxed);
+        const int64_t next = lo(was), end = hi(was);
+        if (next >= end) break;
+        fn(next, std::min(next + step, end));
+      }
+      if (!take_over(tid, least)) return;
+    }
+  }
+
+ private:
+  struct alignas(64) Slot {  // [next, end) of one thread's share, next in the low half: one line per thread
+    std::atomic<uint64_t> v{0};
+  };
+  static uint64_t pack(int64_t next, int64_t end) { return static_cast<uint64_t>(end) << 32 | uint64_t(next); }
+  static int64_t lo(uint64_t v) { return static_cast<int64_t>(v & 0xffffffffu); }
+  static int64_t hi(uint64_t v) { return static_cast<int64_t>(v >> 32); }
+
+  // Moves the back half of the longest share left to thread tid's slot; false when none has `least` items left.
+  bool take_over(int tid, int64_t least) {
+    for (;;) {
+      int victim = -1;
+      uint64_t seen = 0;
+      int64_t most = least - 1;
+      for (int t = 0; t < nt_; ++t) {
+        if (t == tid) continue;
+        const uint64_t v = slots_[t].v.load(std::memory_order_relaxed);
+        if (hi(v) - lo(v) > most) most = hi(v) - lo(v), victim = t, seen = v;
+      }
+      if (victim < 0) return false;
+      const int64_t mid = lo(seen) + (hi(seen) - lo(seen)) / 2;  // the owner keeps [next, mid), at least 1 item goes
+      if (slots_[victim].v.compare_exchange_weak(seen, pack(lo(seen), mid), std::memory_order_relaxed)) {
+        slots_[tid].v.store(pack(mid, hi(seen)), std::memory_order_relaxed);
+        return true;
+      }
+    }
+  }
+
+  std::vector<Slot> slots_;
+  int nt_ = 0;
+};
+
+// Whether the fused bf16 step takes work over in Shares (the default); off only to measure fixed shares against it
+// (decode_profile.py --shares; set_step_take_over in runs_ops.cpp).
+inline std::atomic<bool> take_over_on{true};
 
 }  // namespace deploykit

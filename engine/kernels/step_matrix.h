@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "compact_amx.h"
@@ -12,6 +13,7 @@
 #include "gemv.h"
 #include "quant_amx.h"
 #include "quant_gemv.h"
+#include "runs.h"
 
 namespace deploykit {
 namespace step {
@@ -36,15 +38,6 @@ struct Room {
     if (B == quant_amx::MIN_ROWS) tiles.reserve(K);
   }
 };
-
-// y[:, 16 g0 .. 16 g1) for B rows a (quantized) of a quantized matrix: on the tiles where quant_linear would take them.
-inline void quant_rows(int64_t B, const quant::Act* a, const quant::Matrix& w, int64_t g0, int64_t g1,
-                       const float* bias, bf16* y, int64_t ldy, Room& room) {
-  if (B == quant_amx::MIN_ROWS && quant_amx::takes(B))  // Room::tiles holds one 16-row block
-    room.tiles.run(a, w, g0, g1, bias, y, ldy);
-  else
-    quant::tiled_rows(B, a, w, g0, g1, bias, y, ldy);
-}
 
 struct Weight {
   enum Kind { PACKED, COMPACT, QUANTIZED } kind = PACKED;
@@ -80,24 +73,44 @@ inline Weight weight(const at::Tensor& w, int64_t N, int64_t K, int64_t layer, c
   return out;
 }
 
+// B rows of x [B, K] made ready once per phase for w's kernel: quantized for a quantized w, and packed for the
+// AMX-INT8 tiles at 16 rows (in room.tiles, where quant_linear would take them); the bf16 kinds read x in place.
+struct Ready {
+  quant::Act a[MAX_TILE_ROWS];
+  bool tiles = false;
+};
+
+inline void prepare(int64_t B, const bf16* x, int64_t K, const Weight& w, Room& room, Ready& r) {
+  if (!w.quantized()) return;
+  for (int64_t b = 0; b < B; ++b) {
+    r.a[b] = room.acts.row(b);
+    quant::quantize(x + b * K, K, r.a[b]);
+  }
+  r.tiles = B == quant_amx::MIN_ROWS && quant_amx::takes(B);  // Room::tiles holds one 16-row block
+  if (r.tiles) room.tiles.pack(r.a, K);
+}
+
+// y[:, 16 b0 .. 16 b1) = x W^T + bias for B rows of x [B, K], made ready for w.
+inline void columns(int64_t B, const bf16* x, int64_t K, const Weight& w, Room& room, const Ready& r, int64_t b0,
+                    int64_t b1, const float* bias, bf16* y, int64_t ldy) {
+  if (w.kind == Weight::PACKED) {
+    gemv::packed_rows(B, x, K, w.packed, K / 2, b0, b1, bias, y, ldy);
+  } else if (w.kind == Weight::COMPACT) {
+    if (compact_amx::on(w.c)) compact_amx::rows(B, x, K, w.c, b0, b1, bias, y, ldy);
+    else compact::rows(B, x, K, w.c, b0, b1, bias, y, ldy);
+  } else if (r.tiles) {
+    room.tiles.groups_of(w.q, b0, b1, bias, y, ldy);
+  } else {
+    quant::tiled_rows(B, r.a, w.q, b0, b1, bias, y, ldy);
+  }
+}
+
 // y[:, 16 b0 .. 16 b1) = x W^T + bias for B rows of x [B, K].
 inline void matvec(int64_t B, const bf16* x, int64_t K, const Weight& w, Room& room, int64_t b0, int64_t b1,
                    const float* bias, bf16* y, int64_t ldy) {
-  if (w.kind == Weight::PACKED) {
-    gemv::packed_rows(B, x, K, w.packed, K / 2, b0, b1, bias, y, ldy);
-    return;
-  }
-  if (w.kind == Weight::COMPACT) {
-    if (compact_amx::on(w.c)) compact_amx::rows(B, x, K, w.c, b0, b1, bias, y, ldy);
-    else compact::rows(B, x, K, w.c, b0, b1, bias, y, ldy);
-    return;
-  }
-  quant::Act a[MAX_TILE_ROWS];
-  for (int64_t b = 0; b < B; ++b) {
-    a[b] = room.acts.row(b);
-    quant::quantize(x + b * K, K, a[b]);
-  }
-  quant_rows(B, a, w.q, b0, b1, bias, y, ldy, room);
+  Ready r;
+  prepare(B, x, K, w, room, r);
+  columns(B, x, K, w, room, r, b0, b1, bias, y, ldy);
 }
 
 // gu[:, gate blocks j and up blocks J + j] for j in [j0, j1), on one thread so it can apply silu(gate) * up to
@@ -128,15 +141,13 @@ inline void gate_up_pairs(const bf16* x, int64_t ldx, const bf16* w, int64_t Kh,
 }
 
 // gu[:, gate blocks [j0, j1)] and gu[:, up blocks J + [j0, j1)] = x [B, H] W_gate_up^T + bias ([B, 2I], I = 16 J),
-// on this thread, so that it can go on to silu(gate) * up for its own columns.
-inline void gate_up(int64_t B, const bf16* x, int64_t H, const Weight& w, int64_t J, int64_t j0, int64_t j1,
-                    const float* bias, Room& room, bf16* gu) {
+// x made ready for w, on this thread, so that it can go on to silu(gate) * up for its own columns.
+inline void gate_up_columns(int64_t B, const bf16* x, int64_t H, const Weight& w, Room& room, const Ready& r, int64_t J,
+                            int64_t j0, int64_t j1, const float* bias, bf16* gu) {
   const int64_t ldo = 32 * J;
   if (w.quantized()) {
-    matvec(B, x, H, w, room, j0, j1, bias, gu, ldo);
-    quant::Act a[MAX_TILE_ROWS];
-    for (int64_t b = 0; b < B; ++b) a[b] = room.acts.row(b);  // x is still quantized from the gate call
-    quant_rows(B, a, w.q, J + j0, J + j1, bias, gu, ldo, room);
+    columns(B, x, H, w, room, r, j0, j1, bias, gu, ldo);
+    columns(B, x, H, w, room, r, J + j0, J + j1, bias, gu, ldo);
   } else if (w.kind == Weight::COMPACT && compact_amx::on(w.c)) {  // gate j and up j as a pair
     compact_amx::Tiles tiles(B);
     for (int64_t j = j0; j < j1; ++j) {
@@ -162,6 +173,48 @@ inline void gate_up(int64_t B, const bf16* x, int64_t H, const Weight& w, int64_
       gate_up_pairs<decltype(mt)::value>(x, H, w.packed, H / 2, J, j0, j1, bias, gu, ldo);
     });
   }
+}
+
+inline void gate_up(int64_t B, const bf16* x, int64_t H, const Weight& w, int64_t J, int64_t j0, int64_t j1,
+                    const float* bias, Room& room, bf16* gu) {
+  Ready r;
+  prepare(B, x, H, w, room, r);
+  gate_up_columns(B, x, H, w, room, r, J, j0, j1, bias, gu);
+}
+
+// Whether a phase on w goes through Shares (runs.h: a thread done with its share takes over from a slower one): every
+// kind but packed bf16, whose GEMV splits a thread's range into streams of its own (gemv.h Streams) and keeps fixed
+// shares. Quantized and compact matrices are read as one stream per thread, or a pair of blocks at a time.
+inline bool shared(const Weight& w) { return w.kind != Weight::PACKED; }
+
+// The column blocks a claim takes: about 16 KiB of a quantized matrix (a claim is one atomic add; K = 896 in Q4_0 is
+// 8 KiB a block, K = 4864 43 KiB), or 2 compact blocks, a pair as the compact kernels take them (21 KiB each at
+// K = 896).
+inline int64_t claim_blocks(const Weight& w) {
+  return w.quantized() ? std::max<int64_t>(1, 16384 / w.q.parts[0].group_bytes) : 2;
+}
+
+// y[:, 16 b0 .. 16 b1) = x W^T + bias for B rows of x [B, K] over the column blocks this thread claims of `shares`.
+inline void matvec_shares(int64_t B, const bf16* x, int64_t K, const Weight& w, Room& room, Shares& shares, int tid,
+                          const float* bias, bf16* y, int64_t ldy) {
+  Ready r;
+  prepare(B, x, K, w, room, r);
+  const int64_t step = claim_blocks(w);
+  shares.walk(tid, step, 2 * step, [&](int64_t b0, int64_t b1) { columns(B, x, K, w, room, r, b0, b1, bias, y, ldy); });
+}
+
+// gate_up over the column blocks j this thread claims of `shares` (J of them; a claim takes gate block j and up block
+// J + j), then done(j0, j1) for each claim: silu(gate) * up of its columns, on the thread that has them.
+template <class Done>
+inline void gate_up_shares(int64_t B, const bf16* x, int64_t H, const Weight& w, int64_t J, Shares& shares, int tid,
+                           const float* bias, Room& room, bf16* gu, const Done& done) {
+  Ready r;
+  prepare(B, x, H, w, room, r);
+  const int64_t step = std::max<int64_t>(1, claim_blocks(w) / 2);
+  shares.walk(tid, step, 2 * step, [&](int64_t j0, int64_t j1) {
+    gate_up_columns(B, x, H, w, room, r, J, j0, j1, bias, gu);
+    done(j0, j1);
+  });
 }
 
 }  // namespace step

@@ -29,15 +29,19 @@ CASES["llama-all-biases-18-blocks"] = {**SHAPE, "arch": "llama", "intermediate":
 
 
 def _run(model_dir: str, fused: bool, threads: int, monkeypatch, quantization: str = "none",
-         streams: int = 8, compact: bool = False) -> tuple[list[torch.Tensor], torch.Tensor, list]:
+         streams: int = 8, compact: bool = False,
+         take_over: bool = True) -> tuple[list[torch.Tensor], torch.Tensor, list]:
     """Logits of every step, the final KV cache and (rows, block tables) of each step that took the fused path.
     The requests decode side by side first, so when the longest goes on alone its block table (block_size 8) is no
-    longer one contiguous run. streams: how the bf16 GEMV reads its blocks (kernels/gemv.h Streams)."""
+    longer one contiguous run. streams: how the bf16 GEMV reads its blocks (kernels/gemv.h Streams); take_over:
+    whether a thread done with its share of a phase takes work over from the other (kernels/runs.h Shares, the
+    default) or each keeps its fixed share."""
     core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", block_size=8, max_model_len=256,
                                    quantization=quantization, compact_weights=compact))
     ops = torch.ops.deploykit
     picked = int(ops.gemv_streams())
     ops.set_gemv_streams(streams)
+    ops.set_step_take_over(take_over)
     model = core.model
     assert model.step_weights is not None
     held = [w for w in model.step_weights if w is not None and kernels.is_quantized(w)]
@@ -50,6 +54,7 @@ def _run(model_dir: str, fused: bool, threads: int, monkeypatch, quantization: s
         return drive(core, REQUESTS, threads, monkeypatch)
     finally:
         ops.set_gemv_streams(picked)
+        ops.set_step_take_over(True)
 
 
 def assert_bitwise(logits: list[torch.Tensor], kv: torch.Tensor, ref_logits: list[torch.Tensor],
@@ -96,9 +101,10 @@ def test_fused_decode_step_is_bitwise_the_per_op_path(tiny_model, name, quantiza
     model_dir = tiny_model(kw.pop("arch"), **kw)
     ref_logits, ref_kv, ref_calls = _run(model_dir, False, 2, monkeypatch, quantization, compact=compact)
     assert ref_calls == []
-    # Neither the split between threads nor how the GEMV streams its blocks may change a single bit.
-    for threads, streams in ((2, 8), (2, 1), (1, 1)):
-        logits, kv, calls = _run(model_dir, True, threads, monkeypatch, quantization, streams, compact)
+    # Neither the split between threads (fixed shares, or taken over as threads finish) nor how the GEMV streams its
+    # blocks may change a single bit.
+    for threads, streams, take_over in ((2, 8, True), (2, 1, False), (1, 1, True)):
+        logits, kv, calls = _run(model_dir, True, threads, monkeypatch, quantization, streams, compact, take_over)
         assert len(calls) == len(logits) - 1, "every decode step should take the fused path (all but the prefill)"
         assert {rows for rows, _ in calls} == {1, 2, 3, 4}
         lone = [tables[0] for rows, tables in calls if rows == 1]
