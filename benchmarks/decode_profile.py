@@ -72,6 +72,7 @@ def decode_round(core, timers: Timers, ops, vocab: int, tokens: int) -> dict:
     core.add_request(str(time.monotonic_ns()), [3 + (7 * i) % (vocab - 3) for i in range(PROMPT)], params)
     core.step()  # the prefill and the first token
     ops.step_profile_(True)
+    ops.step_take_overs()  # reset
     timers.seconds.clear()
     steps, t0 = 0, time.perf_counter()
     while core.has_unfinished_requests():
@@ -79,6 +80,7 @@ def decode_round(core, timers: Timers, ops, vocab: int, tokens: int) -> dict:
         steps += 1
     wall = time.perf_counter() - t0
     phases, native_steps = ops.step_profile_(False)
+    take_overs = ops.step_take_overs()
     names = list(ops.step_profile_phases())
     per = {k: v / steps * 1e3 for k, v in timers.seconds.items()}  # ms per token
     native = per.get("native_step", 0.0)
@@ -91,7 +93,8 @@ def decode_round(core, timers: Timers, ops, vocab: int, tokens: int) -> dict:
             "native_phases_ms": inside,
             "barrier_wait_ms_by_thread": [float(phases[t, names.index("barrier")]) / native_steps / 1e6
                                           for t in range(threads)],
-            "barriers_per_token": float(phases[0, len(names)]) / native_steps, "native_steps": native_steps}
+            "barriers_per_token": float(phases[0, len(names)]) / native_steps, "native_steps": native_steps,
+            "take_overs_per_token": take_overs / native_steps}
 
 
 def held_read(model, w: dict) -> int:
@@ -118,6 +121,7 @@ def summarize(rounds: list[dict], read_bytes: int, roofline_gbps: float, held_by
                              "native_phases_ms": {k: round(v, 3) for k, v in mid["native_phases_ms"].items()},
                              "barrier_wait_ms_by_thread": [round(v, 3) for v in mid["barrier_wait_ms_by_thread"]],
                              "barriers_per_token": mid["barriers_per_token"],
+                             "take_overs_per_token": round(mid["take_overs_per_token"], 2),
                              "native_forward_gbps": round(read_bytes / (nat / 1e3) / 1e9, 1)}}
 
 
@@ -259,7 +263,8 @@ def main() -> None:
             name: round(median(f["tok_s"] / x["tok_s"] for f, x in zip(rounds[order[0]], r)), 3)
             for name, r in rounds.items()},
         "method": "ms per generated token; the step split is wall time of the wrapped calls, the native phases are "
-                  "the mean over threads of kernels/step_profile.h's timers (compute per phase, barrier = waiting)",
+                  "the mean over threads of kernels/step_profile.h's timers (compute per phase, barrier = waiting); "
+                  "take-overs: the shares a thread took over from a slower one (kernels/runs.h Shares)",
     }, indent=1))
 
 

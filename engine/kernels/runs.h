@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
@@ -65,6 +66,18 @@ inline void in_runs(int64_t n, int64_t least, const F& fn) {
 // compact bf16, and 1.062x on Q4_K_M with a process busy 5 % of one CPU; in quiet stretches the two tied (0.995-1.018).
 // A claim is one atomic add on the owner's cache line; a take-over one compare-and-swap on the victim's.
 // Which thread computes an item changes nothing in it: each item's result depends on the item alone.
+// Hooks of the fused bf16 step's take-overs, read and set by runs_ops.cpp: how many happened (decode_profile.py
+// reports them a token), and how long thread 0 spins before each of its claims (0 in service; the tests slow it so
+// that the other thread takes over, and compare the bits).
+inline std::atomic<int64_t> take_overs{0};
+inline std::atomic<double> first_thread_delay_us{0.0};
+
+inline void spin_for(double us) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double, std::micro>(us);
+  while (std::chrono::steady_clock::now() < end) {
+  }
+}
+
 class Shares {
  public:
   explicit Shares(int max_threads) : slots_(max_threads) {}
@@ -72,6 +85,7 @@ class Shares {
   // The shares of [0, n) for nt <= max_threads threads, as step_args::share splits them: before any thread walks,
   // and without allocating (it may run inside a parallel region, once the team is known).
   void reset(int64_t n, int nt) {
+    n_ = n;
     nt_ = std::min<int>(nt, static_cast<int>(slots_.size()));
     const int64_t chunk = (n + nt_ - 1) / nt_;
     for (int t = 0; t < nt_; ++t)
@@ -79,15 +93,19 @@ class Shares {
                         std::memory_order_relaxed);
   }
 
+  int64_t items() const { return n_; }
+
   // fn(i0, i1) over the items thread tid claims, `step` at a time, its own share first; then over the back halves
   // it takes over while some share has at least `least` items left (fewer: its owner is about to finish them).
   template <class F>
   void walk(int tid, int64_t step, int64_t least, const F& fn) {
+    const double delay = tid == 0 ? first_thread_delay_us.load(std::memory_order_relaxed) : 0.0;
     for (;;) {
       for (;;) {
         const uint64_t was = slots_[tid].v.fetch_add(step, std::memory_order_relaxed);
         const int64_t next = lo(was), end = hi(was);
         if (next >= end) break;
+        if (delay > 0) spin_for(delay);
         fn(next, std::min(next + step, end));
       }
       if (!take_over(tid, least)) return;
@@ -117,12 +135,14 @@ class Shares {
       const int64_t mid = lo(seen) + (hi(seen) - lo(seen)) / 2;  // the owner keeps [next, mid), at least 1 item goes
       if (slots_[victim].v.compare_exchange_weak(seen, pack(lo(seen), mid), std::memory_order_relaxed)) {
         slots_[tid].v.store(pack(mid, hi(seen)), std::memory_order_relaxed);
+        take_overs.fetch_add(1, std::memory_order_relaxed);
         return true;
       }
     }
   }
 
   std::vector<Slot> slots_;
+  int64_t n_ = 0;
   int nt_ = 0;
 };
 

@@ -187,11 +187,12 @@ inline void gate_up(int64_t B, const bf16* x, int64_t H, const Weight& w, int64_
 // shares. Quantized and compact matrices are read as one stream per thread, or a pair of blocks at a time.
 inline bool shared(const Weight& w) { return w.kind != Weight::PACKED; }
 
-// The column blocks a claim takes: about 16 KiB of a quantized matrix (a claim is one atomic add; K = 896 in Q4_0 is
-// 8 KiB a block, K = 4864 43 KiB), or 2 compact blocks, a pair as the compact kernels take them (21 KiB each at
-// K = 896).
-inline int64_t claim_blocks(const Weight& w) {
-  return w.quantized() ? std::max<int64_t>(1, 16384 / w.q.parts[0].group_bytes) : 2;
+// The column blocks a claim takes of n: about 16 KiB of a quantized matrix (a claim is one atomic add; K = 896 in Q4_0
+// is 8 KiB a block, K = 4864 43 KiB), or 2 compact blocks, a pair as the compact kernels take them (21 KiB each at
+// K = 896); at most an eighth of n, so that a small matrix's shares still leave something to take over.
+inline int64_t claim_blocks(const Weight& w, int64_t n) {
+  const int64_t claim = w.quantized() ? 16384 / w.q.parts[0].group_bytes : 2;
+  return std::max<int64_t>(1, std::min(claim, n / 8));
 }
 
 // y[:, 16 b0 .. 16 b1) = x W^T + bias for B rows of x [B, K] over the column blocks this thread claims of `shares`.
@@ -199,7 +200,7 @@ inline void matvec_shares(int64_t B, const bf16* x, int64_t K, const Weight& w, 
                           const float* bias, bf16* y, int64_t ldy) {
   Ready r;
   prepare(B, x, K, w, room, r);
-  const int64_t step = claim_blocks(w);
+  const int64_t step = claim_blocks(w, shares.items());
   shares.walk(tid, step, 2 * step, [&](int64_t b0, int64_t b1) { columns(B, x, K, w, room, r, b0, b1, bias, y, ldy); });
 }
 
@@ -210,7 +211,7 @@ inline void gate_up_shares(int64_t B, const bf16* x, int64_t H, const Weight& w,
                            const float* bias, Room& room, bf16* gu, const Done& done) {
   Ready r;
   prepare(B, x, H, w, room, r);
-  const int64_t step = std::max<int64_t>(1, claim_blocks(w) / 2);
+  const int64_t step = std::max<int64_t>(1, claim_blocks(w, 2 * shares.items()) / 2);
   shares.walk(tid, step, 2 * step, [&](int64_t j0, int64_t j1) {
     gate_up_columns(B, x, H, w, room, r, J, j0, j1, bias, gu);
     done(j0, j1);

@@ -112,6 +112,40 @@ def test_fused_decode_step_is_bitwise_the_per_op_path(tiny_model, name, quantiza
         assert_bitwise(logits, kv, ref_logits, ref_kv)
 
 
+# Taken over for certain: thread 0 spins before each claim (set_first_thread_delay), so thread 1 finishes its share
+# first and takes over the rest of thread 0's, in every phase of every step. Quantized matrices at 1-4 rows and at 16
+# (AMX-INT8 tiles where the CPU has them), compact ones (on AMX tiles where it has them).
+TAKEN = ([("q4_0", True, 4), ("q4_0", True, 16)] if kernels.quantized_ok() else []) + [("none", True, 4)]
+
+
+@pytest.mark.parametrize("quantization,compact,n", TAKEN)
+def test_a_step_taken_over_is_bitwise_the_per_op_path(tiny_model, quantization, compact, n, monkeypatch):
+    kw = dict(CASES["qwen3-qk-norm"])
+    model_dir = tiny_model(kw.pop("arch"), **kw)
+    ops = torch.ops.deploykit
+
+    def run(fused: bool, delay_us: float) -> tuple[list[torch.Tensor], torch.Tensor, list, int]:
+        core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", block_size=8, max_model_len=256,
+                                       quantization=quantization, compact_weights=compact, max_num_seqs=16))
+        if n > core.model.step_max_rows:
+            pytest.skip(f"{n} rows take the fused step only on AMX or quantized matrices")
+        if not fused:
+            core.model.step_weights = None
+        ops.step_take_overs()
+        before = ops.set_first_thread_delay(delay_us)
+        try:
+            logits, kv, calls = drive(core, side_by_side(n), 2, monkeypatch)
+        finally:
+            ops.set_first_thread_delay(before)
+        return logits, kv, calls, int(ops.step_take_overs())
+
+    ref_logits, ref_kv, ref_calls, _ = run(False, 0.0)
+    logits, kv, calls, taken = run(True, 200.0)
+    assert {rows for rows, _ in calls} == set(range(1, n + 1))
+    assert taken >= len(calls), f"{taken} take-overs in {len(calls)} steps: thread 1 should take over every phase"
+    assert_bitwise(logits, kv, ref_logits, ref_kv)
+
+
 def test_fused_step_is_used_only_where_it_applies(tiny_model, caplog):
     caplog.set_level("INFO", logger="engine")
     fp32 = EngineCore(EngineConfig(tiny_model("llama", **SHAPE), dtype="float32"))

@@ -28,12 +28,20 @@ def test_every_item_is_computed_exactly_once(n, threads, step, least):
 
 
 def test_a_fast_thread_takes_over_most_of_a_slow_ones_share():
-    # Thread 1 spins 200 us an item: alone it would take 100 ms over its 500. Thread 0 does its own 500 first, then
-    # takes back halves of thread 1's, which keeps only what it claimed before each take-over.
-    who = walk(1000, 2, step=4, least=8, slow=1, slow_us=200.0)
+    # Thread 1 spins 2 ms an item: alone it would take 1 s over its 500. Thread 0 does its own 500 first, then takes
+    # back halves of thread 1's, which keeps the front of each (its claims so far, and at least least/2 = 4 items).
+    # Thread 0 may start up to ~200 ms late on a loaded host and still take over 400.
+    who = walk(1000, 2, step=4, least=8, slow=1, slow_us=2000.0)
     assert (who[:500] == 0).all(), "the fast thread's own share is its own"
     assert (who[500:504] == 1).all(), "the slow thread's first claim stays its own"
     assert (who[500:] == 0).sum() >= 400, f"thread 1 computed {(who == 1).sum()} of its 500 items itself"
+
+
+def test_a_walk_refuses_counts_that_do_not_fit_its_packed_word():
+    with pytest.raises(RuntimeError, match="step < 2\\^30"):
+        walk(10, 2, step=1 << 32)
+    with pytest.raises(RuntimeError, match="0 <= n < 2\\^30"):
+        walk(1 << 31, 2)
 
 
 def test_the_fused_step_switch_reports_its_previous_setting():
