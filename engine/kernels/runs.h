@@ -54,18 +54,6 @@ inline void in_runs(int64_t n, int64_t least, const F& fn) {
   });
 }
 
-// Fixed shares that a thread done with its own takes work over from: each thread walks its contiguous share of
-// [0, n) forward, `step` items a claim; one whose share is done takes the back half of what is left of the share with
-// the most left, as its own share, and walks that. Each thread's weight stream then breaks once a take-over rather
-// than at every run, as Runs would break it (one row of Q4_0 took 1.07x the time in runs on Zen 3), and a thread
-// the host slows for a while (another tenant, or the front end on a 2-CPU host) no longer holds the other back at
-// the phase's barrier. Measured in the fused bf16 step at one row on a 2-vCPU Emerald Rapids-class Xeon
-// (benchmarks/decode_profile.py --shares, alternated in one process): with fixed shares one thread spent 7.97 ms a
-// token in gate_up and the other 4.92, then waited 5.5 ms at the barriers (which vCPU was slow changed between runs);
-// fixed shares took 1.074x the time of taking over on Q4_K_M (barrier waits 1.38 -> 0.33 ms a token), 1.018x on
-// compact bf16, and 1.062x on Q4_K_M with a process busy 5 % of one CPU; in quiet stretches the two tied (0.995-1.018).
-// A claim is one atomic add on the owner's cache line; a take-over one compare-and-swap on the victim's.
-// Which thread computes an item changes nothing in it: each item's result depends on the item alone.
 // Hooks of the fused bf16 step's take-overs, read and set by runs_ops.cpp: how many happened (decode_profile.py
 // reports them a token), and how long thread 0 spins before each of its claims (0 in service; the tests slow it so
 // that the other thread takes over, and compare the bits).
@@ -78,6 +66,18 @@ inline void spin_for(double us) {
   }
 }
 
+// Fixed shares that a thread done with its own takes work over from: each thread walks its contiguous share of
+// [0, n) forward, `step` items a claim; one whose share is done takes the back half of what is left of the share with
+// the most left, as its own share, and walks that. Each thread's weight stream then breaks once a take-over rather
+// than at every run, as Runs would break it (one row of Q4_0 took 1.07x the time in runs on Zen 3), and a thread
+// the host slows for a while (another tenant, or the front end on a 2-CPU host) no longer holds the other back at
+// the phase's barrier. Measured in the fused bf16 step at one row on a 2-vCPU Emerald Rapids-class Xeon
+// (benchmarks/decode_profile.py --shares, alternated in one process): with fixed shares one thread spent 7.97 ms a
+// token in gate_up and the other 4.92, then waited 5.5 ms at the barriers (which vCPU was slow changed between runs);
+// fixed shares took 1.074x the time of taking over on Q4_K_M (barrier waits 1.38 -> 0.33 ms a token), 1.018x on
+// compact bf16, and 1.062x on Q4_K_M with a process busy 5 % of one CPU; in quiet stretches the two tied (0.995-1.018).
+// A claim is one atomic add on the owner's cache line; a take-over one compare-and-swap on the victim's.
+// Which thread computes an item changes nothing in it: each item's result depends on the item alone.
 class Shares {
  public:
   explicit Shares(int max_threads) : slots_(max_threads) {}
