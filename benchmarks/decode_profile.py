@@ -194,7 +194,7 @@ def main() -> None:
     timers = Timers()
     timers.wrap(kernels, "decode_step_", "native_step")  # the model calls kernels.decode_step_ by attribute
     # The variants a round alternates between: (core, GEMV streaming, quantized prefetch distance in bytes for every
-    # format, or None: each format's default) by name; and the variants whose quantized phases keep fixed shares.
+    # format, or None: each format's default) by name; and the variants whose fused step keeps fixed shares.
     ahead, fixed_shares = None, set()
     if a.compact:
         variants = {"packed 16-bit": (load(False), streams, ahead),
