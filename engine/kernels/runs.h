@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "step_args.h"
+
 namespace deploykit {
 
 // n items handed out in runs: each run is a 1 / (2 nt) share of what is left, at least `least` items, so runs start
@@ -87,10 +89,10 @@ class Shares {
   void reset(int64_t n, int nt) {
     n_ = n;
     nt_ = std::min<int>(nt, static_cast<int>(slots_.size()));
-    const int64_t chunk = (n + nt_ - 1) / nt_;
-    for (int t = 0; t < nt_; ++t)
-      slots_[t].v.store(pack(std::min<int64_t>(n, t * chunk), std::min<int64_t>(n, (t + 1) * chunk)),
-                        std::memory_order_relaxed);
+    for (int t = 0; t < nt_; ++t) {
+      const auto [begin, end] = step_args::share(n, t, nt_);
+      slots_[t].v.store(pack(begin, end), std::memory_order_relaxed);
+    }
   }
 
   int64_t items() const { return n_; }
