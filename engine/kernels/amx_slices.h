@@ -9,8 +9,10 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <vector>
 
 #include "amx_tiles.h"
+#include "runs.h"
 
 namespace deploykit {
 namespace amx_slices {
@@ -156,20 +158,29 @@ inline void pair_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pai
 
 // xt [M, K] against every pair of src into out (bias fp32 or nullptr), x copied into tile blocks; pairs are decoded
 // once for a chunk from `once` 32-row blocks on (Source::again below that), and the k-slices go outermost where a
-// chunk has fewer than `outer` blocks and the call at least that many.
+// chunk has fewer than `outer` blocks and the call at least that many. The pairs of each chunk (or k-outer span of
+// blocks) go to the threads in runs as they come free (runs.h prompt_pairs); a k-outer run is at least OUTER_LEAST
+// pairs, since each run reads its blocks' A slices again.
+constexpr int64_t OUTER_LEAST = 4;
 template <class Source>
 void blocked(int64_t M, const at::Tensor& xt, Source& src, const Pairs& pairs, int64_t once, int64_t outer_min,
              const float* bias, bf16* out) {
   const at::Tensor xb = amx_block_x(xt);  // zero-padded to whole 32-row blocks
   const bf16* xbp = xb.data_ptr<bf16>();
   const int64_t mblocks = (M + 31) / 32, chunk = std::max<int64_t>(1, CHUNK_BYTES / (32 * src.K * 2));
-  at::parallel_for(0, pairs.count(), 1, [&](int64_t p0, int64_t p1) {
-    // The C tiles' sums between k-slices: 4 KiB per 32-row block and pair.
-    const int64_t span = std::clamp<int64_t>(KOUTER_C_BYTES / ((p1 - p0) * 4096), 1, KOUTER_BLOCKS);
-    const bool outer = chunk < outer_min && std::min(mblocks, span) >= outer_min;
-    const int64_t slice = slice_of(src.K / 2, outer ? KOUTER_SLICE : PAIR_SLICE);
+  const int64_t np = pairs.count();
+  const int nt = (int)std::clamp<int64_t>(at::get_num_threads(), 1, std::max<int64_t>(np, 1));
+  const int64_t share = (np + nt - 1) / nt;  // a fixed share's pairs, at most
+  // The C tiles' sums between k-slices: 4 KiB per 32-row block and pair.
+  const int64_t span = std::clamp<int64_t>(KOUTER_C_BYTES / (share * 4096), 1, KOUTER_BLOCKS);
+  const bool outer = chunk < outer_min && std::min(mblocks, span) >= outer_min;
+  const int64_t slice = slice_of(src.K / 2, outer ? KOUTER_SLICE : PAIR_SLICE);
+  const int64_t group = outer ? span : chunk, groups = (mblocks + group - 1) / group;  // 32-row blocks a group
+  const int64_t least = outer ? std::min(OUTER_LEAST, share) : 1;
+  std::vector<Runs> runs(groups);
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
     bf16* buf = static_cast<bf16*>(std::aligned_alloc(64, 2 * slice * 64));
-    float* cbuf = static_cast<float*>(std::aligned_alloc(64, (outer ? span * (p1 - p0) : chunk) * 4096));
+    float* cbuf = static_cast<float*>(std::aligned_alloc(64, (outer ? span * share : chunk) * 4096));
     TORCH_CHECK(buf && cbuf, "AMX tiles: out of memory for a decode buffer");
     {
       amx::Tiles tiles(32);
@@ -179,13 +190,16 @@ void blocked(int64_t M, const at::Tensor& xt, Source& src, const Pairs& pairs, i
       // conversion to bf16) stays at once: deferred, [1152, 896] and [896, 896] took 1.02-1.06.
       amx::Pending pending;
       amx::Pending* pend = pairs.silu ? &pending : nullptr;
-      if (outer)
-        for (int64_t c0 = 0; c0 < mblocks; c0 += span)
-          k_outer(M, xbp, src, pairs, c0, std::min(mblocks, c0 + span), p0, p1, slice, buf, cbuf, bias, out, pend);
-      else
-        for (int64_t c0 = 0; c0 < mblocks; c0 += chunk)
-          pair_outer(M, xbp, src, pairs, c0, std::min(mblocks, c0 + chunk), p0, p1, once, slice, buf, cbuf, bias,
-                     out, pend);
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t c0 = g * group, c1 = std::min(mblocks, c0 + group);
+        for (int64_t t = t0; t < t1; ++t)  // one t a thread; all of them on one inside another parallel region
+          prompt_pairs(runs[g], np, (int)t, nt, least, [&](int64_t p0, int64_t p1) {
+            if (outer)
+              k_outer(M, xbp, src, pairs, c0, c1, p0, p1, slice, buf, cbuf, bias, out, pend);
+            else
+              pair_outer(M, xbp, src, pairs, c0, c1, p0, p1, once, slice, buf, cbuf, bias, out, pend);
+          });
+      }
       pending.finish();
     }
     std::free(buf);
