@@ -7,7 +7,7 @@ takes more of the pairs. This script measures both in one process, alternated ro
   - per vCPU, one thread of the compact bf16 gate_up at 512 rows pinned to it (TFLOP/s): how unequal the two are;
   - the engine's prefill of a --tokens prompt (time to the first token, one sequence, no prefix cache) on the
     benchmark model (compact bf16) or a --gguf file, each round once in runs and once with fixed shares;
-  - per round, the share of the runs thread 0 took (0.5: the two threads kept pace).
+  - per round, the share of the pairs thread 0 computed in runs (0.5: the two threads kept pace).
 
     flock /tmp/deploykit-heavy.lock python benchmarks/prompt_split.py [--rounds 8] [--tokens 512] [--gguf FILE]
 """
@@ -88,14 +88,15 @@ def main() -> None:
     st = kernels.status()
     if not st["amx"]:
         raise SystemExit(f"the prompt matmuls run on AMX tiles; this host's kernels do not ({st['path']})")
-    ensure_model(a.model_dir)
+    if a.gguf is None:
+        ensure_model(a.model_dir)
     ops = torch.ops.deploykit
     src = str(a.gguf or a.model_dir)
     core = EngineCore(EngineConfig(src, dtype="bfloat16", max_model_len=a.tokens + 16, max_num_seqs=1,
                                    prefix_caching=False, compact_weights=True))
     vocab = core.model_config.vocab_size
     prompt = [3 + (7 * i) % (vocab - 3) for i in range(a.tokens)]
-    cpus = sorted(b.cpus)
+    cpus = sorted(b.cpus or os.sched_getaffinity(0))
     before = vcpu_tflops(cpus)
     for on in VARIANTS.values():  # warm-up
         ops.set_prompt_runs(on)
@@ -126,7 +127,7 @@ def main() -> None:
         "prefill_s": {name: {"best": round(min(v), 4), "median": round(median(v), 4),
                              "samples": [round(x, 4) for x in v]} for name, v in seconds.items()},
         "paired_median_time_fixed_over_runs": round(median(ratios), 3),
-        "runs_share_of_thread_0_by_round": first_share,
+        "pairs_share_of_thread_0_by_round": first_share,
         "method": "time to the first token of one sequence (no prefix cache), the prompt's matmuls with their pairs in "
                   "runs (kernels/runs.h prompt_pairs) or in fixed shares, alternated round by round in one process; "
                   "paired_median: the median over rounds of fixed / runs; vcpu_gate_up_tflops: one thread of the "

@@ -22,7 +22,7 @@ namespace amx_slices {
 using bf16 = at::BFloat16;
 
 // Past 32 rows x is copied into tile blocks and taken in chunks of 32-row blocks of at most CHUNK_BYTES, which stay in
-// L2 (2 MiB a core on every AMX CPU so far) while each of the thread's column-block pairs goes over them.
+// L2 (2 MiB a core on every AMX CPU so far) while each column-block pair of a thread's run goes over them.
 constexpr int64_t CHUNK_BYTES = 1024 * 1024;
 // Decoded once, a pair is decoded a slice of k-pairs at a time into a buffer, and every 32-row block of the chunk runs
 // that slice's tiles on it. Each C tile store costs the AMX unit its pipeline: a tile loop with A from L2 and B from
@@ -36,7 +36,7 @@ constexpr int64_t CHUNK_BYTES = 1024 * 1024;
 constexpr int64_t PAIR_SLICE = 2048;
 // A long K leaves too few 32-row blocks in a chunk that stays in L2 (K = 4864: 3) to decode a pair once for them, so
 // every block decoded the pair again, from memory (a 512-token prefill's down projection at 1.3 TFLOP/s against 2.1
-// for gate_up). There the k-slices go outermost instead: for each slice, every pair of the thread is decoded once
+// for gate_up). There the k-slices go outermost instead: for each slice, every pair of a thread's run is decoded once
 // and run on the slice of up to KOUTER_BLOCKS blocks (their A slices stay in L2 across the pairs), the C tiles' sums
 // of every (block, pair) kept between slices in at most about KOUTER_C_BYTES. Equal slices of at most KOUTER_SLICE
 // k-pairs: against 192, down [896, 4864] 0.94-0.97 of the time (4 slices of 608), [2048, 8192] 0.91-0.93; 3 slices
@@ -160,7 +160,7 @@ inline void pair_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pai
 // once for a chunk from `once` 32-row blocks on (Source::again below that), and the k-slices go outermost where a
 // chunk has fewer than `outer` blocks and the call at least that many. The pairs of each chunk (or k-outer span of
 // blocks) go to the threads in runs as they come free (runs.h prompt_pairs); a k-outer run is at least OUTER_LEAST
-// pairs, since each run reads its blocks' A slices again.
+// pairs (but the last, or where a fixed share would hold fewer), since each run reads its blocks' A slices again.
 constexpr int64_t OUTER_LEAST = 4;
 template <class Source>
 void blocked(int64_t M, const at::Tensor& xt, Source& src, const Pairs& pairs, int64_t once, int64_t outer_min,
@@ -169,6 +169,7 @@ void blocked(int64_t M, const at::Tensor& xt, Source& src, const Pairs& pairs, i
   const bf16* xbp = xb.data_ptr<bf16>();
   const int64_t mblocks = (M + 31) / 32, chunk = std::max<int64_t>(1, CHUNK_BYTES / (32 * src.K * 2));
   const int64_t np = pairs.count();
+  if (np == 0) return;
   const int nt = (int)std::clamp<int64_t>(at::get_num_threads(), 1, std::max<int64_t>(np, 1));
   const int64_t share = (np + nt - 1) / nt;  // a fixed share's pairs, at most
   // The C tiles' sums between k-slices: 4 KiB per 32-row block and pair.

@@ -157,9 +157,10 @@ inline std::atomic<bool> take_over_on{true};
 // (the default), or, off, as the fixed shares they had before (to measure one against the other: set_prompt_runs in
 // runs_ops.cpp). Why: a 2-vCPU VM's two vCPUs ran one thread of the compact bf16 gate_up at 512 rows at 0.46 and 0.95
 // TFLOP/s at the same time (an Emerald Rapids-class Xeon, session 43; which one was slow changed within minutes), so
-// with fixed shares the fast one idled for half the call. Counted for the tests: the runs taken, and by thread 0.
+// with fixed shares the fast one idled for half the call. Counted for the tests and prompt_split.py: the pairs taken
+// in runs, and by thread 0.
 inline std::atomic<bool> prompt_runs_on{true};
-inline std::atomic<int64_t> prompt_runs{0}, prompt_runs_first{0};
+inline std::atomic<int64_t> prompt_runs_items{0}, prompt_runs_first{0};
 
 // fn(r0, r1) over the items of [0, n) that thread tid of nt takes: runs of at least `least` items from `runs` while
 // any are left (prompt_runs_on), else its fixed share (step_args::share, as at::parallel_for splits). Thread 0 spins
@@ -173,8 +174,8 @@ inline void prompt_pairs(Runs& runs, int64_t n, int tid, int nt, int64_t least, 
   }
   const double delay = tid == 0 ? first_thread_delay_us.load(std::memory_order_relaxed) : 0.0;
   for (int64_t r0, r1; runs.take(n, nt, least, r0, r1);) {
-    prompt_runs.fetch_add(1, std::memory_order_relaxed);
-    if (tid == 0) prompt_runs_first.fetch_add(1, std::memory_order_relaxed);
+    prompt_runs_items.fetch_add(r1 - r0, std::memory_order_relaxed);
+    if (tid == 0) prompt_runs_first.fetch_add(r1 - r0, std::memory_order_relaxed);
     if (delay > 0) spin_for(delay);
     fn(r0, r1);
   }

@@ -30,8 +30,8 @@ double set_first_thread_delay(double us) { return first_thread_delay_us.exchange
 // setting.
 bool set_prompt_runs(bool on) { return prompt_runs_on.exchange(on); }
 
-// [runs taken, of them by thread 0] by the prompt matmuls since the last call (and resets both counts).
-std::vector<int64_t> prompt_runs_taken() { return {prompt_runs.exchange(0), prompt_runs_first.exchange(0)}; }
+// [pairs taken in runs, of them by thread 0] by the prompt matmuls since the last call (and resets both counts).
+std::vector<int64_t> prompt_runs_taken() { return {prompt_runs_items.exchange(0), prompt_runs_first.exchange(0)}; }
 
 // Which of `threads` threads computed each of n items walked in Shares (`step` items a claim, take-overs of at least
 // `least`), where thread `slow` spins slow_us microseconds an item: int32 [n], -2 where more than one did.
