@@ -32,6 +32,7 @@ def vcpu_tflops(cpus: list[int], reps: int = 3) -> dict[str, float]:
     """One thread of the compact bf16 gate_up [9728, 896] at 512 rows, pinned to each CPU in turn: TFLOP/s."""
     import torch
 
+    from benchmarks.engine import best_time
     from engine import kernels
     gen = torch.Generator().manual_seed(0)
     w = kernels.prepare_weight((torch.randn(9728, 896, generator=gen) * 0.02).bfloat16(), compact=True)
@@ -42,19 +43,12 @@ def vcpu_tflops(cpus: list[int], reps: int = 3) -> dict[str, float]:
         torch.set_num_threads(1)
         for cpu in cpus:
             os.sched_setaffinity(0, {cpu})
-            kernels.gate_up_silu(x, w)  # warm-up on this CPU
-            best = min(timed(lambda: kernels.gate_up_silu(x, w)) for _ in range(reps))
+            best = best_time(lambda: kernels.gate_up_silu(x, w), reps)  # after a warm-up call on this CPU
             out[str(cpu)] = round(2 * 512 * 9728 * 896 / best / 1e12, 3)
     finally:
         os.sched_setaffinity(0, mask)
         torch.set_num_threads(threads)
     return out
-
-
-def timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def prefill(core, prompt: list[int]) -> float:
@@ -81,7 +75,7 @@ def main() -> None:
     b = binding.prepare(binding.resolve("auto"))
     import torch  # OpenMP starts with the binding's environment
     binding.finish(b)
-    from benchmarks.engine import ensure_model
+    from benchmarks.engine import ensure_model, paired_median
     from engine import kernels
     from engine.config import EngineConfig
     from engine.core import EngineCore
@@ -116,7 +110,6 @@ def main() -> None:
     finally:
         ops.set_prompt_runs(True)
     after = vcpu_tflops(cpus)
-    ratios = [f / r for f, r in zip(seconds["fixed shares"], seconds["runs"])]
     print(json.dumps({
         "benchmark": "prompt_split",
         "host": {"cpu": platform.processor() or platform.machine(), "model_name": cpu_model(), "isa": st["isa"],
@@ -126,7 +119,7 @@ def main() -> None:
         "vcpu_gate_up_tflops": {"before": before, "after": after},
         "prefill_s": {name: {"best": round(min(v), 4), "median": round(median(v), 4),
                              "samples": [round(x, 4) for x in v]} for name, v in seconds.items()},
-        "paired_median_time_fixed_over_runs": round(median(ratios), 3),
+        "paired_median_time_fixed_over_runs": paired_median(seconds["fixed shares"], seconds["runs"], 1, 3),
         "pairs_share_of_thread_0_by_round": first_share,
         "method": "time to the first token of one sequence (no prefix cache), the prompt's matmuls with their pairs in "
                   "runs (kernels/runs.h prompt_pairs) or in fixed shares, alternated round by round in one process; "
