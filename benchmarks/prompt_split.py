@@ -2,7 +2,7 @@
 
 A 2-vCPU cloud VM's vCPUs need not run at the same speed: a neighbour on one of them (its hyperthread sibling on the
 host) can halve that vCPU's tile and vector throughput for seconds to minutes. With fixed shares, the AMX matmuls of a
-prefill then wait for the slow thread's half; in runs (kernels/runs.h `prompt_pairs`, the default) the fast thread
+prefill then wait for the slow thread's half; in runs (kernels/runs.h `tile_pairs`, the default) the fast thread
 takes more of the pairs. This script measures both in one process, alternated round by round:
   - per vCPU, one thread of the compact bf16 gate_up at 512 rows pinned to it (TFLOP/s): how unequal the two are;
   - the engine's prefill of a --tokens prompt (time to the first token, one sequence, no prefix cache) on the
@@ -93,7 +93,7 @@ def main() -> None:
     cpus = sorted(b.cpus or os.sched_getaffinity(0))
     before = vcpu_tflops(cpus)
     for on in VARIANTS.values():  # warm-up
-        ops.set_prompt_runs(on)
+        ops.set_tile_runs(on)
         prefill(core, prompt)
     seconds: dict[str, list[float]] = {name: [] for name in VARIANTS}
     first_share: list[float] = []
@@ -101,14 +101,14 @@ def main() -> None:
     try:
         for r in range(a.rounds):  # each round starts one variant later
             for name in order[r % 2:] + order[:r % 2]:
-                ops.set_prompt_runs(VARIANTS[name])
-                ops.prompt_runs_taken()  # reset
+                ops.set_tile_runs(VARIANTS[name])
+                ops.tile_runs_taken()  # reset
                 seconds[name].append(prefill(core, prompt))
-                taken, first = ops.prompt_runs_taken()
+                taken, first = ops.tile_runs_taken()
                 if VARIANTS[name] and taken:
                     first_share.append(round(first / taken, 3))
     finally:
-        ops.set_prompt_runs(True)
+        ops.set_tile_runs(True)
     after = vcpu_tflops(cpus)
     print(json.dumps({
         "benchmark": "prompt_split",
@@ -122,7 +122,7 @@ def main() -> None:
         "paired_median_time_fixed_over_runs": paired_median(seconds["fixed shares"], seconds["runs"], 1, 3),
         "pairs_share_of_thread_0_by_round": first_share,
         "method": "time to the first token of one sequence (no prefix cache), the prompt's matmuls with their pairs in "
-                  "runs (kernels/runs.h prompt_pairs) or in fixed shares, alternated round by round in one process; "
+                  "runs (kernels/runs.h tile_pairs) or in fixed shares, alternated round by round in one process; "
                   "paired_median: the median over rounds of fixed / runs; vcpu_gate_up_tflops: one thread of the "
                   "compact bf16 gate_up [9728, 896] at 512 rows pinned to each CPU, before and after",
     }, indent=1))

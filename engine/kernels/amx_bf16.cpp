@@ -98,7 +98,7 @@ at::Tensor linear_packed_amx(const at::Tensor& x, const at::Tensor& wp, const st
   const bf16* xbp = blocked ? xb.data_ptr<bf16>() : nullptr;
   const int64_t full = blocked ? (M + 31) / 32 : M / 32, tail = blocked ? 0 : M % 32;
   const int64_t chunk_blocks = amx::chunk_blocks(K), groups = (full + chunk_blocks - 1) / chunk_blocks;
-  // The pairs of each chunk, and of the tail, go to the threads in runs as they come free (runs.h prompt_pairs).
+  // The pairs of each chunk, and of the tail, go to the threads in runs as they come free (runs.h tile_pairs).
   const int nt = (int)std::clamp<int64_t>(at::get_num_threads(), 1, std::max<int64_t>(pairs, 1));
   std::vector<Runs> runs(groups + 1);
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
@@ -106,26 +106,24 @@ at::Tensor linear_packed_amx(const at::Tensor& x, const at::Tensor& wp, const st
       amx_configure_tiles(16, 16);
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t c0 = g * chunk_blocks, c1 = std::min(full, c0 + chunk_blocks);
-        for (int64_t t = t0; t < t1; ++t)  // one t a thread; all of them on one inside another parallel region
-          prompt_pairs(runs[g], pairs, (int)t, nt, 1, [&](int64_t p0, int64_t p1) {
-            for (int64_t p = p0; p < p1; ++p)
-              for (int64_t mb = c0; mb < c1; ++mb) {
-                const int rows = (int)std::min<int64_t>(32, M - mb * 32);  // blocked x is zero-padded
-                const ATiles a =
-                    blocked ? amx::blocked_a(xbp, Kh, mb) : amx::plain_a(args.x + mb * 32 * args.ldx, args.ldx);
-                m_block(a, rows, w, Kh, NB, p, p + 1, args.b, args.o + mb * 32 * N, N);
-              }
-          });
+        tile_pairs(runs[g], pairs, t0, t1, nt, 1, [&](int64_t p0, int64_t p1) {
+          for (int64_t p = p0; p < p1; ++p)
+            for (int64_t mb = c0; mb < c1; ++mb) {
+              const int rows = (int)std::min<int64_t>(32, M - mb * 32);  // blocked x is zero-padded
+              const ATiles a =
+                  blocked ? amx::blocked_a(xbp, Kh, mb) : amx::plain_a(args.x + mb * 32 * args.ldx, args.ldx);
+              m_block(a, rows, w, Kh, NB, p, p + 1, args.b, args.o + mb * 32 * N, N);
+            }
+        });
       }
     }
     if (tail > 0) {
       const int rows0 = (int)std::min<int64_t>(tail, 16);
       amx_configure_tiles(rows0, (int)tail - rows0);
-      for (int64_t t = t0; t < t1; ++t)
-        prompt_pairs(runs[groups], pairs, (int)t, nt, 1, [&](int64_t p0, int64_t p1) {
-          m_block(amx::plain_a(args.x + full * 32 * args.ldx, args.ldx), (int)tail, w, Kh, NB, p0, p1, args.b,
-                  args.o + full * 32 * N, N);
-        });
+      tile_pairs(runs[groups], pairs, t0, t1, nt, 1, [&](int64_t p0, int64_t p1) {
+        m_block(amx::plain_a(args.x + full * 32 * args.ldx, args.ldx), (int)tail, w, Kh, NB, p0, p1, args.b,
+                args.o + full * 32 * N, N);
+      });
     }
     _tile_release();
   });

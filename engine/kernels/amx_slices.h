@@ -159,7 +159,7 @@ inline void pair_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pai
 // xt [M, K] against every pair of src into out (bias fp32 or nullptr), x copied into tile blocks; pairs are decoded
 // once for a chunk from `once` 32-row blocks on (Source::again below that), and the k-slices go outermost where a
 // chunk has fewer than `outer` blocks and the call at least that many. The pairs of each chunk (or k-outer span of
-// blocks) go to the threads in runs as they come free (runs.h prompt_pairs); a k-outer run is at least OUTER_LEAST
+// blocks) go to the threads in runs as they come free (runs.h tile_pairs); a k-outer run is at least OUTER_LEAST
 // pairs (but the last, or where a fixed share would hold fewer), since each run reads its blocks' A slices again.
 constexpr int64_t OUTER_LEAST = 4;
 template <class Source>
@@ -193,13 +193,12 @@ void blocked(int64_t M, const at::Tensor& xt, Source& src, const Pairs& pairs, i
       amx::Pending* pend = pairs.silu ? &pending : nullptr;
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t c0 = g * group, c1 = std::min(mblocks, c0 + group);
-        for (int64_t t = t0; t < t1; ++t)  // one t a thread; all of them on one inside another parallel region
-          prompt_pairs(runs[g], np, (int)t, nt, least, [&](int64_t p0, int64_t p1) {
-            if (outer)
-              k_outer(M, xbp, src, pairs, c0, c1, p0, p1, slice, buf, cbuf, bias, out, pend);
-            else
-              pair_outer(M, xbp, src, pairs, c0, c1, p0, p1, once, slice, buf, cbuf, bias, out, pend);
-          });
+        tile_pairs(runs[g], np, t0, t1, nt, least, [&](int64_t p0, int64_t p1) {
+          if (outer)
+            k_outer(M, xbp, src, pairs, c0, c1, p0, p1, slice, buf, cbuf, bias, out, pend);
+          else
+            pair_outer(M, xbp, src, pairs, c0, c1, p0, p1, once, slice, buf, cbuf, bias, out, pend);
+        });
       }
       pending.finish();
     }

@@ -27,6 +27,7 @@
 
 #include "quant_act.h"
 #include "quant_layout.h"
+#include "runs.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BF16__)
 #include "amx_tiles.h"
@@ -311,10 +312,16 @@ void linear(const Act* acts, int64_t M, const Matrix& w, const float* bias, Out*
     for (int64_t b = b0; b < b1; ++b)
       pack_block(acts + 16 * b, units, xa + b * units * TILE_BYTES, tabs + b * units * TABLE_FLOATS);
   });
-  at::parallel_for(0, NG, 1, [&](int64_t g0, int64_t g1) {
+  // The 16-column groups go to the threads in runs of at least a decode pass as they come free (runs.h tile_pairs).
+  // A Q4_0 [9728, 896] on an Emerald Rapids-class Xeon (session 44), alternated in one process, time fixed shares /
+  // runs: 32 rows 1.00-1.09, 64 rows 1.20-1.22; with one CPU 30 % busy 1.13-1.15 and 1.08-1.28.
+  const int nt = (int)std::clamp<int64_t>(at::get_num_threads(), 1, std::max<int64_t>(NG, 1));
+  Runs runs;
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
     int8_t* dec = static_cast<int8_t*>(std::aligned_alloc(64, per_pass(K) * units * TILE_BYTES));
     TORCH_CHECK(dec, "quant_linear: out of memory for a decode buffer");
-    groups(xa, tabs, M, w, g0, g1, bias, out, w.N, dec);
+    tile_pairs(runs, NG, t0, t1, nt, per_pass(K),
+               [&](int64_t g0, int64_t g1) { groups(xa, tabs, M, w, g0, g1, bias, out, w.N, dec); });
     std::free(dec);
   });
   std::free(xa);

@@ -1,7 +1,8 @@
 // Work handed out as threads come free: Runs, which the fused fp32 decode step's phases take their column groups from
 // past 4 rows, in_runs(), the same for one compute-bound op (linear_bf16w and quant_linear past 4 rows), and
-// prompt_pairs(), for a prompt's AMX matmuls; and Shares, the fixed shares of a phase that a thread done with its own
-// takes over from (the fused bf16 step's quantized and compact matrices). No ISA code here, so every build includes it.
+// tile_pairs(), for the AMX matmuls past a few rows; and Shares, the fixed shares of a phase that a thread done with
+// its own takes over from (the fused bf16 step's quantized and compact matrices). No ISA code here, so every build
+// includes it.
 //
 // Why: with fixed shares, a thread the host slows for a while (another tenant on the VM, or the front end sharing the
 // CPU) holds every other thread back at the end of each op or phase. Measured on a 2-core Zen 3 (benchmarks/README.md,
@@ -57,8 +58,8 @@ inline void in_runs(int64_t n, int64_t least, const F& fn) {
 }
 
 // Hooks of the fused bf16 step's take-overs, read and set by runs_ops.cpp: how many happened (decode_profile.py
-// reports them a token), and how long thread 0 spins before each of its claims, and before each run of a prompt's
-// matmuls (prompt_pairs below): 0 in service; the tests slow it so that the other thread takes over, and compare the
+// reports them a token), and how long thread 0 spins before each of its claims, and before each run of the AMX
+// matmuls (tile_pairs below): 0 in service; the tests slow it so that the other thread takes over, and compare the
 // bits.
 inline std::atomic<int64_t> take_overs{0};
 inline std::atomic<double> first_thread_delay_us{0.0};
@@ -153,31 +154,37 @@ class Shares {
 // (decode_profile.py --shares; set_step_take_over in runs_ops.cpp).
 inline std::atomic<bool> take_over_on{true};
 
-// A prompt's AMX matmuls (amx_slices.h, amx_bf16.cpp) hand their column-block pairs out in Runs as threads come free
-// (the default), or, off, as the fixed shares they had before (to measure one against the other: set_prompt_runs in
-// runs_ops.cpp). Why: a 2-vCPU VM's two vCPUs ran one thread of the compact bf16 gate_up at 512 rows at 0.46 and 0.95
-// TFLOP/s at the same time (an Emerald Rapids-class Xeon, session 43; which one was slow changed within minutes), so
-// with fixed shares the fast one idled for half the call. Counted for the tests and prompt_split.py: the pairs taken
-// in runs, and by thread 0.
-inline std::atomic<bool> prompt_runs_on{true};
-inline std::atomic<int64_t> prompt_runs_items{0}, prompt_runs_first{0};
+// The AMX matmuls past a few rows hand their column-block pairs (or 16-column groups) out in Runs as threads come
+// free (the default), or, off, as the fixed shares they had before (to measure one against the other: set_tile_runs
+// in runs_ops.cpp): a prompt's rows (amx_slices.h, amx_bf16.cpp), a tied LM head's 5-64 rows (amx_plain_bf16.cpp)
+// and quantized rows past 16 outside the fused step (quant_amx.h linear). Why: a 2-vCPU VM's two vCPUs ran one thread
+// of the compact bf16 gate_up at 512 rows at 0.46 and 0.95 TFLOP/s at the same time (an Emerald Rapids-class Xeon,
+// session 43; which one was slow changed within minutes), so with fixed shares the fast one idled for half the call.
+// Counted for the tests and prompt_split.py: the items taken in runs, and by thread 0.
+inline std::atomic<bool> tile_runs_on{true};
+inline std::atomic<int64_t> tile_runs_items{0}, tile_runs_first{0};
 
-// fn(r0, r1) over the items of [0, n) that thread tid of nt takes: runs of at least `least` items from `runs` while
-// any are left (prompt_runs_on), else its fixed share (step_args::share, as at::parallel_for splits). Thread 0 spins
-// first_thread_delay_us before each run (tests only). Which thread computes an item changes nothing in it.
+// fn(r0, r1) over the items of [0, n) that threads [t0, t1) of nt take (one thread each, as at::parallel_for(0, nt,
+// 1, ...) hands them out; all of them on one inside another parallel region): runs of at least `least` items from
+// `runs` while any are left (tile_runs_on), else each thread's fixed share (step_args::share, as at::parallel_for
+// splits). Thread 0 spins first_thread_delay_us before each run (tests only). Which thread computes an item changes
+// nothing in it.
 template <class F>
-inline void prompt_pairs(Runs& runs, int64_t n, int tid, int nt, int64_t least, const F& fn) {
-  if (!prompt_runs_on.load(std::memory_order_relaxed)) {
-    const auto [p0, p1] = step_args::share(n, tid, nt);
-    if (p0 < p1) fn(p0, p1);
-    return;
-  }
-  const double delay = tid == 0 ? first_thread_delay_us.load(std::memory_order_relaxed) : 0.0;
-  for (int64_t r0, r1; runs.take(n, nt, least, r0, r1);) {
-    prompt_runs_items.fetch_add(r1 - r0, std::memory_order_relaxed);
-    if (tid == 0) prompt_runs_first.fetch_add(r1 - r0, std::memory_order_relaxed);
-    if (delay > 0) spin_for(delay);
-    fn(r0, r1);
+inline void tile_pairs(Runs& runs, int64_t n, int64_t t0, int64_t t1, int nt, int64_t least, const F& fn) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const int tid = static_cast<int>(t);
+    if (!tile_runs_on.load(std::memory_order_relaxed)) {
+      const auto [p0, p1] = step_args::share(n, tid, nt);
+      if (p0 < p1) fn(p0, p1);
+      continue;
+    }
+    const double delay = tid == 0 ? first_thread_delay_us.load(std::memory_order_relaxed) : 0.0;
+    for (int64_t r0, r1; runs.take(n, nt, least, r0, r1);) {
+      tile_runs_items.fetch_add(r1 - r0, std::memory_order_relaxed);
+      if (tid == 0) tile_runs_first.fetch_add(r1 - r0, std::memory_order_relaxed);
+      if (delay > 0) spin_for(delay);
+      fn(r0, r1);
+    }
   }
 }
 

@@ -1,6 +1,6 @@
 // The ops around runs.h, in every build: the fused bf16 step's take-over switch (Shares; benchmarks/decode_profile.py
-// --shares measures it against fixed shares) and count, the prompt matmuls' runs switch and count, a delay of thread 0
-// that makes the other take over, and a walk of Shares with one thread slowed, which the tests drive.
+// --shares measures it against fixed shares) and count, the AMX matmuls' runs switch and count (tile_pairs), a delay
+// of thread 0 that makes the other take over, and a walk of Shares with one thread slowed, which the tests drive.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -26,12 +26,13 @@ int64_t step_take_overs() { return take_overs.exchange(0); }
 // returns the previous setting. For tests only: a slowed thread 0 makes the other take over.
 double set_first_thread_delay(double us) { return first_thread_delay_us.exchange(us); }
 
-// Whether a prompt's AMX matmuls hand their pairs out in runs (the default) or keep fixed shares; returns the previous
-// setting.
-bool set_prompt_runs(bool on) { return prompt_runs_on.exchange(on); }
+// Whether the AMX matmuls past a few rows (runs.h tile_pairs) hand their pairs out in runs (the default) or keep fixed
+// shares; returns the previous setting.
+bool set_tile_runs(bool on) { return tile_runs_on.exchange(on); }
 
-// [pairs taken in runs, of them by thread 0] by the prompt matmuls since the last call (and resets both counts).
-std::vector<int64_t> prompt_runs_taken() { return {prompt_runs_items.exchange(0), prompt_runs_first.exchange(0)}; }
+// [items (pairs or groups) taken in runs, of them by thread 0] by the AMX matmuls since the last call (and resets
+// both counts).
+std::vector<int64_t> tile_runs_taken() { return {tile_runs_items.exchange(0), tile_runs_first.exchange(0)}; }
 
 // Which of `threads` threads computed each of n items walked in Shares (`step` items a claim, take-overs of at least
 // `least`), where thread `slow` spins slow_us microseconds an item: int32 [n], -2 where more than one did.
@@ -65,8 +66,8 @@ TORCH_LIBRARY_FRAGMENT(deploykit, m) {
   m.def("set_step_take_over(bool on) -> bool", &set_step_take_over);
   m.def("step_take_overs() -> int", &step_take_overs);
   m.def("set_first_thread_delay(float us) -> float", &set_first_thread_delay);
-  m.def("set_prompt_runs(bool on) -> bool", &set_prompt_runs);
-  m.def("prompt_runs_taken() -> int[]", &prompt_runs_taken);
+  m.def("set_tile_runs(bool on) -> bool", &set_tile_runs);
+  m.def("tile_runs_taken() -> int[]", &tile_runs_taken);
   m.def("shares_walk(int n, int threads, int step, int least, int slow, float slow_us) -> Tensor", &shares_walk);
 }
 

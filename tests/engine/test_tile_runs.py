@@ -1,9 +1,11 @@
-"""A prompt's AMX matmuls hand their column-block pairs to the threads in runs as they come free (kernels/runs.h
-prompt_pairs): a thread its host slows for a while no longer holds the other back for half of every call. Which thread
-takes a pair changes no bit of it: runs, fixed shares and one thread give the same outputs on compact bf16 weights
-(pairs decoded once a chunk, in one chunk or two, or again per block; the k-slices outermost at K = 4864; gate_up with
-SiLU), on packed bf16 weights (one chunk or two, and the tail rows of a call) and on a prompt's rows of a quantized
-matrix (gate_up with SiLU too), also with thread 0 slowed so that the other computes most of the pairs."""
+"""The AMX matmuls past a few rows hand their column-block pairs (quantized rows: 16-column groups) to the threads in
+runs as they come free (kernels/runs.h tile_pairs): a thread its host slows for a while no longer holds the other back
+for half of every call. Which thread takes a pair changes no bit of it: runs, fixed shares and one thread give the
+same outputs on compact bf16 weights (pairs decoded once a chunk, in one chunk or two, or again per block; the k-slices
+outermost at K = 4864; gate_up with SiLU), on packed bf16 weights (one chunk or two, and the tail rows of a call), on
+plain bf16 weights (a tied LM head at 5-64 rows), on a prompt's rows of a quantized matrix (gate_up with SiLU too) and
+on quantized rows past 16 outside the fused step (AMX-INT8), also with thread 0 slowed so that the other computes most
+of the pairs."""
 from __future__ import annotations
 
 import pytest
@@ -15,8 +17,8 @@ from tests.engine.test_quant import random_raw
 
 pytestmark = [pytest.mark.skipif(not NATIVE, reason="no native path here (a CPU without AVX-512, or kernels off)"),
               pytest.mark.usefixtures("native_kernels"),
-              pytest.mark.skipif(not kernels.status()["amx"], reason="the prompt matmuls run on AMX tiles only on "
-                                                                     "AMX CPUs")]
+              pytest.mark.skipif(not kernels.status()["amx"], reason="these matmuls run on AMX tiles only on AMX "
+                                                                     "CPUs")]
 
 ops = torch.ops.deploykit
 
@@ -27,7 +29,7 @@ def weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 def cases() -> dict:
-    """name -> a call of one prompt matmul path (each returns its output)."""
+    """name -> a call of one AMX matmul path (each returns its output)."""
     g = torch.Generator().manual_seed(1)
     x = {k: torch.randn(300, k, generator=g).bfloat16() for k in (896, 2048, 4864)}
     compact_up = kernels.prepare_weight(weights(1152, 896), compact=True)
@@ -40,9 +42,10 @@ def cases() -> dict:
     blob, blob_gu = quant.pack([random_raw("Q4_0", 1152, 896)]), quant.pack([random_raw("Q4_0", 1024, 896, 1)])
     assert kernels.prompt_gate_up_silu_ok(blob_gu)
     bias = torch.randn(1152, generator=g)
+    plain = weights(1152, 896, 7)  # a tied LM head's table: plain [N, K], read in place
     # 300 rows are 10 blocks of 32: one chunk at K = 896 (18 blocks a chunk), two at K = 2048 (8; packed: 6), a
     # k-outer span at K = 4864; 96 rows (3 blocks, fewer than 4) decode each pair again per block.
-    return {
+    calls = {
         "compact, decoded once a chunk": lambda: kernels.linear(x[896], compact_up, bias),
         "compact, two chunks": lambda: kernels.linear(x[2048], compact_wide),
         "compact, decoded again per block": lambda: kernels.linear(x[896][:96], compact_up, bias),
@@ -53,26 +56,30 @@ def cases() -> dict:
         "packed, 32 rows and a tail": lambda: kernels.linear(x[896][:45], packed, bias),
         "quantized prompt rows": lambda: kernels.linear(x[896], blob, bias, prompt_from=0),
         "quantized gate_up with silu": lambda: kernels.gate_up_silu(x[896], blob_gu),
+        "plain, 40 rows": lambda: kernels.linear(x[896][:40], plain, bias),
     }
+    if kernels.status()["quant_amx"]:  # AMX-INT8 from 16 rows (kernels/quant_amx.h)
+        calls["quantized rows past 16"] = lambda: kernels.linear(x[896][:40], blob, bias)
+    return calls
 
 
 def test_runs_fixed_shares_and_one_thread_give_the_same_bits():
     threads = torch.get_num_threads()
     calls = cases()
-    assert ops.set_prompt_runs(True) is True  # in runs by default
+    assert ops.set_tile_runs(True) is True  # in runs by default
     try:
         torch.set_num_threads(1)
         want = {name: fn() for name, fn in calls.items()}
         torch.set_num_threads(2)
         for on in (True, False):
-            ops.set_prompt_runs(on)
-            ops.prompt_runs_taken()
+            ops.set_tile_runs(on)
+            ops.tile_runs_taken()
             for name, fn in calls.items():
                 assert torch.equal(fn(), want[name]), (name, "runs" if on else "fixed shares")
-            taken, _ = ops.prompt_runs_taken()
+            taken, _ = ops.tile_runs_taken()
             assert (taken > 0) == on  # fixed shares take no runs
     finally:
-        ops.set_prompt_runs(True)
+        ops.set_tile_runs(True)
         torch.set_num_threads(threads)
 
 
@@ -88,9 +95,9 @@ def test_a_slowed_thread_takes_fewer_pairs_and_changes_no_bit():
         for name, fn in calls.items():
             shares = []
             for _ in range(3):
-                ops.prompt_runs_taken()
+                ops.tile_runs_taken()
                 assert torch.equal(fn(), want[name]), name
-                taken, first = ops.prompt_runs_taken()
+                taken, first = ops.tile_runs_taken()
                 shares.append((first, taken))
                 if first < taken / 2:
                     break
