@@ -1,6 +1,7 @@
-// AMX-BF16 GEMM on plain row-major [N, K] weights, for weights that cannot be repacked (an lm_head
-// tied to the embedding table). Computes out^T = W x^T: 16 weight rows x 32 k are an AMX A tile
-// read in place with the row stride, and x^T is the B operand, VNNI-packed per call (M*K*2 bytes).
+// AMX-BF16 GEMM on plain row-major [N, K] weights at 2-64 rows, for bf16 matrices `linear` is given as they are
+// (not through prepare_weight: the engine's own matrices, a tied LM head included, are packed or compact). Computes
+// out^T = W x^T: 16 weight rows x 32 k are an AMX A tile read in place with the row stride, and x^T is the B operand,
+// VNNI-packed per call (M*K*2 bytes).
 // Tiles: C 0..3 = (weight half h, x group g) at 2h+g, A 4..5 = weight halves, B 6..7 = x groups.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -107,11 +108,11 @@ at::Tensor linear_plain_amx(const at::Tensor& x, const at::Tensor& w, const std:
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   bf16* op = out.data_ptr<bf16>();
   const int64_t pairs = (N / 16 + 1) / 2, groups = xv.size(0);
-  // The weight-row pairs go to the threads in runs as they come free (runs.h tile_pairs): at 16 rows a tied LM head
-  // is the largest matrix of a decode step, and a thread the host slows would otherwise hold the other back. A 49,152
-  // x 896 head on an Emerald Rapids-class Xeon (session 44), runs against fixed shares alternated in one process, time
-  // fixed / runs: 16 rows 1.05-1.10, 64 rows 1.30-1.31; with one CPU 30 % busy 1.15-1.17 and 1.13-1.18.
-  const int nt = (int)std::clamp<int64_t>(at::get_num_threads(), 1, pairs);
+  // The weight-row pairs go to the threads in runs as they come free (runs.h tile_pairs), so a thread the host slows
+  // holds no other back. A [49152, 896] matrix on an Emerald Rapids-class Xeon (benchmarks/README.md, session 44),
+  // runs against fixed shares alternated in one process, time fixed / runs: 16 rows 1.05-1.10, 64 rows 1.30-1.31;
+  // with one CPU 30 % busy 1.15-1.17 and 1.13-1.18.
+  const int nt = (int)std::clamp<int64_t>(at::get_num_threads(), 1, std::max<int64_t>(pairs, 1));
   Runs runs;
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
     amx_configure_tiles(16, 16);

@@ -313,8 +313,10 @@ void linear(const Act* acts, int64_t M, const Matrix& w, const float* bias, Out*
       pack_block(acts + 16 * b, units, xa + b * units * TILE_BYTES, tabs + b * units * TABLE_FLOATS);
   });
   // The 16-column groups go to the threads in runs of at least a decode pass as they come free (runs.h tile_pairs).
-  // A Q4_0 [9728, 896] on an Emerald Rapids-class Xeon (session 44), alternated in one process, time fixed shares /
-  // runs: 32 rows 1.00-1.09, 64 rows 1.20-1.22; with one CPU 30 % busy 1.13-1.15 and 1.08-1.28.
+  // Runs are counted in groups, not whole passes: a run's last pass may be short (its rows' A tiles, in L2, read once
+  // more), but whole passes would split a matrix of 4-5 passes (K = 896: 16 groups a pass) 3 to 2 at best. A Q4_0
+  // [9728, 896] on an Emerald Rapids-class Xeon (benchmarks/README.md, session 44), alternated in one process, time
+  // fixed shares / runs: 32 rows 1.00-1.09, 64 rows 1.20-1.22; with one CPU 30 % busy 1.13-1.15 and 1.08-1.28.
   const int nt = (int)std::clamp<int64_t>(at::get_num_threads(), 1, std::max<int64_t>(NG, 1));
   Runs runs;
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {

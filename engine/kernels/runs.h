@@ -1,5 +1,6 @@
 // Work handed out as threads come free: Runs, which the fused fp32 decode step's phases take their column groups from
-// past 4 rows, in_runs(), the same for one compute-bound op (linear_bf16w and quant_linear past 4 rows), and
+// past 4 rows, in_runs(), the same for one compute-bound op (linear_bf16w past 4 rows, quant_linear at 5-15 rows or
+// where the CPU has no AMX-INT8), and
 // tile_pairs(), for the AMX matmuls past a few rows; and Shares, the fixed shares of a phase that a thread done with
 // its own takes over from (the fused bf16 step's quantized and compact matrices). No ISA code here, so every build
 // includes it.
@@ -156,11 +157,11 @@ inline std::atomic<bool> take_over_on{true};
 
 // The AMX matmuls past a few rows hand their column-block pairs (or 16-column groups) out in Runs as threads come
 // free (the default), or, off, as the fixed shares they had before (to measure one against the other: set_tile_runs
-// in runs_ops.cpp): a prompt's rows (amx_slices.h, amx_bf16.cpp), a tied LM head's 5-64 rows (amx_plain_bf16.cpp)
-// and quantized rows past 16 outside the fused step (quant_amx.h linear). Why: a 2-vCPU VM's two vCPUs ran one thread
-// of the compact bf16 gate_up at 512 rows at 0.46 and 0.95 TFLOP/s at the same time (an Emerald Rapids-class Xeon,
-// session 43; which one was slow changed within minutes), so with fixed shares the fast one idled for half the call.
-// Counted for the tests and prompt_split.py: the items taken in runs, and by thread 0.
+// in runs_ops.cpp): a prompt's rows and batched decode (amx_slices.h, amx_bf16.cpp), plain [N, K] weights at 2-64
+// rows (amx_plain_bf16.cpp) and quantized rows from 16 outside the fused step (quant_amx.h linear). Why: a 2-vCPU VM's
+// two vCPUs ran one thread of the compact bf16 gate_up at 512 rows at 0.46 and 0.95 TFLOP/s at the same time (an
+// Emerald Rapids-class Xeon, session 43; which one was slow changed within minutes), so with fixed shares the fast one
+// idled for half the call. Counted for the tests and prompt_split.py: the items taken in runs, and by thread 0.
 inline std::atomic<bool> tile_runs_on{true};
 inline std::atomic<int64_t> tile_runs_items{0}, tile_runs_first{0};
 
@@ -171,9 +172,11 @@ inline std::atomic<int64_t> tile_runs_items{0}, tile_runs_first{0};
 // nothing in it.
 template <class F>
 inline void tile_pairs(Runs& runs, int64_t n, int64_t t0, int64_t t1, int nt, int64_t least, const F& fn) {
+  // Read once here: a switch while threads are inside may have an item computed twice (same bits), never skipped.
+  const bool on = tile_runs_on.load(std::memory_order_relaxed);
   for (int64_t t = t0; t < t1; ++t) {
     const int tid = static_cast<int>(t);
-    if (!tile_runs_on.load(std::memory_order_relaxed)) {
+    if (!on) {
       const auto [p0, p1] = step_args::share(n, tid, nt);
       if (p0 < p1) fn(p0, p1);
       continue;

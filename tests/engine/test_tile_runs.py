@@ -3,9 +3,9 @@ runs as they come free (kernels/runs.h tile_pairs): a thread its host slows for 
 for half of every call. Which thread takes a pair changes no bit of it: runs, fixed shares and one thread give the
 same outputs on compact bf16 weights (pairs decoded once a chunk, in one chunk or two, or again per block; the k-slices
 outermost at K = 4864; gate_up with SiLU), on packed bf16 weights (one chunk or two, and the tail rows of a call), on
-plain bf16 weights (a tied LM head at 5-64 rows), on a prompt's rows of a quantized matrix (gate_up with SiLU too) and
-on quantized rows past 16 outside the fused step (AMX-INT8), also with thread 0 slowed so that the other computes most
-of the pairs."""
+plain [N, K] bf16 weights at 2-64 rows (a pair and a lone block), on a prompt's rows of a quantized matrix (gate_up
+with SiLU too) and on quantized rows from 16 outside the fused step (AMX-INT8), also with thread 0 slowed so that the
+other computes most of the pairs."""
 from __future__ import annotations
 
 import pytest
@@ -42,7 +42,8 @@ def cases() -> dict:
     blob, blob_gu = quant.pack([random_raw("Q4_0", 1152, 896)]), quant.pack([random_raw("Q4_0", 1024, 896, 1)])
     assert kernels.prompt_gate_up_silu_ok(blob_gu)
     bias = torch.randn(1152, generator=g)
-    plain = weights(1152, 896, 7)  # a tied LM head's table: plain [N, K], read in place
+    plain = weights(1168, 896, 7)  # plain [N, K], read in place: 36 pairs and a lone 16-row block
+    plain_bias = torch.randn(1168, generator=g)
     # 300 rows are 10 blocks of 32: one chunk at K = 896 (18 blocks a chunk), two at K = 2048 (8; packed: 6), a
     # k-outer span at K = 4864; 96 rows (3 blocks, fewer than 4) decode each pair again per block.
     calls = {
@@ -56,10 +57,10 @@ def cases() -> dict:
         "packed, 32 rows and a tail": lambda: kernels.linear(x[896][:45], packed, bias),
         "quantized prompt rows": lambda: kernels.linear(x[896], blob, bias, prompt_from=0),
         "quantized gate_up with silu": lambda: kernels.gate_up_silu(x[896], blob_gu),
-        "plain, 40 rows": lambda: kernels.linear(x[896][:40], plain, bias),
+        "plain, 40 rows": lambda: kernels.linear(x[896][:40], plain, plain_bias),
     }
-    if kernels.status()["quant_amx"]:  # AMX-INT8 from 16 rows (kernels/quant_amx.h)
-        calls["quantized rows past 16"] = lambda: kernels.linear(x[896][:40], blob, bias)
+    assert kernels.status()["quant_amx"]  # every AMX CPU has AMX-INT8: quantized rows from 16 on its tiles
+    calls["quantized rows from 16"] = lambda: kernels.linear(x[896][:40], blob, bias)
     return calls
 
 
@@ -76,8 +77,8 @@ def test_runs_fixed_shares_and_one_thread_give_the_same_bits():
             ops.tile_runs_taken()
             for name, fn in calls.items():
                 assert torch.equal(fn(), want[name]), (name, "runs" if on else "fixed shares")
-            taken, _ = ops.tile_runs_taken()
-            assert (taken > 0) == on  # fixed shares take no runs
+                taken, _ = ops.tile_runs_taken()
+                assert (taken > 0) == on, name  # every path takes runs; fixed shares take none
     finally:
         ops.set_tile_runs(True)
         torch.set_num_threads(threads)
