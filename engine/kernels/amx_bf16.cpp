@@ -1,8 +1,9 @@
 // AMX-BF16 tile GEMM on the packed [N/16, K/2, 16, 2] weight layout (needs K % 32 == 0).
 //
-// A packed 16-column block is already an AMX B tile (16 k-pair rows x 64 bytes), so weights
-// are read in place; x rows are loaded as A tiles straight from the activation with its row
-// stride, so neither operand is copied. Tiles: C 0..3 (2x2 of 16x16 fp32), A 4..5, B 6..7.
+// A packed 16-column block is already an AMX B tile (16 k-pair rows x 64 bytes), so weights are read in place. Up to
+// 63 rows, x rows are loaded as A tiles straight from the activation with its row stride, so neither operand is
+// copied; from 64 rows (a prompt) x is copied into tile blocks and the pairs go through amx_slices.h a segment of K
+// at a time, as compact and quantized weights do. Tiles: C 0..3 (2x2 of 16x16 fp32), A 4..5, B 6..7.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -13,8 +14,8 @@
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
 
+#include "amx_slices.h"
 #include "amx_tiles.h"
 #include "op_args.h"
 #include "runs.h"
@@ -44,6 +45,25 @@ void amx_configure_tiles(int rows0, int rows1) {
 namespace {
 
 using amx::ATiles;
+
+// Packed weights as an amx_slices source: a block's k-pairs already are B tiles, read in place (no decode buffer).
+struct Source {
+  const bf16* w;
+  int64_t K;
+  const bf16* in_place(int64_t nb, int64_t k0) const { return w + (nb * (K / 2) + k0) * 32; }
+  void bytes(int64_t nb, int64_t k0, int64_t kn, const char*& begin, const char*& end) const {
+    begin = reinterpret_cast<const char*>(in_place(nb, k0));
+    end = begin + kn * 64;
+  }
+  // Block mb of the tile-blocked x against column blocks nb over all of K (below `once` blocks a chunk).
+  void again(int64_t M, const bf16* xbp, int64_t mb, const int64_t* nb, int n, const float* bias, bf16* out,
+             const amx_slices::Pairs& pairs) {
+    const int rows = (int)std::min<int64_t>(32, M - mb * 32);
+    amx::PackedB<> b{in_place(nb[0], 0), in_place(nb[n - 1], 0)};
+    amx::tile_blocks(amx::blocked_a(xbp, K / 2, mb), std::min(rows, 16), std::max(rows - 16, 0), b, K / 2, nb, n, bias,
+                     out + mb * 32 * pairs.ldo(), pairs.ldo());
+  }
+};
 
 // One M block (<= 32 rows) across column-block pairs [p0, p1) of the weight.
 inline void m_block(const ATiles& a, int rows, const bf16* wp, int64_t Kh, int64_t NB,
@@ -92,35 +112,30 @@ at::Tensor linear_packed_amx(const at::Tensor& x, const at::Tensor& wp, const st
   TORCH_CHECK(K % op_args::BLOCK_K == 0, "AMX path needs K % ", op_args::BLOCK_K, " == 0, got K=", K);
   const op_args::Operands args = op_args::operands(x, K, N, bias);
   const bf16* w = wp.data_ptr<bf16>();
-  const int64_t pairs = (NB + 1) / 2;
-  const bool blocked = M >= amx::BLOCK_X_MIN_M;
-  at::Tensor xb = blocked ? amx_block_x(x) : at::Tensor();
-  const bf16* xbp = blocked ? xb.data_ptr<bf16>() : nullptr;
-  const int64_t full = blocked ? (M + 31) / 32 : M / 32, tail = blocked ? 0 : M % 32;
-  const int64_t chunk_blocks = amx::chunk_blocks(K), groups = (full + chunk_blocks - 1) / chunk_blocks;
-  // The pairs of each chunk, and of the tail, go to the threads in runs as they come free (runs.h tile_pairs).
+  if (M >= amx::BLOCK_X_MIN_M) {  // a prompt: x in tile blocks, k-slices of whole segments (amx_slices.h)
+    Source src{w, K};
+    amx_slices::blocked(M, x, src, amx_slices::Pairs{NB, false}, 1, 4, args.b, args.o);
+    return args.out;
+  }
+  // Up to 63 rows, read in place: whole 32-row blocks, then the rest; the pairs of each go to the threads in runs as
+  // they come free (runs.h tile_pairs).
+  const int64_t pairs = (NB + 1) / 2, full = M / 32, tail = M % 32;
   const int nt = (int)std::clamp<int64_t>(at::get_num_threads(), 1, std::max<int64_t>(pairs, 1));
-  std::vector<Runs> runs(groups + 1);
+  Runs runs[2];
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
     if (full > 0) {
       amx_configure_tiles(16, 16);
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t c0 = g * chunk_blocks, c1 = std::min(full, c0 + chunk_blocks);
-        tile_pairs(runs[g], pairs, t0, t1, nt, 1, [&](int64_t p0, int64_t p1) {
-          for (int64_t p = p0; p < p1; ++p)
-            for (int64_t mb = c0; mb < c1; ++mb) {
-              const int rows = (int)std::min<int64_t>(32, M - mb * 32);  // blocked x is zero-padded
-              const ATiles a =
-                  blocked ? amx::blocked_a(xbp, Kh, mb) : amx::plain_a(args.x + mb * 32 * args.ldx, args.ldx);
-              m_block(a, rows, w, Kh, NB, p, p + 1, args.b, args.o + mb * 32 * N, N);
-            }
-        });
-      }
+      tile_pairs(runs[0], pairs, t0, t1, nt, 1, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p)
+          for (int64_t mb = 0; mb < full; ++mb)
+            m_block(amx::plain_a(args.x + mb * 32 * args.ldx, args.ldx), 32, w, Kh, NB, p, p + 1, args.b,
+                    args.o + mb * 32 * N, N);
+      });
     }
     if (tail > 0) {
       const int rows0 = (int)std::min<int64_t>(tail, 16);
       amx_configure_tiles(rows0, (int)tail - rows0);
-      tile_pairs(runs[groups], pairs, t0, t1, nt, 1, [&](int64_t p0, int64_t p1) {
+      tile_pairs(runs[1], pairs, t0, t1, nt, 1, [&](int64_t p0, int64_t p1) {
         m_block(amx::plain_a(args.x + full * 32 * args.ldx, args.ldx), (int)tail, w, Kh, NB, p0, p1, args.b,
                 args.o + full * 32 * N, N);
       });

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <vector>
 
@@ -24,30 +25,28 @@ using bf16 = at::BFloat16;
 // Past 32 rows x is copied into tile blocks and taken in chunks of 32-row blocks of at most CHUNK_BYTES, which stay in
 // L2 (2 MiB a core on every AMX CPU so far) while each column-block pair of a thread's run goes over them.
 constexpr int64_t CHUNK_BYTES = 1024 * 1024;
-// Decoded once, a pair is decoded a slice of k-pairs at a time into a buffer, and every 32-row block of the chunk runs
-// that slice's tiles on it. Each C tile store costs the AMX unit its pipeline: a tile loop with A from L2 and B from
-// L1 ran at 2.7 TFLOP/s a core here, 1.9 when every 12 k-steps stored its 4 C tiles (session 38, a scratch loop on an
-// Emerald Rapids-class Xeon). So the pair is decoded whole, up to PAIR_SLICE k-pairs (2 x 2048 x 64 bytes = 256 KiB,
-// B tiles from L2), and its C tiles' sums stay in the tiles over all of K. Measured in one process against slices of
-// 192 k-pairs that stayed in L1 (the C tiles' sums kept between slices, amx::Partial), alternated call by call,
-// median time ratio: K = 896 at 128-2,048 rows 0.91-0.95, K = 2048 0.90-0.94, K = 4096 0.91; a 512-token prefill of
-// the benchmark model 0.92-0.94 on compact bf16, Q4_0, Q4_K_M and Q5_K_M weights alike. A longer K is cut into equal
-// slices (amx::Partial: bitwise one pass over K).
-constexpr int64_t PAIR_SLICE = 2048;
+// Decoded once, a pair is decoded a k-slice at a time into a buffer, and every 32-row block of the chunk runs that
+// slice's tiles on it. A slice is one segment of K (amx_tiles.h: at most 28 KiB of the pair's B tiles, which stay in
+// L1 while the blocks' A tiles stream past from L2), its C tiles started at zero and their sums added in fp32 into the
+// block's sums of the earlier segments. Before segments, a pair was decoded whole (56 KiB at K = 896, B tiles from L2)
+// because slices that reloaded their partial sums into the tiles took 1.05-1.10x the time (session 38).
+// slice_segments (runtime-settable, for measurements and the tests: bitwise the same either way): segments a slice,
+// 0 for the whole K a slice (up to WHOLE_K k-pairs; k-outer slices of about KOUTER_SLICE).
+inline std::atomic<int64_t> slice_segments{1};
+constexpr int64_t WHOLE_K = 2048;
 // A long K leaves too few 32-row blocks in a chunk that stays in L2 (K = 4864: 3) to decode a pair once for them, so
 // every block decoded the pair again, from memory (a 512-token prefill's down projection at 1.3 TFLOP/s against 2.1
 // for gate_up). There the k-slices go outermost instead: for each slice, every pair of a thread's run is decoded once
-// and run on the slice of up to KOUTER_BLOCKS blocks (their A slices stay in L2 across the pairs), the C tiles' sums
-// of every (block, pair) kept between slices in at most about KOUTER_C_BYTES. Equal slices of at most KOUTER_SLICE
-// k-pairs: against 192, down [896, 4864] 0.94-0.97 of the time (4 slices of 608), [2048, 8192] 0.91-0.93; 3 slices
-// of 816 took 1.06 (their A slices outgrow L2).
+// and run on the slice of up to KOUTER_BLOCKS blocks (their A slices stay in L2 across the pairs), the sums of every
+// (block, pair) kept between slices in at most about KOUTER_C_BYTES.
 constexpr int64_t KOUTER_SLICE = 640;
 constexpr int64_t KOUTER_BLOCKS = 16, KOUTER_C_BYTES = 1024 * 1024;
 
-// k-pairs a slice, for Kh k-pairs cut into equal slices of at most `most` (whole k-tiles of 16).
-inline int64_t slice_of(int64_t Kh, int64_t most) {
-  const int64_t n = (Kh + most - 1) / most;
-  return ((Kh + n - 1) / n + 15) / 16 * 16;
+// k-pairs a slice for Kh k-pairs (whole segments); outer: the k-outer path.
+inline int64_t slice_for(int64_t Kh, bool outer) {
+  const int64_t seg = amx::segment(Kh), n = slice_segments.load(std::memory_order_relaxed);
+  if (n > 0) return n * seg;
+  return std::max<int64_t>(1, (outer ? KOUTER_SLICE : WHOLE_K) / seg) * seg;
 }
 
 // The column-block pairs a call runs and where their rows go: adjacent blocks (2p, 2p + 1) of a linear into
@@ -73,20 +72,25 @@ inline void slice_block(int64_t M, const bf16* xbp, int64_t Kh, int64_t mb, int6
   const int rows = (int)std::min<int64_t>(32, M - mb * 32);
   amx::ATiles a = amx::blocked_a(xbp, Kh, mb);
   a.base += (k0 / 16) * a.step;
-  const amx::Partial part{c, k0 == 0, k0 + kn == Kh};
+  const amx::Partial part{c, k0 == 0, k0 + kn == Kh, k0, amx::segment(Kh)};
   amx::tile_blocks(a, std::min(rows, 16), std::max(rows - 16, 0), b, kn, nb, n, bias, out + mb * 32 * ldo, ldo, &part,
                    pairs.silu, pend, ahead);
 }
 
-// Pair p's k-pairs [k0, k0 + kn) decoded into buf (two blocks of `slice` k-pairs); returns its block count.
-// Source: src.slice(nb, k0, kn, dst) writes block nb's k-pairs [k0, k0 + kn) as packed [kn][16][2] bf16, and
-// src.bytes(nb, k0, kn, begin, end) says which bytes of the weights that reads.
+// The B tiles of pair p's k-pairs [k0, k0 + kn): decoded into buf (two blocks of `slice` k-pairs), or, for a source
+// whose blocks already are packed B tiles (src.in_place(nb, k0): block nb's tile rows from k-pair k0), read where they
+// are. nb, n: the pair's blocks. Source: src.slice(nb, k0, kn, dst) writes block nb's k-pairs [k0, k0 + kn) as packed
+// [kn][16][2] bf16, and src.bytes(nb, k0, kn, begin, end) says which bytes of the weights that reads.
 template <class Source>
-inline int decode_slice(Source& src, const Pairs& pairs, int64_t p, int64_t k0, int64_t kn, int64_t slice, bf16* buf,
-                        int64_t* nb) {
-  const int n = pairs.ids(p, nb);
-  for (int j = 0; j < n; ++j) src.slice(nb[j], k0, kn, buf + j * slice * 32);
-  return n;
+inline amx::PackedB<false> slice_tiles(Source& src, const Pairs& pairs, int64_t p, int64_t k0, int64_t kn,
+                                       int64_t slice, bf16* buf, int64_t* nb, int& n) {
+  n = pairs.ids(p, nb);
+  if constexpr (requires { src.in_place(nb[0], k0); }) {
+    return {src.in_place(nb[0], k0), src.in_place(nb[n - 1], k0)};
+  } else {
+    for (int j = 0; j < n; ++j) src.slice(nb[j], k0, kn, buf + j * slice * 32);
+    return {buf, buf + slice * 32};
+  }
 }
 
 // The next decode, pair q's k-pairs [k0, k0 + kn), as the weights `steps` k-steps of tiles request before it.
@@ -113,8 +117,8 @@ inline void k_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pairs,
     const int64_t kn = std::min(slice, Kh - k0);
     for (int64_t p = p0; p < p1; ++p) {
       int64_t nb[2];
-      const int n = decode_slice(src, pairs, p, k0, kn, slice, buf, nb);
-      amx::PackedB<false> b{buf, buf + slice * 32};
+      int n;
+      amx::PackedB<false> b = slice_tiles(src, pairs, p, k0, kn, slice, buf, nb, n);
       amx::Ahead ahead, *next = nullptr;  // the next pair's slice, else the first pair's next slice
       const int64_t steps = (c1 - c0) * ((kn + 15) / 16);
       if (p + 1 < p1) next = next_decode(src, pairs, p + 1, k0, kn, steps, ahead);
@@ -126,8 +130,8 @@ inline void k_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pairs,
   }
 }
 
-// Blocks [c0, c1) against pairs [p0, p1), a pair at a time: decoded once in k-slices of `slice` k-pairs (all of K up
-// to PAIR_SLICE) for all the blocks (from `once` blocks on; cbuf holds (c1 - c0) * 1024 floats), else again for
+// Blocks [c0, c1) against pairs [p0, p1), a pair at a time: decoded once in k-slices of `slice` k-pairs for all the
+// blocks (from `once` blocks on; cbuf holds (c1 - c0) * 1024 floats), else again for
 // every block as its tiles go (src.again).
 template <class Source>
 inline void pair_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pairs, int64_t c0, int64_t c1, int64_t p0,
@@ -139,8 +143,8 @@ inline void pair_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pai
     if (c1 - c0 >= once) {
       for (int64_t k0 = 0; k0 < Kh; k0 += slice) {
         const int64_t kn = std::min(slice, Kh - k0);
-        const int n = decode_slice(src, pairs, p, k0, kn, slice, buf, nb);
-        amx::PackedB<false> b{buf, buf + slice * 32};
+        int n;
+        amx::PackedB<false> b = slice_tiles(src, pairs, p, k0, kn, slice, buf, nb, n);
         amx::Ahead ahead, *next = nullptr;  // this pair's next slice, else the next pair's first
         const int64_t steps = (c1 - c0) * ((kn + 15) / 16);
         if (k0 + kn < Kh) next = next_decode(src, pairs, p, k0 + kn, std::min(slice, Kh - k0 - kn), steps, ahead);
@@ -175,7 +179,7 @@ void blocked(int64_t M, const at::Tensor& xt, Source& src, const Pairs& pairs, i
   // The C tiles' sums between k-slices: 4 KiB per 32-row block and pair.
   const int64_t span = std::clamp<int64_t>(KOUTER_C_BYTES / (share * 4096), 1, KOUTER_BLOCKS);
   const bool outer = chunk < outer_min && std::min(mblocks, span) >= outer_min;
-  const int64_t slice = slice_of(src.K / 2, outer ? KOUTER_SLICE : PAIR_SLICE);
+  const int64_t slice = slice_for(src.K / 2, outer);
   const int64_t group = outer ? span : chunk, groups = (mblocks + group - 1) / group;  // 32-row blocks a group
   const int64_t least = outer ? std::min(OUTER_LEAST, share) : 1;
   std::vector<Runs> runs(groups);

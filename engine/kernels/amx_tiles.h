@@ -2,9 +2,18 @@
 //
 // Tiles: C 0..3 (MB x NB of 16x16 fp32: 16-row half h of A times column block j at 2h + j), A 4..5 (the two
 // 16-row halves of a 32-row M block), B 6..7 (k-tile of column block 0 and 1: 16 k-pairs x 16 columns, 1 KiB).
-// A C row is the sum over k-tiles, in order, of tdpbf16ps on that row alone: no other row of A enters it. So a
-// row's result does not depend on how many rows share the call or how its tiles were configured, and C may be
-// stored and reloaded between k-tiles without changing a bit (fp32 in, fp32 out).
+// K is cut into segments of segment(Kh) k-pairs, a function of K alone. Each segment's C tiles start at zero and sum
+// its k-tiles, in order, with tdpbf16ps on each row alone; the segments' fp32 sums are then added in order
+// (acc = s0, acc += s1, ..., out = (acc + s_last) + bias). No other row of A enters a row, so a row's result does not
+// depend on how many rows share the call, how its tiles were configured, or whether a call ran all of K or k-slices
+// of whole segments (the prefill, amx_slices.h).
+//
+// Why segments: a prefill reuses a column-block pair's B tiles for every 32-row block of a chunk. Whole K, the pair
+// is 56 KiB at K = 896, more than the 48 KiB L1 of these CPUs, so B and A tiles both came from L2 (4 KiB per 4
+// tdpbf16ps, about 64 bytes a cycle, over what L2 feeds). A segment's pair (at most 28 KiB) stays in L1 while A
+// streams from L2 past it (tileloaddt1, ATiles::stream). oneDNN's AMX matmul splits K the same way (benchmarks/
+// README.md, "Where oneDNN's 3.5-3.7 TFLOP/s comes from"); starting each segment at zero, rather than reloading the
+// sums into the tiles, keeps the tile unit from waiting on its own stores.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,6 +21,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "vec.h"
@@ -55,27 +65,40 @@ struct Tiles {
 };
 
 // Where the A tiles of one M block live: tile k-step s of half h starts at base + h * half + s * step (elements)
-// with rows `ld` bytes apart.
+// with rows `ld` bytes apart. stream: loaded with tileloaddt1 (a prefill's blocked x, read once per pair from L2:
+// it should not push the pair's B tiles out of L1); else tileloadd (a few rows read in place, again for every pair).
 struct ATiles {
   const bf16* base;
   int64_t step, half, ld;
+  bool stream = false;
 };
 
 // Plain x [M, K]: tiles are read in place with the activation's row stride.
 inline ATiles plain_a(const bf16* x, int64_t ldx) { return {x, 32, 16 * ldx, ldx * (int64_t)sizeof(bf16)}; }
 
+// Whether blocked x streams (ATiles::stream): runtime-settable to measure it (set_amx_prompt_tiles, compact_amx.cpp).
+inline std::atomic<bool> stream_a{true};
+
 // Blocked x [M/16, K/32, 16, 32]: every tile is one contiguous 1 KiB block.
 inline ATiles blocked_a(const bf16* xb, int64_t Kh, int64_t mb32) {
   const int64_t per_half = (Kh / 16) * 512;
-  return {xb + mb32 * 2 * per_half, 512, per_half, 64};
+  return {xb + mb32 * 2 * per_half, 512, per_half, 64, stream_a.load(std::memory_order_relaxed)};
 }
+
+// k-pairs a slice, for Kh k-pairs cut into equal slices of at most `most` (whole k-tiles of 16).
+inline int64_t slice_of(int64_t Kh, int64_t most) {
+  const int64_t n = (Kh + most - 1) / most;
+  return ((Kh + n - 1) / n + 15) / 16 * 16;
+}
+
+// The k-pairs of a segment (above) for Kh k-pairs: at most SEGMENT_MAX (a pair's two blocks, 2 x 224 x 64 bytes =
+// 28 KiB, leave L1 room for the A tiles passing through and the epilogue's sums), cut equal.
+constexpr int64_t SEGMENT_MAX = 224;
+inline int64_t segment(int64_t Kh) { return slice_of(Kh, SEGMENT_MAX); }
 
 // From this many rows on (prefill), x is copied once into tile blocks (M*K*2 bytes, small next to M*N*K MACs):
 // strided A tiles would touch 16 pages each. Fewer rows are read in place.
 constexpr int64_t BLOCK_X_MIN_M = 64;
-
-// 32-row M blocks per chunk of a prefill, so that the chunk (read again for every column pair) stays in L2.
-inline int64_t chunk_blocks(int64_t K) { return std::max<int64_t>(1, (768 * 1024) / (32 * K * (int64_t)sizeof(bf16))); }
 
 // Weight tiles are requested this far ahead of their tileloadd: a tile load that misses to DRAM stalls the AMX
 // pipe, and the hardware prefetcher restarts at every column block.
@@ -104,27 +127,71 @@ struct PackedB {
 
 // out[h * 16 + r, 16 nb[j] + c] for MB 16-row halves of A (rows0, rows1 valid rows) and NB column blocks whose
 // k-tiles `b` loads (b.load<NB>(kp) fills B tiles 6 and 7 with k-pairs kp .. kp + 15), over Kh k-pairs.
-// partial (or nullptr: all of K at once): the C tiles' fp32 sums over earlier k-slices (read unless first) and, unless
-// last, where this slice's sums go instead of the output: the same tdpbf16ps sequence as one pass over K.
+// partial (or nullptr: all of K at once): this call is the k-slice [k0, k0 + Kh) of K (whole segments of `seg`
+// k-pairs); acc holds the fp32 sum of the segments before it (unless first) and takes this slice's (unless last,
+// which writes the output instead).
 struct Partial {
-  float* c;  // [4][16 * 16], 64-byte aligned
+  float* acc;  // [4][16 * 16], 64-byte aligned
   bool first, last;
+  int64_t k0, seg;
 };
+
+// The C tiles' sums over the segment just ended into acc (first: acc had none yet), and the tiles zeroed for the
+// next segment.
+template <int MB, int NB>
+[[gnu::always_inline]] inline void add_segment(float* acc, bool first, bool zero) {
+  if (first) {
+    _tile_stored(0, acc, 64);
+    if constexpr (NB > 1) _tile_stored(1, acc + 256, 64);
+    if constexpr (MB > 1) {
+      _tile_stored(2, acc + 512, 64);
+      if constexpr (NB > 1) _tile_stored(3, acc + 768, 64);
+    }
+  } else {
+    alignas(64) float s[4 * 256];
+    _tile_stored(0, s, 64);
+    if constexpr (NB > 1) _tile_stored(1, s + 256, 64);
+    if constexpr (MB > 1) {
+      _tile_stored(2, s + 512, 64);
+      if constexpr (NB > 1) _tile_stored(3, s + 768, 64);
+    }
+    for (int t = 0; t < 4; ++t) {
+      if ((t & 1) >= NB || (t >> 1) >= MB) continue;
+      for (int i = t * 256; i < t * 256 + 256; i += 16)
+        _mm512_store_ps(acc + i, _mm512_add_ps(_mm512_load_ps(acc + i), _mm512_load_ps(s + i)));
+    }
+  }
+  if (zero) {
+    _tile_zero(0);
+    if constexpr (NB > 1) _tile_zero(1);
+    if constexpr (MB > 1) {
+      _tile_zero(2);
+      if constexpr (NB > 1) _tile_zero(3);
+    }
+  }
+}
 
 // v rounded to bf16 and widened back, bit for bit what storing it as bf16 and loading it gives.
 inline __m512 bf16_round(__m512 v) {
   return vec::widen((__m256i)_mm512_cvtneps_pbh(v));
 }
 
-// One row of a block's epilogue: 16 fp32 sums c plus the bias bv to bf16 at o; with silu, silu(gate) * up from the
+// A row's 16 fp32 sums: the last segment's c plus, where K had more than one segment, the earlier ones' (a).
+[[gnu::always_inline]] inline __m512 sums(const float* c, const float* a) {
+  const __m512 v = _mm512_load_ps(c);
+  return a ? _mm512_add_ps(_mm512_load_ps(a), v) : v;
+}
+
+// One row of a block's epilogue: its sums (c, a) plus the bias bv to bf16 at o; with silu, silu(gate) * up from the
 // gate and up blocks' rows, each rounded to bf16 first, as a stored gate_up row is.
-[[gnu::always_inline]] inline void epilogue_row(const float* c, __m512 bv, bf16* o) {
-  __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c), bv));
+[[gnu::always_inline]] inline void epilogue_row(const float* c, const float* a, __m512 bv, bf16* o) {
+  __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(sums(c, a), bv));
   std::memcpy(o, &v, sizeof(v));
 }
-[[gnu::always_inline]] inline void silu_row(const float* g, const float* u, __m512 bg, __m512 bu, bf16* o) {
-  vec::store16(o, vec::silu_mul(bf16_round(_mm512_add_ps(_mm512_load_ps(g), bg)),
-                                bf16_round(_mm512_add_ps(_mm512_load_ps(u), bu))));
+[[gnu::always_inline]] inline void silu_row(const float* g, const float* ag, const float* u, const float* au,
+                                            __m512 bg, __m512 bu, bf16* o) {
+  vec::store16(o, vec::silu_mul(bf16_round(_mm512_add_ps(sums(g, ag), bg)),
+                                bf16_round(_mm512_add_ps(sums(u, au), bu))));
 }
 
 // A block's SiLU epilogue, deferred: its C tiles wait in c while the next block's k-loop converts a few of its rows
@@ -132,6 +199,7 @@ inline __m512 bf16_round(__m512 v) {
 // after it. Each row the same bits as at once.
 struct Pending {
   alignas(64) float c[4][16 * 16];
+  const float* acc = nullptr;  // the earlier segments' sums, [4][16 * 16] (nullptr: K was one segment)
   __m512 bg, bu;
   int rows[2] = {0, 0}, done = 0, units = 0, h = 0, r = 0;  // the next row: r of half h
   bf16* out = nullptr;
@@ -140,7 +208,8 @@ struct Pending {
   // Converts rows until `upto` of them are done.
   void run(int upto) {
     for (upto = std::min(upto, units); done < upto; ++done) {
-      silu_row(c[h * 2] + r * 16, c[h * 2 + 1] + r * 16, bg, bu, out + (h * 16 + r) * ldo);
+      const float* ag = acc ? acc + h * 512 + r * 16 : nullptr;
+      silu_row(c[h * 2] + r * 16, ag, c[h * 2 + 1] + r * 16, ag ? ag + 256 : nullptr, bg, bu, out + (h * 16 + r) * ldo);
       if (++r == rows[h]) r = 0, ++h;
     }
   }
@@ -158,8 +227,10 @@ struct Pending {
     flush_held();
     run(units);
   }
-  // This block's rows (rows0, rows1 of two halves), its C tiles already in c; nb: the gate and up blocks.
-  void set(int rows0, int rows1, const int64_t* nb, const float* bias, bf16* o, int64_t ld) {
+  // This block's rows (rows0, rows1 of two halves), its last segment's C tiles already in c and the earlier ones'
+  // sums in a (or nullptr); nb: the gate and up blocks. a must hold until the rows are out (the next block's k-loop).
+  void set(int rows0, int rows1, const int64_t* nb, const float* bias, bf16* o, int64_t ld, const float* a) {
+    acc = a;
     bg = bias ? _mm512_loadu_ps(bias + nb[0] * 16) : _mm512_setzero_ps();
     bu = bias ? _mm512_loadu_ps(bias + nb[1] * 16) : _mm512_setzero_ps();
     rows[0] = rows0;
@@ -204,42 +275,49 @@ struct Ahead {
 
 // silu (NB == 2: nb[0] a gate block, nb[1] its up block): out[r, 16 nb[0] + c] = silu(gate) * up instead, computed
 // from the two blocks' bf16 outputs exactly as silu_mul computes it from a stored gate_up row.
-// pend (or nullptr): a deferred SiLU epilogue (Pending), run a few rows a k-step; with silu, this block's then takes
-// its place, else every epilogue runs at once. ahead (or nullptr): the next decode's weights, requested a few lines a
-// k-step.
-// With a deferred SiLU epilogue over all of K, a block's C tiles 2 and 3 stay in the tiles when it ends and are stored
+// pend (or nullptr; only with partial, whose acc outlives the call): a deferred SiLU epilogue (Pending), run a few
+// rows a k-step; with silu, this block's then takes its place, else every epilogue runs at once. ahead (or nullptr):
+// the next decode's weights, requested a few lines a k-step.
+// With a deferred SiLU epilogue, a block's C tiles 2 and 3 stay in the tiles when its last segment ends and are stored
 // in the next block's first k-step, after its products on tiles 0 and 1 (as oneDNN's AMX kernel interleaves its
 // tile stores): 4 tile stores at the end of a block leave the tile unit idle while they drain.
 template <int MB, int NB, class Source>
 inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t Kh, const int64_t nb[NB],
                        const float* bias, bf16* out, int64_t ldo, const Partial* partial = nullptr, bool silu = false,
                        Pending* pend = nullptr, Ahead* ahead = nullptr) {
-  const bool hold = MB > 1 && NB > 1 && silu && pend && (!partial || (partial->first && partial->last));
+  if (!partial) pend = nullptr;  // a deferred epilogue would outlive `own` below
+  const int64_t k0 = partial ? partial->k0 : 0, seg = partial ? partial->seg : segment(Kh);
+  alignas(64) float own[4 * 256];  // all of K in this call: the earlier segments' sums
+  float* acc = partial ? partial->acc : own;
+  bool empty = !partial || partial->first;  // acc holds no segment yet
+  const bool last = !partial || partial->last;
+  const bool hold = MB > 1 && NB > 1 && silu && pend && last;
   if (pend && pend->held && !hold) pend->flush_held();
   bool held = pend && pend->held;  // the previous block's tiles 2 and 3, stored in this block's first k-step
-  if (partial && !partial->first) {
-    _tile_loadd(0, partial->c, 64);
-    if constexpr (NB > 1) _tile_loadd(1, partial->c + 256, 64);
-    if constexpr (MB > 1) {
-      _tile_loadd(2, partial->c + 512, 64);
-      if constexpr (NB > 1) _tile_loadd(3, partial->c + 768, 64);
-    }
-  } else {
-    _tile_zero(0);
-    if constexpr (NB > 1) _tile_zero(1);
-    if constexpr (MB > 1) {
-      if (!held) {
-        _tile_zero(2);
-        if constexpr (NB > 1) _tile_zero(3);
-      }
+  _tile_zero(0);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (MB > 1) {
+    if (!held) {
+      _tile_zero(2);
+      if constexpr (NB > 1) _tile_zero(3);
     }
   }
   const bf16* a0 = a.base;
   const int steps = (int)((Kh + 15) / 16);
   const int per = pend && pend->active() ? (pend->units - pend->done + steps - 1) / steps : 0;
   for (int64_t kp = 0; kp < Kh; kp += 16, a0 += a.step) {
-    _tile_loadd(4, a0, a.ld);
-    if constexpr (MB > 1) _tile_loadd(5, a0 + a.half, a.ld);
+    if (kp > 0 && (k0 + kp) % seg == 0) {  // a segment ends inside this call
+      if (pend) pend->run(pend->units);    // its rows may read the acc about to be written
+      add_segment<MB, NB>(acc, empty, true);
+      empty = false;
+    }
+    if (a.stream) {
+      _tile_stream_loadd(4, a0, a.ld);
+      if constexpr (MB > 1) _tile_stream_loadd(5, a0 + a.half, a.ld);
+    } else {
+      _tile_loadd(4, a0, a.ld);
+      if constexpr (MB > 1) _tile_loadd(5, a0 + a.half, a.ld);
+    }
     b.template load<NB>(kp);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (NB > 1) _tile_dpbf16ps(1, 4, 7);
@@ -259,15 +337,12 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
     if (per) pend->run(pend->done + per);
     if (ahead) ahead->step();
   }
-  if (partial && !partial->last) {
-    _tile_stored(0, partial->c, 64);
-    if constexpr (NB > 1) _tile_stored(1, partial->c + 256, 64);
-    if constexpr (MB > 1) {
-      _tile_stored(2, partial->c + 512, 64);
-      if constexpr (NB > 1) _tile_stored(3, partial->c + 768, 64);
-    }
+  if (!last) {
+    if (pend) pend->run(pend->units);
+    add_segment<MB, NB>(acc, empty, false);
     return;
   }
+  const float* prev = empty ? nullptr : acc;  // the earlier segments' sums, [4][256]
   if constexpr (NB > 1) {
     if (pend && silu) {  // the previous block's rows are all out, and this block's C tiles take their place
       pend->finish();
@@ -279,7 +354,7 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
           _tile_stored(3, pend->c[3], 64);
         }
       }
-      pend->set(rows0, MB > 1 ? rows1 : 0, nb, bias, out, ldo);
+      pend->set(rows0, MB > 1 ? rows1 : 0, nb, bias, out, ldo, prev);
       pend->held = hold;
       return;
     }
@@ -292,13 +367,15 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
     _tile_stored(2, c[2], 64);
     if constexpr (NB > 1) _tile_stored(3, c[3], 64);
   }
+  auto at = [&](int t, int r) { return prev ? prev + t * 256 + r * 16 : nullptr; };
   if constexpr (NB > 1) {
     if (silu) {
       const __m512 bg = bias ? _mm512_loadu_ps(bias + nb[0] * 16) : _mm512_setzero_ps();
       const __m512 bu = bias ? _mm512_loadu_ps(bias + nb[1] * 16) : _mm512_setzero_ps();
       for (int h = 0; h < MB; ++h)
         for (int r = 0, rows = h == 0 ? rows0 : rows1; r < rows; ++r)
-          silu_row(c[h * 2] + r * 16, c[h * 2 + 1] + r * 16, bg, bu, out + (h * 16 + r) * ldo + nb[0] * 16);
+          silu_row(c[h * 2] + r * 16, at(h * 2, r), c[h * 2 + 1] + r * 16, at(h * 2 + 1, r), bg, bu,
+                   out + (h * 16 + r) * ldo + nb[0] * 16);
       return;
     }
   }
@@ -307,7 +384,7 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
     for (int j = 0; j < NB; ++j) {
       const float* ct = c[h * 2 + j];
       const __m512 bv = bias ? _mm512_loadu_ps(bias + nb[j] * 16) : _mm512_setzero_ps();
-      for (int r = 0; r < rows; ++r) epilogue_row(ct + r * 16, bv, out + (h * 16 + r) * ldo + nb[j] * 16);
+      for (int r = 0; r < rows; ++r) epilogue_row(ct + r * 16, at(h * 2 + j, r), bv, out + (h * 16 + r) * ldo + nb[j] * 16);
     }
   }
 }

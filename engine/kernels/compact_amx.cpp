@@ -3,8 +3,9 @@
 //
 // Up to 32 rows, x is read in place and each thread decodes its column blocks' k-tiles into L1 as the tiles take
 // them. Past 32 rows (prefill), x is copied into tile blocks, and a chunk of 32-row blocks either decodes each pair
-// of column blocks again per block, or once, in k-slices that every block of the chunk reads from L1; a long K takes
-// the k-slices outermost (amx_slices.h). Every way gives each row the same tdpbf16ps sequence.
+// of column blocks again per block, or once, a segment of K at a time that every block of the chunk reads from L1; a
+// long K takes the segments outermost (amx_slices.h). Every way gives each row the same tdpbf16ps sequence and the
+// same order of segment sums (amx_tiles.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -134,10 +135,22 @@ void set_compact_amx_decode_once(int64_t blocks) {
 
 bool compact_amx_enabled() { return compact_amx::enabled.load(); }
 
+// How a prompt's AMX matmuls (amx_slices.h) take K: slices of `slice_segments` segments (0: whole K, as before
+// segments), and whether blocked x streams past L1 (amx_tiles.h stream_a). Every setting gives the same bits; for
+// measurements and the tests. Defaults: 1, true.
+void set_amx_prompt_tiles(int64_t slice_segments, bool stream_a) {
+  TORCH_CHECK(slice_segments >= 0, "slice_segments is 0 (whole K) or more, not ", slice_segments);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  amx_slices::slice_segments.store(slice_segments);
+  amx::stream_a.store(stream_a);
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(deploykit, m) {
   m.def("set_compact_amx(bool on) -> bool", &set_compact_amx);
   m.def("compact_amx_enabled() -> bool", &compact_amx_enabled);
   m.def("set_compact_amx_decode_once(int blocks) -> ()", &set_compact_amx_decode_once);
+  m.def("set_amx_prompt_tiles(int slice_segments, bool stream_a) -> ()", &set_amx_prompt_tiles);
   m.def("compact_linear_amx(Tensor x, Tensor blob, Tensor? bias) -> Tensor");
   m.def("compact_gate_up_silu_amx(Tensor x, Tensor blob, Tensor? bias) -> Tensor");
 }

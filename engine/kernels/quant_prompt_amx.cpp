@@ -5,8 +5,8 @@
 // Why not the AMX-INT8 tiles of quant_amx.h for prompts: every unit has its own weight and activation scales, so each
 // 16 x 16 int32 C tile is folded into fp32 per unit, ~50 vector instructions next to one 16-cycle tdpbssd, and the
 // fold cannot be shared between row blocks. Decoded to bf16, a unit is decoded once for all of a chunk's row blocks
-// and the fp32 sums stay in the tiles. A 512-token prefill of a Q4_0 file took 0.47 s there against 0.28-0.31 s for
-// the same model's bf16 weights (issue 19 asks no slower).
+// and the fp32 sums stay in the tiles over a segment of K (amx_tiles.h). A 512-token prefill of a Q4_0 file took
+// 0.47 s there against 0.28-0.31 s for the same model's bf16 weights (issue 19 asks no slower).
 //
 // A prompt row gets the same tdpbf16ps sequence whatever rows share its call (1 row or a 4,096-token chunk), so a
 // prompt computes the same bits however it is chunked or how much of it the prefix cache held. Decode rows keep the

@@ -111,11 +111,13 @@ def test_compact_linear_is_close_to_fp32_and_row_invariant(m, n, k):
 @pytest.mark.parametrize("m", [1, 4, 40, 130, 300])
 @pytest.mark.parametrize("k", [896, 4864])
 def test_amx_tiles_on_compact_weights_decode_once_or_again_to_the_same_bits(m, k):
-    # A prefill decodes each pair of column blocks once (whole up to K = 4096, else in equal k-slices, the C tiles'
-    # sums kept between them: K = 4864 at m <= 40 takes two) for a chunk of 4+ 32-row blocks, else again for every
-    # block; where K is so long that fewer than 4 blocks fit a chunk (K = 4864: 3), the k-slices (4 of 608 k-pairs)
-    # go outermost and each pair is decoded once per slice for up to 16 blocks (the default, 4, at m = 130 and 300).
-    # The AVX-512 compact kernels (the switch off) sum in another order: close to the tiles, not bitwise.
+    # The tiles cut K into fixed segments (amx_tiles.h: 2 of 224 k-pairs at K = 896, 11 at 4864), each summed from
+    # zero and added in fp32 in order. A prefill decodes each pair of column blocks once for a chunk of 4+ 32-row
+    # blocks, a k-slice of whole segments at a time (one by default, all of K with slice_segments 0), else again for
+    # every block; where K is so long that fewer than 4 blocks fit a chunk (K = 4864: 3), the k-slices go outermost
+    # and each pair is decoded once per slice for up to 16 blocks (the default, 4, at m = 130 and 300). x streams past
+    # L1 or not. Every way gives the same bits. The AVX-512 compact kernels (the switch off) sum in another order:
+    # close to the tiles, not bitwise.
     w, x = weights(208, k, seed=m), torch.randn(m, k).bfloat16()
     w[3, 5], w[40, k - 800], w[207, k - 1] = 1e4, -1e-25, 7e3  # escapes, patched into each decoded k-tile
     blob, bias = compact(w), torch.randn(208)
@@ -123,18 +125,41 @@ def test_amx_tiles_on_compact_weights_decode_once_or_again_to_the_same_bits(m, k
     try:
         for once in (1, 4, 1_000):
             ops.set_compact_amx_decode_once(once)
-            outs.append(kernels.linear(x, blob, bias))
+            for segments, stream in ((1, True), (0, False), (2, True), (0, True)):
+                ops.set_amx_prompt_tiles(segments, stream)
+                outs.append(kernels.linear(x, blob, bias))
         assert ops.set_compact_amx(False) is False
         avx512 = kernels.linear(x, blob, bias)
     finally:
         ops.set_compact_amx_decode_once(4)
+        ops.set_amx_prompt_tiles(1, True)
         assert ops.set_compact_amx(True) is True
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
     assert_close(outs[0], x, w, bias)
     assert_close(avx512, x, w, bias)
     assert ops.compact_amx_enabled()
     with pytest.raises(RuntimeError, match="at least one 32-row block"):
         ops.set_compact_amx_decode_once(0)
+    with pytest.raises(RuntimeError, match="0 \\(whole K\\) or more"):
+        ops.set_amx_prompt_tiles(-1, True)
+
+
+@pytest.mark.skipif(not kernels.status()["compact_amx"], reason="compact matrices run on AMX tiles only on AMX CPUs")
+@pytest.mark.parametrize("m", [5, 33, 64, 130, 300])
+@pytest.mark.parametrize("k", [896, 2048, 4864])
+def test_packed_and_compact_weights_give_a_row_the_same_bits_in_any_call_on_amx_tiles(m, k):
+    # A model holds most matrices compact and keeps packed the few with many escapes, and a prompt's rows (in tile
+    # blocks from 64 rows, k-slices of whole segments) must match the same rows decoded later (read in place, each
+    # call all of K): both kinds, every path, one tdpbf16ps sequence and one order of segment sums.
+    g = torch.Generator().manual_seed(m + k)
+    w, x = weights(208, k, seed=m + k), torch.randn(m, k, generator=g).bfloat16()
+    packed, blob, bias = kernels.prepare_weight(w), compact(w), torch.randn(208, generator=g)
+    got = kernels.linear(x, packed, bias)
+    assert torch.equal(got, kernels.linear(x, blob, bias))
+    assert_close(got, x, w, bias)
+    for i in {0, min(m // 2, m - 5), m - 5}:  # 5 rows: the smallest call on the tiles (kernels.AMX_MIN_M)
+        assert torch.equal(got[i:i + 5], kernels.linear(x[i:i + 5], packed, bias)), f"rows {i}.. of {m}"
+        assert torch.equal(got[i:i + 5], kernels.linear(x[i:i + 5], blob, bias)), f"rows {i}.. of {m}"
 
 
 @pytest.mark.skipif(not kernels.status()["compact_amx"], reason="compact matrices run on AMX tiles only on AMX CPUs")
