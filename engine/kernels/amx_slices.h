@@ -1,7 +1,8 @@
-// The many-row AMX-BF16 driver for weights held in another form than bf16 (compact 12-bit, block-quantized): x is
-// copied into tile blocks, and each pair of 16-column blocks is decoded to bf16 once, whole, for every 32-row block
-// of a chunk that stays in L2; a long K takes the k-slices outermost. A Source says how its blocks decode
-// (compact_amx.cpp, quant_prompt_amx.cpp); every way gives each row the same tdpbf16ps sequence (amx_tiles.h).
+// A prompt's AMX-BF16 driver for every weight kind: x is copied into tile blocks, and each pair of 16-column blocks
+// gives its B tiles one segment of K at a time (amx_tiles.h), decoded to bf16 once (compact 12-bit, block-quantized)
+// or read in place (packed), for every 32-row block of a chunk that stays in L2; a long K takes the k-slices
+// outermost. A Source says how its blocks decode (compact_amx.cpp, quant_prompt_amx.cpp, amx_bf16.cpp); every way
+// gives each row the same tdpbf16ps sequence and the same order of segment sums (amx_tiles.h).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -22,7 +23,7 @@ namespace amx_slices {
 
 using bf16 = at::BFloat16;
 
-// Past 32 rows x is copied into tile blocks and taken in chunks of 32-row blocks of at most CHUNK_BYTES, which stay in
+// A prompt's x (past 32 rows; packed weights: from 64) is copied into tile blocks and taken in chunks of 32-row blocks of at most CHUNK_BYTES, which stay in
 // L2 (2 MiB a core on every AMX CPU so far) while each column-block pair of a thread's run goes over them.
 constexpr int64_t CHUNK_BYTES = 1024 * 1024;
 // Decoded once, a pair is decoded a k-slice at a time into a buffer, and every 32-row block of the chunk runs that
@@ -42,11 +43,11 @@ constexpr int64_t WHOLE_K = 2048;
 constexpr int64_t KOUTER_SLICE = 640;
 constexpr int64_t KOUTER_BLOCKS = 16, KOUTER_C_BYTES = 1024 * 1024;
 
-// k-pairs a slice for Kh k-pairs (whole segments); outer: the k-outer path.
+// k-pairs a slice for Kh k-pairs (whole segments, at most all of them); outer: the k-outer path.
 inline int64_t slice_for(int64_t Kh, bool outer) {
-  const int64_t seg = amx::segment(Kh), n = slice_segments.load(std::memory_order_relaxed);
-  if (n > 0) return n * seg;
-  return std::max<int64_t>(1, (outer ? KOUTER_SLICE : WHOLE_K) / seg) * seg;
+  const int64_t seg = amx::segment(Kh), all = (Kh + seg - 1) / seg;
+  const int64_t n = slice_segments.load(std::memory_order_relaxed);
+  return std::min(all, n > 0 ? n : std::max<int64_t>(1, (outer ? KOUTER_SLICE : WHOLE_K) / seg)) * seg;
 }
 
 // The column-block pairs a call runs and where their rows go: adjacent blocks (2p, 2p + 1) of a linear into
@@ -64,7 +65,8 @@ struct Pairs {
   }
 };
 
-// Block mb's tiles over k-pairs [k0, k0 + kn) of column blocks nb (n of them), B decoded into `b`, partial sums at c.
+// Block mb's tiles over k-pairs [k0, k0 + kn) of column blocks nb (n of them), B tiles from `b` (decoded, or in
+// place), the earlier segments' sums at c.
 inline void slice_block(int64_t M, const bf16* xbp, int64_t Kh, int64_t mb, int64_t k0, int64_t kn, const int64_t* nb,
                         int n, amx::PackedB<false>& b, float* c, const float* bias, bf16* out, const Pairs& pairs,
                         amx::Pending* pend, amx::Ahead* ahead) {
@@ -160,8 +162,8 @@ inline void pair_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pai
   }
 }
 
-// xt [M, K] against every pair of src into out (bias fp32 or nullptr), x copied into tile blocks; pairs are decoded
-// once for a chunk from `once` 32-row blocks on (Source::again below that), and the k-slices go outermost where a
+// xt [M, K] against every pair of src into out (bias fp32 or nullptr), x copied into tile blocks; pairs give their B
+// tiles once for a chunk from `once` 32-row blocks on (Source::again below that), and the k-slices go outermost where a
 // chunk has fewer than `outer` blocks and the call at least that many. The pairs of each chunk (or k-outer span of
 // blocks) go to the threads in runs as they come free (runs.h tile_pairs); a k-outer run is at least OUTER_LEAST
 // pairs (but the last, or where a fixed share would hold fewer), since each run reads its blocks' A slices again.

@@ -105,7 +105,7 @@ constexpr int64_t BLOCK_X_MIN_M = 64;
 constexpr int64_t PREFETCH_BYTES = 4096;
 
 // B tiles read in place from packed [K/2, 16, 2] blocks (gemv.h), at w0 and w1. PF: request them ahead (off for a
-// buffer that was just decoded into L1).
+// buffer that was just decoded into L1, and for a prompt's packed weights, which amx::Ahead requests into L2).
 template <bool PF = true>
 struct PackedB {
   const bf16* w0;
@@ -285,7 +285,10 @@ template <int MB, int NB, class Source>
 inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t Kh, const int64_t nb[NB],
                        const float* bias, bf16* out, int64_t ldo, const Partial* partial = nullptr, bool silu = false,
                        Pending* pend = nullptr, Ahead* ahead = nullptr) {
-  if (!partial) pend = nullptr;  // a deferred epilogue would outlive `own` below
+  if (!partial && pend) {  // a deferred epilogue would outlive `own` below: the previous block's rows go out now
+    pend->finish();
+    pend = nullptr;
+  }
   const int64_t k0 = partial ? partial->k0 : 0, seg = partial ? partial->seg : segment(Kh);
   alignas(64) float own[4 * 256];  // all of K in this call: the earlier segments' sums
   float* acc = partial ? partial->acc : own;

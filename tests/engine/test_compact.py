@@ -146,7 +146,7 @@ def test_amx_tiles_on_compact_weights_decode_once_or_again_to_the_same_bits(m, k
 
 @pytest.mark.skipif(not kernels.status()["compact_amx"], reason="compact matrices run on AMX tiles only on AMX CPUs")
 @pytest.mark.parametrize("m", [5, 33, 64, 130, 300])
-@pytest.mark.parametrize("k", [896, 2048, 4864])
+@pytest.mark.parametrize("k", [256, 896, 2048, 4864])
 def test_packed_and_compact_weights_give_a_row_the_same_bits_in_any_call_on_amx_tiles(m, k):
     # A model holds most matrices compact and keeps packed the few with many escapes, and a prompt's rows (in tile
     # blocks from 64 rows, k-slices of whole segments) must match the same rows decoded later (read in place, each
@@ -160,6 +160,15 @@ def test_packed_and_compact_weights_give_a_row_the_same_bits_in_any_call_on_amx_
     for i in {0, min(m // 2, m - 5), m - 5}:  # 5 rows: the smallest call on the tiles (kernels.AMX_MIN_M)
         assert torch.equal(got[i:i + 5], kernels.linear(x[i:i + 5], packed, bias)), f"rows {i}.. of {m}"
         assert torch.equal(got[i:i + 5], kernels.linear(x[i:i + 5], blob, bias)), f"rows {i}.. of {m}"
+    threads = torch.get_num_threads()
+    try:  # the packed prompt in k-slices of all of K or two segments, x streamed or not, and on one thread
+        for segments, stream, t in ((0, False, threads), (2, True, threads), (1, True, 1)):
+            ops.set_amx_prompt_tiles(segments, stream)
+            torch.set_num_threads(t)
+            assert torch.equal(kernels.linear(x, packed, bias), got), (segments, stream, t)
+    finally:
+        ops.set_amx_prompt_tiles(1, True)
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.skipif(not kernels.status()["compact_amx"], reason="compact matrices run on AMX tiles only on AMX CPUs")
@@ -174,15 +183,20 @@ def test_gate_up_with_silu_in_the_tiles_gives_silu_mul_of_the_linear_bit_for_bit
     w[3, 5], w[300, k - 1] = 1e4, -7e3  # escapes in a gate block and in an up block
     blob = compact(w)
     assert kernels.gate_up_silu_ok(blob)
+    # Each setting of set_amx_prompt_tiles too: with several segments a slice (0: all of K, 2), a block's deferred
+    # SiLU rows add the sums of its earlier segments, and a segment ends inside a call that has rows pending.
     try:
         for once in (1, 4, 1_000):
             ops.set_compact_amx_decode_once(once)
-            for bias in (None, torch.randn(416)):
-                want = kernels.silu_mul(kernels.linear(x, blob, bias))
-                got = kernels.gate_up_silu(x, blob, bias)
-                assert got.shape == (m, 208) and torch.equal(got, want), (once, bias is None)
+            for segments, stream in ((1, True), (0, False), (2, True)):
+                ops.set_amx_prompt_tiles(segments, stream)
+                for bias in (None, torch.randn(416)):
+                    want = kernels.silu_mul(kernels.linear(x, blob, bias))
+                    got = kernels.gate_up_silu(x, blob, bias)
+                    assert got.shape == (m, 208) and torch.equal(got, want), (once, segments, bias is None)
     finally:
         ops.set_compact_amx_decode_once(4)
+        ops.set_amx_prompt_tiles(1, True)
     assert not kernels.gate_up_silu_ok(compact(weights(48, 64)))  # 3 blocks: gate and up do not split into blocks
     with pytest.raises(RuntimeError, match="whole 16-column blocks of gate and of up"):
         kernels.gate_up_silu(torch.randn(2, 64).bfloat16(), compact(weights(48, 64)))

@@ -38,6 +38,12 @@ def test_prompt_rows_are_the_bits_of_the_dequantized_weights_on_tiles_in_any_chu
     want = kernels.linear(x, kernels.prepare_weight(w, compact=True), bias)
     for m in (1, 5, 16, 33, 70, ROWS):
         assert torch.equal(kernels.linear(x[:m], blob, bias, prompt_from=0), want[:m]), (fmt, m)
+    try:  # K in k-slices of one segment (the default), two, or all of K; x streamed past L1 or not: the same bits
+        for segments, stream in ((0, False), (2, True), (1, False)):
+            ops.set_amx_prompt_tiles(segments, stream)
+            assert torch.equal(kernels.linear(x, blob, bias, prompt_from=0), want), (fmt, segments, stream)
+    finally:
+        ops.set_amx_prompt_tiles(1, True)
     int8 = kernels.linear(x[:70], blob, bias)  # no prompt rows: the int8 kernels
     assert not torch.equal(int8, want[:70])
     mixed = kernels.linear(x[:70], blob, bias, prompt_from=7)  # 7 decode rows, then a 63-row prompt chunk
@@ -66,9 +72,14 @@ def test_a_prompts_gate_up_with_silu_in_the_tiles_is_silu_mul_of_its_rows_bit_fo
     assert kernels.prompt_gate_up_silu_ok(blob)
     bias = torch.randn(w.shape[0])
     x = (torch.randn(ROWS, k) * 3).bfloat16()
-    for m in (1, 33, ROWS):
-        want = kernels.silu_mul(kernels.linear(x[:m], blob, bias, prompt_from=0))
-        assert torch.equal(kernels.gate_up_silu(x[:m], blob, bias), want), (fmt, m)
+    try:
+        for segments, stream in ((1, True), (0, False), (2, True)):
+            ops.set_amx_prompt_tiles(segments, stream)
+            for m in (1, 33, ROWS):
+                want = kernels.silu_mul(kernels.linear(x[:m], blob, bias, prompt_from=0))
+                assert torch.equal(kernels.gate_up_silu(x[:m], blob, bias), want), (fmt, m, segments)
+    finally:
+        ops.set_amx_prompt_tiles(1, True)
     try:
         ops.set_quant_prompt_amx(False)
         int8 = kernels.silu_mul(kernels.linear(x[:33], blob, bias))
