@@ -23,8 +23,9 @@ namespace amx_slices {
 
 using bf16 = at::BFloat16;
 
-// A prompt's x (past 32 rows; packed weights: from 64) is copied into tile blocks and taken in chunks of 32-row blocks of at most CHUNK_BYTES, which stay in
-// L2 (2 MiB a core on every AMX CPU so far) while each column-block pair of a thread's run goes over them.
+// A prompt's x (past 32 rows; packed weights: from 64) is copied into tile blocks and taken in chunks of 32-row
+// blocks of at most CHUNK_BYTES, which stay in L2 (2 MiB a core on every AMX CPU so far) while each column-block pair
+// of a thread's run goes over them.
 constexpr int64_t CHUNK_BYTES = 1024 * 1024;
 // Decoded once, a pair is decoded a k-slice at a time into a buffer, and every 32-row block of the chunk runs that
 // slice's tiles on it. A slice is one segment of K (amx_tiles.h: at most 28 KiB of the pair's B tiles, which stay in

@@ -136,25 +136,26 @@ struct Partial {
   int64_t k0, seg;
 };
 
+// The MB x NB C tiles into dst [4][16 * 16] (tile t at dst + 256 t).
+template <int MB, int NB>
+[[gnu::always_inline]] inline void store_tiles(float* dst) {
+  _tile_stored(0, dst, 64);
+  if constexpr (NB > 1) _tile_stored(1, dst + 256, 64);
+  if constexpr (MB > 1) {
+    _tile_stored(2, dst + 512, 64);
+    if constexpr (NB > 1) _tile_stored(3, dst + 768, 64);
+  }
+}
+
 // The C tiles' sums over the segment just ended into acc (first: acc had none yet), and the tiles zeroed for the
 // next segment.
 template <int MB, int NB>
 [[gnu::always_inline]] inline void add_segment(float* acc, bool first, bool zero) {
   if (first) {
-    _tile_stored(0, acc, 64);
-    if constexpr (NB > 1) _tile_stored(1, acc + 256, 64);
-    if constexpr (MB > 1) {
-      _tile_stored(2, acc + 512, 64);
-      if constexpr (NB > 1) _tile_stored(3, acc + 768, 64);
-    }
+    store_tiles<MB, NB>(acc);
   } else {
     alignas(64) float s[4 * 256];
-    _tile_stored(0, s, 64);
-    if constexpr (NB > 1) _tile_stored(1, s + 256, 64);
-    if constexpr (MB > 1) {
-      _tile_stored(2, s + 512, 64);
-      if constexpr (NB > 1) _tile_stored(3, s + 768, 64);
-    }
+    store_tiles<MB, NB>(s);
     for (int t = 0; t < 4; ++t) {
       if ((t & 1) >= NB || (t >> 1) >= MB) continue;
       for (int i = t * 256; i < t * 256 + 256; i += 16)
@@ -364,12 +365,7 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
   }
   if (pend) pend->finish();
   alignas(64) float c[4][16 * 16];  // [tile][row * 16 + col]
-  _tile_stored(0, c[0], 64);
-  if constexpr (NB > 1) _tile_stored(1, c[1], 64);
-  if constexpr (MB > 1) {
-    _tile_stored(2, c[2], 64);
-    if constexpr (NB > 1) _tile_stored(3, c[3], 64);
-  }
+  store_tiles<MB, NB>(c[0]);
   auto at = [&](int t, int r) { return prev ? prev + t * 256 + r * 16 : nullptr; };
   if constexpr (NB > 1) {
     if (silu) {
@@ -387,7 +383,8 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
     for (int j = 0; j < NB; ++j) {
       const float* ct = c[h * 2 + j];
       const __m512 bv = bias ? _mm512_loadu_ps(bias + nb[j] * 16) : _mm512_setzero_ps();
-      for (int r = 0; r < rows; ++r) epilogue_row(ct + r * 16, at(h * 2 + j, r), bv, out + (h * 16 + r) * ldo + nb[j] * 16);
+      for (int r = 0; r < rows; ++r)
+        epilogue_row(ct + r * 16, at(h * 2 + j, r), bv, out + (h * 16 + r) * ldo + nb[j] * 16);
     }
   }
 }
