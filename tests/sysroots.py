@@ -264,8 +264,8 @@ DOCTOR: dict[str, Machine] = {
 }
 
 
-def write_process(proc: str | Path, pid: int, *, comm: str, ppid: int = 1, state: str = "S", cpus: str = "0",
-                  utime: int = 0, stime: int = 0, start_time: int = 0, processor: int = 0,
+def write_process(proc: str | Path, pid: int, *, comm: str, ppid: int = 1, pgrp: int = 0, state: str = "S",
+                  cpus: str = "0", utime: int = 0, stime: int = 0, start_time: int = 0, processor: int = 0,
                   maps: tuple[str, ...] = (), threads: tuple[tuple[int, str, str], ...] = ()) -> Path:
     """A process as /proc shows it, under `proc` (a directory laid out like /proc): stat, status, maps and one
     task/TID per thread (`threads`: (tid, comm, allowed CPUs); the main thread is always there)."""
@@ -273,7 +273,7 @@ def write_process(proc: str | Path, pid: int, *, comm: str, ppid: int = 1, state
 
     def stat(tid: int, name: str, cpu: int) -> str:
         f = [state, str(ppid)] + ["0"] * 48  # fields 3-52 of proc(5); field n at f[n - 3]
-        f[11], f[12], f[19], f[36] = str(utime), str(stime), str(start_time), str(cpu)
+        f[2], f[11], f[12], f[19], f[36] = str(pgrp), str(utime), str(stime), str(start_time), str(cpu)
         return f"{tid} ({name}) {' '.join(f)}\n"
 
     def status(name: str, allowed: str) -> str:

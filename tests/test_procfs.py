@@ -75,6 +75,26 @@ def test_what_the_benchmarks_read_of_a_process():
     assert child.pid not in procfs.children()
 
 
+def test_group_cpu_seconds_counts_every_process_of_a_group_and_no_other():
+    """How benchmarks/serving.py charges an idle server (a session of its own, workers included) for the CPU it takes
+    while another server is measured: a group whose child spins, against the group this test runs in."""
+    spin = "import time; t = time.process_time() + 0.4\nwhile time.process_time() < t: pass\ntime.sleep(30)"
+    code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {spin!r}]); time.sleep(30)"
+    leader = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        mine = procfs.group_cpu_seconds(os.getpgrp())
+        deadline = time.monotonic() + 20
+        while procfs.group_cpu_seconds(leader.pid) < 0.4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        used = procfs.group_cpu_seconds(leader.pid)
+        assert 0.4 <= used < 3  # the child's spin (and both interpreters' start-up), counted in the leader's group
+        assert procfs.group_cpu_seconds(os.getpgrp()) - mine < used  # not in this test's group
+        assert procfs.group_cpu_seconds(2**22 + 7) == 0.0  # no such group
+    finally:
+        os.killpg(leader.pid, 9)
+        leader.wait()
+
+
 def test_busy_seconds_leaves_idle_iowait_and_guest_out():
     tck = procfs.CLK_TCK
     text = ("cpu  99 99 99 99 99 99 99 99 99 99\n"
@@ -92,11 +112,11 @@ def test_busy_seconds_leaves_idle_iowait_and_guest_out():
 
 
 def test_stat_splits_at_the_last_parenthesis(tmp_path):
-    base = write_process(tmp_path, 4242, comm=TRICKY, ppid=7, state="Z", utime=5, stime=6, start_time=123456,
-                         processor=3)
+    base = write_process(tmp_path, 4242, comm=TRICKY, ppid=7, pgrp=4240, state="Z", utime=5, stime=6,
+                         start_time=123456, processor=3)
     st = procfs.read_stat(4242, tmp_path)
-    assert st == procfs.Stat(pid=4242, comm=TRICKY, state="Z", ppid=7, utime=5, stime=6, start_time=123456,
-                             processor=3)
+    assert st == procfs.Stat(pid=4242, comm=TRICKY, state="Z", ppid=7, pgrp=4240, utime=5, stime=6,
+                             start_time=123456, processor=3)
     assert procfs.parse_stat((base / "stat").read_text()) == st
     with pytest.raises(ValueError, match="not a /proc stat line"):
         procfs.parse_stat("4242 (truncated")
