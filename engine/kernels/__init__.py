@@ -236,6 +236,9 @@ _quant_amx = bool(_ops.set_quant_amx(True)) if _ops is not None and _QUANT and _
 # A prompt's rows take AMX-BF16 tiles on weights decoded to bf16 in L1 instead (kernels/quant_prompt_amx.cpp).
 _quant_prompt = bool(_ops.set_quant_prompt_amx(True)) if _ops is not None and _QUANT and _NATIVE.amx else False
 _quant_prompt_linear = _ops.quant_prompt_linear.default if _quant_prompt else None
+# Decode attention's scores on AMX tiles, 16 keys at a time (kernels/attention.h tile_scores): one switch per process,
+# for the attention op and the fused step alike, so their outputs stay bitwise the same.
+_attention_tiles = bool(_ops.set_attention_tiles(True)) if _ops is not None and _NATIVE.amx else False
 _quant_prompt_silu = _ops.quant_prompt_gate_up_silu.default if _quant_prompt else None
 
 
@@ -348,6 +351,7 @@ def status() -> dict:
         "quantized": _QUANT,
         "quant_amx": _quant_amx,  # block-quantized matrices on AMX-INT8 tiles from 16 rows (kernels/quant_amx.h)
         "quant_prompt_amx": _quant_prompt,  # a prompt's rows on them on AMX-BF16 tiles (quant_prompt_amx.cpp)
+        "attention_tiles": _attention_tiles,  # decode attention's scores on AMX-BF16 tiles (kernels/attention.h)
         "fp32_ops": _qops is not None,  # f32_ops.cpp: fp32 norms, rotary, SiLU and decode attention native
         "bf16_weights_in_fp32": _qops is not None,  # bf16w_linear.cpp: a bf16 checkpoint's matrices stay bf16
         "gemv_streams": int(_ops.gemv_streams()) if _ops is not None else None,

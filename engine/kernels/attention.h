@@ -2,9 +2,9 @@
 // decode step (decode_step.cpp), so both produce bitwise the same outputs.
 //
 // The G = Hq / Hkv query heads sharing a KV head are computed together (GQA), so every K/V row is loaded once:
-// scores [G, T] = q . k * scale (vec::dot2, fp32 accumulation), an exact softmax in fp32 (max-subtracted, two
-// passes over the scores), then out [G, D] = sum_t p[g, t] * v_t in fp32, up to 28 sums (heads x 16-lane chunks of D)
-// held in registers while each V row is read once.
+// scores [G, T] = q . k * scale (vec::dot2, fp32 accumulation; on AMX CPUs 16 keys at a time on tiles, below), an
+// exact softmax in fp32 (max-subtracted, two passes over the scores), then out [G, D] = sum_t p[g, t] * v_t in fp32,
+// up to 28 sums (heads x 16-lane chunks of D) held in registers while each V row is read once.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,13 +12,20 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
 #include "gemv.h"
 #include "paged_kv.h"
 #include "vec.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include "amx_tiles.h"
+#define DEPLOYKIT_ATTENTION_TILES 1
+#endif
 
 namespace deploykit {
 namespace attention {
@@ -37,11 +44,17 @@ struct PagedKV {
   int64_t row() const { return 2 * kv_heads * head_dim; }  // elements between consecutive tokens of a block
 };
 
-// Per-thread buffers, grown on demand and reused across tasks.
+// Per-thread buffers, grown on demand and reused across tasks; qt and c: the AMX scores' Q^T tiles and C tile.
 struct Scratch {
   std::vector<float> scores, inv;
   std::vector<const bf16*> keys;
+  alignas(64) uint32_t qt[MAX_HEAD_DIM / 32][16][16];
+  alignas(64) float c[16][16];
 };
+
+// Whether the scores take AMX tiles where they can (tile_scores): set once from Python on a CPU with AMX
+// (set_attention_tiles, decode_attention.cpp); both settings are tested against each other and the reference.
+inline std::atomic<bool> tiles_on{false};
 
 // Query heads whose output sums one register pass keeps (GT of 32 registers, with V and the broadcast p).
 constexpr int64_t GT = 8;
@@ -83,6 +96,42 @@ inline void pv_sums(const float* p, int64_t T, const bf16* const* keys, int64_t 
     for (int c = 0; c < C; ++c) store16(out + j * D + d0 + 16 * c, _mm512_mul_ps(a[j][c], _mm512_set1_ps(inv[j])));
 }
 
+#ifdef DEPLOYKIT_ATTENTION_TILES
+// scores[g, t..] = q_g . k_t * scale for the keys from t on, 16 at a time while 16 remain, on AMX tiles; returns where
+// it stopped. The vector loop below spends ~40 cycles a key at G = 7, D = 64 (two dot2 and a lane reduction per key and
+// head); a tile pass is two tdpbf16ps per 16 keys. S^T [16 keys, 16 heads] = K [16 keys, D] . Q^T: the A tile is 16
+// K rows read in place (one block's tokens, `row` elements apart: the caller takes groups that start at a multiple
+// of 16 in a block of a multiple of 16 tokens), the B tiles Q^T packed once per task (tile c: row kp, column n holds
+// q_n[32 c + 2 kp], q_n[32 c + 2 kp + 1]; heads from G on zero). Tiles as amx::Tiles(16) configures them: C 0, A 4,
+// B 6.
+inline int64_t tile_scores(const bf16* q, const bf16* const* keys, int64_t t, int64_t T, int64_t G, int64_t D,
+                           int64_t row, float scale, Scratch& s, float* scores) {
+  if (t + 16 > T) return t;
+  const int64_t chunks = D / 32;
+  std::memset(s.qt, 0, chunks * sizeof(s.qt[0]));
+  for (int64_t n = 0; n < G; ++n)
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int kp = 0; kp < 16; ++kp) std::memcpy(&s.qt[c][kp][n], q + n * D + 32 * c + 2 * kp, 4);
+  amx::Tiles tiles(16);
+  const __m512i heads = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));  // key i's score of head g at c[i][g]
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (; t + 16 <= T; t += 16) {
+    prefetch_rows(keys, t + 16 * KEYS_AHEAD, T, 16, 0, D);
+    _tile_zero(0);
+    for (int64_t c = 0; c < chunks; ++c) {
+      _tile_loadd(4, keys[t] + 32 * c, row * (int64_t)sizeof(bf16));
+      _tile_loadd(6, &s.qt[c][0][0], 64);
+      _tile_dpbf16ps(0, 4, 6);
+    }
+    _tile_stored(0, &s.c[0][0], 64);
+    for (int64_t g = 0; g < G; ++g)
+      _mm512_storeu_ps(scores + g * T + t, _mm512_mul_ps(_mm512_i32gather_ps(heads, &s.c[0][g], 4), sc));
+  }
+  return t;
+}
+#endif
+
 // q: the G query heads of KV head h (D apart); table: the sequence's block ids; end: context length including
 // this token; window > 0: only the last `window` keys. out: G rows of D, D apart.
 inline void attend(const bf16* q, const PagedKV& kv, const int32_t* table, int64_t end, int64_t window, int64_t h,
@@ -97,10 +146,29 @@ inline void attend(const bf16* q, const PagedKV& kv, const int32_t* table, int64
   s.scores.resize(G * T);
   s.inv.resize(G);
   float* scores = s.scores.data();
+  // One key: its K row in registers, the G query rows from L1.
+  auto one_key = [&](int64_t t) {
+    const bf16* k = token(t);
+    __m512i kc[MAX_HEAD_DIM / 32];
+    for (int64_t c = 0; c < chunks; ++c) kc[c] = _mm512_loadu_si512(k + 32 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) acc = vec::dot2(acc, kc[c], _mm512_loadu_si512(q + g * D + 32 * c));
+      scores[g * T + t] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  };
+  int64_t t = 0;  // the key loops' shared position
+#ifdef DEPLOYKIT_ATTENTION_TILES
+  // On tiles, 16 keys at a time from the first key at a multiple of 16 in the sequence (the keys before it one at a
+  // time), so a key's path depends on its position and the context length alone, never on the block table.
+  if (G <= 16 && bs % 16 == 0 && tiles_on.load(std::memory_order_relaxed)) {
+    for (const int64_t lead = std::min(T, (16 - t0 % 16) % 16); t < lead; ++t) one_key(t);
+    t = tile_scores(q, keys, t, T, G, D, row, scale, s, scores);
+  }
+#endif
   // scores[g, t], 16 keys at a time: per query head, the 16 keys' partial-sum vectors are summed across lanes by one
   // transposed reduction (vec::reduce16, ~3 ops a key) instead of one _mm512_reduce_add_ps each (~10); its
   // pairing is that reduction's tree, so every score is bitwise the same. The 16 K rows stay in L1 across heads.
-  int64_t t = 0;  // the key loops' shared position
   for (; t + 16 <= T; t += 16) {
     const bf16* ks[16];
     for (int i = 0; i < 16; ++i) ks[i] = token(t + i);
@@ -115,17 +183,7 @@ inline void attend(const bf16* q, const PagedKV& kv, const int32_t* table, int64
       _mm512_storeu_ps(scores + g * T + t, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
     }
   }
-  // The last T % 16 keys one at a time: K row in registers, the G query rows from L1.
-  for (; t < T; ++t) {
-    const bf16* k = token(t);
-    __m512i kc[MAX_HEAD_DIM / 32];
-    for (int64_t c = 0; c < chunks; ++c) kc[c] = _mm512_loadu_si512(k + 32 * c);
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t c = 0; c < chunks; ++c) acc = vec::dot2(acc, kc[c], _mm512_loadu_si512(q + g * D + 32 * c));
-      scores[g * T + t] = _mm512_reduce_add_ps(acc) * scale;
-    }
-  }
+  for (; t < T; ++t) one_key(t);  // the last T % 16 keys
   // Softmax per query head: p = exp(s - max) in place, 1 / sum kept for the output.
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * T;

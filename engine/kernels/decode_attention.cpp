@@ -40,8 +40,20 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
   return out;
 }
 
+// Turns the decode attention's AMX scores (attention.h tile_scores) on or off for every caller, the fused step too;
+// true if they are now on (never in a build without AMX code: the caller also checks that the CPU has it).
+bool set_attention_tiles(bool on) {
+#ifdef DEPLOYKIT_ATTENTION_TILES
+  attention::tiles_on.store(on);
+  return on;
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(deploykit, m) {
   m.def("decode_attention(Tensor q, Tensor kv, Tensor tables, Tensor lens, float scale, int window=0) -> Tensor");
+  m.def("set_attention_tiles(bool on) -> bool", &set_attention_tiles);
 }
 
 TORCH_LIBRARY_IMPL(deploykit, CPU, m) {

@@ -460,6 +460,48 @@ def test_decode_attention_reads_scattered_blocks_in_place(kernels, heads, kv_hea
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="the native prefill attention runs on AMX-BF16 tiles only")
 
 
+@pytest.mark.skipif(not HAS_AMX, reason="decode attention's scores take AMX tiles only where the CPU has them")
+@pytest.mark.parametrize("heads,kv_heads,d,block,lens,window", [
+    (14, 2, 64, 16, [1, 15, 16, 17, 150, 1100], 0),  # groups of 16 from key 0; the last T % 16 one key at a time
+    (14, 2, 64, 16, [150, 1100], 37),                 # a window that starts between multiples of 16: a lead
+    (32, 2, 128, 32, [300], 0),                        # G = 16: every column of the tile
+    (40, 2, 64, 16, [100], 0),                         # G = 20: more heads than a tile has columns
+    (8, 8, 64, 8, [100], 0)])                          # blocks of 8 tokens: no 16 keys in one block
+def test_decode_attention_scores_on_tiles(kernels, heads, kv_heads, d, block, lens, window):
+    """On AMX the scores of 16 keys at a time come from tiles (kernels/attention.h tile_scores, on by default): as
+    close to the exact reference as the vector loop (the switch off); the vector loop's own bits where the tiles
+    cannot take a group; and a row's bits the same whatever blocks its keys sit in (the prefix cache's identity
+    depends on it)."""
+    assert kernels.status()["attention_tiles"]
+    g = torch.Generator().manual_seed(heads * d + block)
+    width = max(-(-n // block) for n in lens)
+    nb = len(lens) * width + 8
+    kv = torch.randn(nb, block, 2, kv_heads, d, generator=g).bfloat16()
+    tables = torch.randperm(nb, generator=g)[:len(lens) * width].view(len(lens), width).int()
+    q = torch.randn(len(lens), heads, d, generator=g).bfloat16()
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    try:
+        torch.ops.deploykit.set_attention_tiles(False)
+        vector = kernels.decode_attention(q, kv, tables, lens_t, d ** -0.5, window)
+    finally:
+        torch.ops.deploykit.set_attention_tiles(True)
+    tiles = kernels.decode_attention(q, kv, tables, lens_t, d ** -0.5, window)
+    exact = attention_reference(q, kv, tables, lens_t, d ** -0.5, window)
+    for out in (tiles, vector):
+        assert torch.allclose(out.double(), exact, rtol=2 ** -7, atol=2 ** -7)
+    if heads // kv_heads > 16 or block % 16:
+        assert torch.equal(tiles, vector)
+    for b, n in enumerate(lens):
+        if min(n, window or n) < 16:  # no 16 keys from a multiple of 16: all one at a time
+            assert torch.equal(tiles[b], vector[b]), n
+    # The same keys in other blocks: every block moved, the table rewritten to match.
+    moved = torch.randperm(nb, generator=g)
+    kv2 = torch.empty_like(kv)
+    kv2[moved] = kv
+    again = kernels.decode_attention(q, kv2, moved[tables.long()].int(), lens_t, d ** -0.5, window)
+    assert torch.equal(again, tiles)
+
+
 def _prefill_case(g: torch.Generator, heads: int, kv_heads: int, d: int, block: int, end: int):
     """A cache of 200 blocks, one sequence's out-of-order table covering `end` tokens, and a strided q view."""
     kv = torch.randn(200, block, 2, kv_heads, d, generator=g).bfloat16()
