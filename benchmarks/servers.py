@@ -99,22 +99,27 @@ def start(p: Peer, cpus: tuple[int, ...], port: int, log: Path, allocator: str,
            if not k.startswith(("OMP_", "GOMP_", "KMP_", "DEPLOYKIT_", "VLLM_")) and k != "LD_PRELOAD"}
     if allocator == "tcmalloc":
         env["LD_PRELOAD"] = TCMALLOC
-    proc = subprocess.Popen(p.cmd, env={**env, **p.env}, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            preexec_fn=lambda: os.sched_setaffinity(0, cpus), start_new_session=True)
+    with log.open("w") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(p.cmd, env={**env, **p.env}, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: os.sched_setaffinity(0, cpus), start_new_session=True)
     import httpx
     base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{p.name} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            h = httpx.get(base + "/health", timeout=2)
-            if h.status_code == 200 or (h.status_code == 404 and httpx.get(base + "/v1/models", timeout=2).is_success):
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop(proc)
-    raise RuntimeError(f"{p.name} not ready after {timeout:g} s:\n{log.read_text()[-3000:]}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{p.name} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                h = httpx.get(base + "/health", timeout=2)
+                if h.status_code == 200 or (h.status_code == 404 and
+                                            httpx.get(base + "/v1/models", timeout=2).is_success):
+                    return proc
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{p.name} not ready after {timeout:g} s:\n{log.read_text()[-3000:]}")
+    except BaseException:  # not ready, or interrupted: its session must not outlive the benchmark
+        stop(proc)
+        raise
 
 
 def stop(proc: subprocess.Popen) -> None:

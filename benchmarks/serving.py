@@ -1,6 +1,7 @@
 """Serving speed over HTTP: the same streaming load through our server, vLLM CPU and llama.cpp's server, one at a
-time on the same CPUs, in one run, driven by `deploykit bench`'s load generator (deploykit/bench/client.py) so every
-server is treated the same. Prints JSON on stdout (progress on stderr), with ratios against issue 20's targets.
+time on the same CPUs (in rounds with --rounds), in one run, driven by `deploykit bench`'s load generator
+(deploykit/bench/client.py) so every server is treated the same. Prints JSON on stdout (progress on stderr), with
+ratios against issue 20's targets.
 
 Run: flock /tmp/deploykit-heavy.lock python benchmarks/serving.py [--model-dir DIR] [--cpus LIST]
          [--vllm PYTHON] [--vllm-dtype bfloat16|float32] [--llamacpp PYTHON] [--only ours,vllm,llamacpp]
@@ -47,7 +48,7 @@ sys.path[0] = str(ROOT)  # not benchmarks/: a file here must not shadow a packag
 
 from benchmarks.servers import MAX_LEN, NAME, PEERS, TCMALLOC, Running, free_port, peers, start, stop  # noqa: E402
 from benchmarks.servers import tcmalloc_installed  # noqa: E402
-from deploykit import cpulist  # noqa: E402
+from deploykit import cpulist, procfs  # noqa: E402
 from deploykit.bench import client, prompts, report, stats  # noqa: E402
 
 TARGETS = {  # issue 20, as ratios measured in one run
@@ -153,30 +154,35 @@ def measure_round(servers: dict, running: dict[str, Running], name: str, loads: 
     """One round of `name`'s loads while the other servers sit idle on the same CPUs. Round 1 (every load) fills
     "loads"; each round adds c1 and c16 to "rounds", with the CPU the idle servers took meanwhile (a server that polls
     while idle would slow the one measured)."""
-    settled = settle([run for o, run in running.items() if o != name], ncpus)
+    waited, settled = settle([run for o, run in running.items() if o != name], ncpus)
     idle = {o: run.cpu_seconds() for o, run in running.items() if o != name}
     t0 = time.monotonic()
-    got = client.run(drive(running[name], loads, raw if "loads" not in servers[name] else {}))
+    later = {}
+    got = client.run(drive(running[name], loads, raw if "loads" not in servers[name] else later))
+    if later:
+        raw.setdefault("later_rounds", []).append(later)
     wall = time.monotonic() - t0
     idle_cpu = sum(running[o].cpu_seconds() - c for o, c in idle.items())
     servers[name].setdefault("loads", got)
     servers[name].setdefault("rounds", []).append(
         {load: {k: got[load][k] for k in ("output_tok_s", "decode_tok_s_p50", "ttft_s_p50", "errors")}
-         for load in ("c1", "c16")} | {"wall_s": round(wall, 1), "settle_s": round(settled, 1),
+         for load in ("c1", "c16")} | {"wall_s": round(wall, 1), "settle_s": round(waited, 1), "settled": settled,
                                        "idle_servers_cpu_s": round(idle_cpu, 2),
                                        "idle_servers_cpu_share": round(idle_cpu / (wall * ncpus), 4)})
 
 
-def settle(others: list[Running], ncpus: int, quiet: float = 0.01, window: float = 0.5, timeout: float = 120) -> float:
-    """Seconds waited until the other servers sit idle: under `quiet` of the CPUs over `window` (vLLM CPU 0.32 kept
-    busy for a while after its own load ended, and took 14 % of both CPUs from the next server's measurement)."""
-    t0 = time.monotonic()
+def settle(others: list[Running], ncpus: int, quiet: float = 0.02, window: float = 1.0,
+           timeout: float = 120) -> tuple[float, bool]:
+    """Seconds waited until the other servers sit idle, and whether they did: under `quiet` of the CPUs (and at most
+    2 clock ticks) over `window`. vLLM CPU 0.32 kept busy for a while after its own load ended, and took 14 % of both
+    CPUs from the next server's measurement."""
+    t0, most = time.monotonic(), max(2 / procfs.CLK_TCK, quiet * window * ncpus)
     while time.monotonic() - t0 < timeout:
         before = sum(run.cpu_seconds() for run in others)
         time.sleep(window)
-        if sum(run.cpu_seconds() for run in others) - before < quiet * window * ncpus:
-            break
-    return time.monotonic() - t0
+        if sum(run.cpu_seconds() for run in others) - before <= most + 1e-9:
+            return time.monotonic() - t0, True
+    return time.monotonic() - t0, False
 
 
 def ratios(servers: dict) -> tuple[dict, dict]:
@@ -190,7 +196,7 @@ def ratios(servers: dict) -> tuple[dict, dict]:
         return [r[load][key] for r in servers.get(name, {}).get("rounds", ())]
 
     def paired(load: str, key: str, peer: str) -> dict | None:
-        """--rounds: ours / peer in each round (the two measured back to back), their median, and best against best."""
+        """--rounds: ours / peer in each round (both measured in it), their median, and best against best."""
         ours, theirs = rounds("ours", load, key), rounds(peer, load, key)
         each = [o / t for o, t in zip(ours, theirs) if o is not None and t]
         if len(each) < 2:
@@ -292,11 +298,7 @@ def main() -> None:
     servers: dict[str, dict] = {}
     raw: dict[str, dict] = {}
     logs = Path(tempfile.mkdtemp(prefix="bench-serving-"))
-    ports: dict[str, int] = {}
-    for name in PEERS:  # a port each: with --rounds every server is up at once
-        ports[name] = free_port()
-        while ports[name] in list(ports.values())[:-1]:
-            ports[name] = free_port()
+    ports = {name: 0 for name in PEERS}  # a port each, picked as it starts: with --rounds every server is up at once
     ready = {}
     for name, p in peers(a, a.model_dir, gguf, cpus, ports).items():
         if isinstance(p, str):
@@ -308,14 +310,21 @@ def main() -> None:
 
     def up(name: str) -> Running:
         say(f"{name}: starting on CPUs {a.cpus} (log {logs / name}.log)")
+        while (port := free_port()) in ports.values():
+            pass
+        ports[name] = port
+        p = peers(a, a.model_dir, gguf, cpus, ports)[name]
         t0 = time.monotonic()
-        run = Running(ready[name], start(ready[name], cpus, ports[name], logs / f"{name}.log", a.allocator),
-                      ports[name])
-        import httpx
-        version = httpx.get(f"http://127.0.0.1:{run.port}/version", timeout=5)
-        servers[name] = {"command": run.peer.cmd, "env": run.peer.env, "extra_body": run.peer.extra_body,
-                         "start_s": round(time.monotonic() - t0, 1),
-                         "version": version.json() if version.status_code == 200 else None}
+        run = Running(p, start(p, cpus, port, logs / f"{name}.log", a.allocator), port)
+        try:
+            import httpx
+            version = httpx.get(f"http://127.0.0.1:{run.port}/version", timeout=5)
+            servers[name] = {"command": p.cmd, "env": p.env, "extra_body": p.extra_body,
+                             "start_s": round(time.monotonic() - t0, 1),
+                             "version": version.json() if version.status_code == 200 else None}
+        except BaseException:
+            stop(run.proc)
+            raise
         raw[name] = {}
         return run
 
@@ -339,6 +348,9 @@ def main() -> None:
             for run in running.values():
                 stop(run.proc)
     derived, targets = ratios(servers)
+    if a.rounds > 1 and any(f"c16_ours_over_{p}_rounds" not in derived for p in ready if p != "ours"):
+        notes.append(f"--rounds {a.rounds}: fewer than 2 rounds with both ours and a peer measured; a ratio without "
+                     "'_rounds' beside it is round 1's alone")
     if a.raw:
         Path(a.raw).write_text(json.dumps(raw) + "\n")
     print(json.dumps({

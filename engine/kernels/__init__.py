@@ -236,10 +236,10 @@ _quant_amx = bool(_ops.set_quant_amx(True)) if _ops is not None and _QUANT and _
 # A prompt's rows take AMX-BF16 tiles on weights decoded to bf16 in L1 instead (kernels/quant_prompt_amx.cpp).
 _quant_prompt = bool(_ops.set_quant_prompt_amx(True)) if _ops is not None and _QUANT and _NATIVE.amx else False
 _quant_prompt_linear = _ops.quant_prompt_linear.default if _quant_prompt else None
+_quant_prompt_silu = _ops.quant_prompt_gate_up_silu.default if _quant_prompt else None
 # Decode attention's scores on AMX tiles, 16 keys at a time (kernels/attention.h tile_scores): one switch per process,
 # for the attention op and the fused step alike, so their outputs stay bitwise the same.
 _attention_tiles = bool(_ops.set_attention_tiles(True)) if _ops is not None and _NATIVE.amx else False
-_quant_prompt_silu = _ops.quant_prompt_gate_up_silu.default if _quant_prompt else None
 
 
 def _linear_compact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

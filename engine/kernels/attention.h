@@ -48,8 +48,10 @@ struct PagedKV {
 struct Scratch {
   std::vector<float> scores, inv;
   std::vector<const bf16*> keys;
+#ifdef DEPLOYKIT_ATTENTION_TILES
   alignas(64) uint32_t qt[MAX_HEAD_DIM / 32][16][16];
   alignas(64) float c[16][16];
+#endif
 };
 
 // Whether the scores take AMX tiles where they can (tile_scores): set once from Python on a CPU with AMX
@@ -113,8 +115,8 @@ inline int64_t tile_scores(const bf16* q, const bf16* const* keys, int64_t t, in
     for (int64_t c = 0; c < chunks; ++c)
       for (int kp = 0; kp < 16; ++kp) std::memcpy(&s.qt[c][kp][n], q + n * D + 32 * c + 2 * kp, 4);
   amx::Tiles tiles(16);
-  const __m512i heads = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(16));  // key i's score of head g at c[i][g]
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(16));  // key i's score of head g at c[i][g]
   const __m512 sc = _mm512_set1_ps(scale);
   for (; t + 16 <= T; t += 16) {
     prefetch_rows(keys, t + 16 * KEYS_AHEAD, T, 16, 0, D);
@@ -126,7 +128,7 @@ inline int64_t tile_scores(const bf16* q, const bf16* const* keys, int64_t t, in
     }
     _tile_stored(0, &s.c[0][0], 64);
     for (int64_t g = 0; g < G; ++g)
-      _mm512_storeu_ps(scores + g * T + t, _mm512_mul_ps(_mm512_i32gather_ps(heads, &s.c[0][g], 4), sc));
+      _mm512_storeu_ps(scores + g * T + t, _mm512_mul_ps(_mm512_i32gather_ps(rows, &s.c[0][g], 4), sc));
   }
   return t;
 }

@@ -44,8 +44,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
 // true if they are now on (never in a build without AMX code: the caller also checks that the CPU has it).
 bool set_attention_tiles(bool on) {
 #ifdef DEPLOYKIT_ATTENTION_TILES
-  attention::tiles_on.store(on);
-  return on;
+  attention::tiles_on.store(on && amx_init());  // the OS grants tile state first, as the other AMX switches ask
+  return attention::tiles_on.load();
 #else
   return false;
 #endif

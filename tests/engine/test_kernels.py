@@ -478,7 +478,8 @@ def test_decode_attention_scores_on_tiles(kernels, heads, kv_heads, d, block, le
     nb = len(lens) * width + 8
     kv = torch.randn(nb, block, 2, kv_heads, d, generator=g).bfloat16()
     tables = torch.randperm(nb, generator=g)[:len(lens) * width].view(len(lens), width).int()
-    q = torch.randn(len(lens), heads, d, generator=g).bfloat16()
+    # q at 4x: scores of std ~4 make the softmax peaked, so a key scored wrong moves the output past the tolerance
+    q = (torch.randn(len(lens), heads, d, generator=g) * 4).bfloat16()
     lens_t = torch.tensor(lens, dtype=torch.int32)
     try:
         torch.ops.deploykit.set_attention_tiles(False)
