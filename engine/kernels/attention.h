@@ -4,7 +4,8 @@
 // The G = Hq / Hkv query heads sharing a KV head are computed together (GQA), so every K/V row is loaded once:
 // scores [G, T] = q . k * scale (vec::dot2, fp32 accumulation; on AMX CPUs 16 keys at a time on tiles, below), an
 // exact softmax in fp32 (max-subtracted, two passes over the scores), then out [G, D] = sum_t p[g, t] * v_t in fp32,
-// up to 28 sums (heads x 16-lane chunks of D) held in registers while each V row is read once.
+// up to 28 sums (heads x 16-lane chunks of D) held in registers while each V row is read once (on AMX CPUs: p rounded
+// to bf16 and the sums on tiles, 32 keys a k-step).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -49,12 +50,15 @@ struct Scratch {
   std::vector<float> scores, inv;
   std::vector<const bf16*> keys;
 #ifdef DEPLOYKIT_ATTENTION_TILES
+  std::vector<bf16> p;  // [16][Tp] bf16 probabilities for tile_pv (rows from G on: left as they are, never stored)
   alignas(64) uint32_t qt[MAX_HEAD_DIM / 32][16][16];
+  alignas(64) bf16 vt[4][16][32];
   alignas(64) float c[16][16];
 #endif
 };
 
-// Whether the scores take AMX tiles where they can (tile_scores): set once from Python on a CPU with AMX
+// Whether the scores and the sums over V take AMX tiles where they can (tile_scores, tile_pv): set once from Python
+// on a CPU with AMX
 // (set_attention_tiles, decode_attention.cpp); both settings are tested against each other and the reference.
 inline std::atomic<bool> tiles_on{false};
 
@@ -132,6 +136,68 @@ inline int64_t tile_scores(const bf16* q, const bf16* const* keys, int64_t t, in
   }
   return t;
 }
+
+// Interleaves 16 bf16 of a with 16 of b (a[i], b[i], ...): the low halves (lo) or the high ones (hi).
+inline __m512i pair_index(int from) {
+  alignas(64) int16_t idx[32];
+  for (int i = 0; i < 16; ++i) idx[2 * i] = (int16_t)(from + i), idx[2 * i + 1] = (int16_t)(32 + from + i);
+  return _mm512_load_si512(idx);
+}
+
+// out[g, :] = sum_t p[g, t] v_t * inv[g] on AMX tiles, 32 keys a k-step. A: p [16 heads, Tp] bf16 (p rounded to bf16,
+// as the prefill's tiles take it; the zero columns from T on pad the last k-step). B: 32 V rows interleaved by pairs
+// of keys into s.vt (row kp, column n: v_{t+2kp}[d0 + n], v_{t+2kp+1}[d0 + n]), one tile per 16 columns of D. Four C
+// tiles hold 64 columns, so a D past 64 takes the keys again per 64. Against the fp32 loop (pv_sums: G x D / 16 fmadds
+// a key) this is ~4 permutes a key and the tiles' k-steps. Tiles as amx::Tiles(32) configures them: all 16 x 64 bytes.
+inline void tile_pv(const bf16* p, int64_t Tp, const bf16* const* keys, int64_t T, int64_t voff, int64_t D,
+                    int64_t G, const float* inv, Scratch& s, bf16* out) {
+  amx::Tiles tiles(32);
+  const __m512i lo = pair_index(0), hi = pair_index(16), zero = _mm512_setzero_si512();
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const bool four = D - d0 >= 64;  // else 32 columns (D is a multiple of 32)
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t t = 0; t < Tp; t += 32) {
+      prefetch_rows(keys, t + 32, T, 32, voff + d0, std::min<int64_t>(64, D - d0));
+      for (int kp = 0; kp < 16; ++kp) {
+        const int64_t ta = t + 2 * kp;
+        for (int h = 0; h < (four ? 2 : 1); ++h) {  // 32 columns of D a load
+          const __m512i a = ta < T ? _mm512_loadu_si512(keys[ta] + voff + d0 + 32 * h) : zero;
+          const __m512i b = ta + 1 < T ? _mm512_loadu_si512(keys[ta + 1] + voff + d0 + 32 * h) : zero;
+          _mm512_store_si512(&s.vt[2 * h][kp][0], _mm512_permutex2var_epi16(a, lo, b));
+          _mm512_store_si512(&s.vt[2 * h + 1][kp][0], _mm512_permutex2var_epi16(a, hi, b));
+        }
+      }
+      _tile_loadd(4, p + t, Tp * (int64_t)sizeof(bf16));
+      _tile_loadd(6, &s.vt[0][0][0], 64);
+      _tile_loadd(7, &s.vt[1][0][0], 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (four) {
+        _tile_loadd(6, &s.vt[2][0][0], 64);
+        _tile_loadd(7, &s.vt[3][0][0], 64);
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_dpbf16ps(3, 4, 7);
+      }
+    }
+    auto store = [&](int c) {  // C tile c: [16 heads, 16 columns from d0 + 16 c] in s.c
+      for (int64_t g = 0; g < G; ++g)
+        store16(out + g * D + d0 + 16 * c, _mm512_mul_ps(_mm512_load_ps(s.c[g]), _mm512_set1_ps(inv[g])));
+    };
+    _tile_stored(0, &s.c[0][0], 64);
+    store(0);
+    _tile_stored(1, &s.c[0][0], 64);
+    store(1);
+    if (four) {
+      _tile_stored(2, &s.c[0][0], 64);
+      store(2);
+      _tile_stored(3, &s.c[0][0], 64);
+      store(3);
+    }
+  }
+}
 #endif
 
 // q: the G query heads of KV head h (D apart); table: the sequence's block ids; end: context length including
@@ -186,6 +252,35 @@ inline void attend(const bf16* q, const PagedKV& kv, const int32_t* table, int64
     }
   }
   for (; t < T; ++t) one_key(t);  // the last T % 16 keys
+  const int64_t voff = kv.kv_heads * D;
+#ifdef DEPLOYKIT_ATTENTION_TILES
+  // On tiles, p rounded to bf16 into s.p (the sum over the rounded values, so a row's weights sum to 1), then tile_pv.
+  if (G <= 16 && tiles_on.load(std::memory_order_relaxed)) {
+    const int64_t Tp = (T + 31) / 32 * 32;
+    s.p.resize(16 * Tp);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* sg = scores + g * T;
+      bf16* pg = s.p.data() + g * Tp;
+      __m512 mv = _mm512_set1_ps(-INFINITY);
+      for (int64_t t = 0; t < T; t += 16) {
+        const __mmask16 mk = tail_mask(T - t);
+        mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, sg + t));
+      }
+      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t t = 0; t < Tp; t += 16) {  // zeros from T on
+        const __mmask16 mk = tail_mask(std::max<int64_t>(0, T - t));
+        const __m512 e = vec::exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sg + t), m));
+        const __m256i pb = to_bf16(_mm512_maskz_mov_ps(mk, e));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + t), pb);
+        sum = _mm512_add_ps(sum, widen(pb));
+      }
+      s.inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    tile_pv(s.p.data(), Tp, keys, T, voff, D, G, s.inv.data(), s, out);
+    return;
+  }
+#endif
   // Softmax per query head: p = exp(s - max) in place, 1 / sum kept for the output.
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * T;
@@ -208,7 +303,6 @@ inline void attend(const bf16* q, const PagedKV& kv, const int32_t* table, int64
   // in registers over all t, so each V row is read once for all of them (one chunk at a time read V D / 16 times,
   // and with 1,000+ keys a task's V rows do not fit L1). Each sum is the same fmadd chain over t whatever the
   // grouping, so the outputs are bitwise what one chunk at a time gave.
-  const int64_t voff = kv.kv_heads * D;
   for (int64_t g = 0; g < G; g += GT) {
     const int64_t n = std::min<int64_t>(GT, G - g);
     for (int64_t d = 0; d < D;) {
