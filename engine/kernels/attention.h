@@ -58,8 +58,8 @@ struct Scratch {
 };
 
 // Whether the scores and the sums over V take AMX tiles where they can (tile_scores, tile_pv): set once from Python
-// on a CPU with AMX
-// (set_attention_tiles, decode_attention.cpp); both settings are tested against each other and the reference.
+// on a CPU with AMX (set_attention_tiles, decode_attention.cpp); both settings are tested against each other and the
+// reference.
 inline std::atomic<bool> tiles_on{false};
 
 // Query heads whose output sums one register pass keeps (GT of 32 registers, with V and the broadcast p).
