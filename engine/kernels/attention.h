@@ -102,6 +102,16 @@ inline void pv_sums(const float* p, int64_t T, const bf16* const* keys, int64_t 
     for (int c = 0; c < C; ++c) store16(out + j * D + d0 + 16 * c, _mm512_mul_ps(a[j][c], _mm512_set1_ps(inv[j])));
 }
 
+// The largest of a head's T scores, broadcast.
+inline __m512 row_max(const float* s, int64_t T) {
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < T; t += 16) {
+    const __mmask16 mk = tail_mask(T - t);
+    mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, s + t));
+  }
+  return _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+}
+
 #ifdef DEPLOYKIT_ATTENTION_TILES
 // scores[g, t..] = q_g . k_t * scale for the keys from t on, 16 at a time while 16 remain, on AMX tiles; returns where
 // it stopped. The vector loop below spends ~40 cycles a key at G = 7, D = 64 (two dot2 and a lane reduction per key and
@@ -261,12 +271,7 @@ inline void attend(const bf16* q, const PagedKV& kv, const int32_t* table, int64
     for (int64_t g = 0; g < G; ++g) {
       const float* sg = scores + g * T;
       bf16* pg = s.p.data() + g * Tp;
-      __m512 mv = _mm512_set1_ps(-INFINITY);
-      for (int64_t t = 0; t < T; t += 16) {
-        const __mmask16 mk = tail_mask(T - t);
-        mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, sg + t));
-      }
-      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+      const __m512 m = row_max(sg, T);
       __m512 sum = _mm512_setzero_ps();
       for (int64_t t = 0; t < Tp; t += 16) {  // zeros from T on
         const __mmask16 mk = tail_mask(std::max<int64_t>(0, T - t));
@@ -284,12 +289,7 @@ inline void attend(const bf16* q, const PagedKV& kv, const int32_t* table, int64
   // Softmax per query head: p = exp(s - max) in place, 1 / sum kept for the output.
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * T;
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < T; t += 16) {
-      const __mmask16 mk = tail_mask(T - t);
-      mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, sg + t));
-    }
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    const __m512 m = row_max(sg, T);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < T; t += 16) {
       const __mmask16 mk = tail_mask(T - t);
