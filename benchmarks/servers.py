@@ -131,6 +131,7 @@ def stop(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
+
 @dataclass
 class Running:
     """A started server: its process (the leader of its own process group) and port."""

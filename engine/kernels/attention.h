@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -118,8 +119,8 @@ inline __m512 row_max(const float* s, int64_t T) {
 // head); a tile pass is two tdpbf16ps per 16 keys. S^T [16 keys, 16 heads] = K [16 keys, D] . Q^T: the A tile is 16
 // K rows read in place (one block's tokens, `row` elements apart: the caller takes groups that start at a multiple
 // of 16 in a block of a multiple of 16 tokens), the B tiles Q^T packed once per task (tile c: row kp, column n holds
-// q_n[32 c + 2 kp], q_n[32 c + 2 kp + 1]; heads from G on zero). Tiles as amx::Tiles(16) configures them: C 0, A 4,
-// B 6.
+// q_n[32 c + 2 kp], q_n[32 c + 2 kp + 1]; heads from G on zero). Tiles as the caller's amx::Tiles(32) configures them
+// (all 16 x 64 bytes): C 0, A 4, B 6.
 inline int64_t tile_scores(const bf16* q, const bf16* const* keys, int64_t t, int64_t T, int64_t G, int64_t D,
                            int64_t row, float scale, Scratch& s, float* scores) {
   if (t + 16 > T) return t;
@@ -128,7 +129,6 @@ inline int64_t tile_scores(const bf16* q, const bf16* const* keys, int64_t t, in
   for (int64_t n = 0; n < G; ++n)
     for (int64_t c = 0; c < chunks; ++c)
       for (int kp = 0; kp < 16; ++kp) std::memcpy(&s.qt[c][kp][n], q + n * D + 32 * c + 2 * kp, 4);
-  amx::Tiles tiles(16);
   const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                           _mm512_set1_epi32(16));  // key i's score of head g at c[i][g]
   const __m512 sc = _mm512_set1_ps(scale);
@@ -158,10 +158,9 @@ inline __m512i pair_index(int from) {
 // as the prefill's tiles take it; the zero columns from T on pad the last k-step). B: 32 V rows interleaved by pairs
 // of keys into s.vt (row kp, column n: v_{t+2kp}[d0 + n], v_{t+2kp+1}[d0 + n]), one tile per 16 columns of D. Four C
 // tiles hold 64 columns, so a D past 64 takes the keys again per 64. Against the fp32 loop (pv_sums: G x D / 16 fmadds
-// a key) this is ~4 permutes a key and the tiles' k-steps. Tiles as amx::Tiles(32) configures them: all 16 x 64 bytes.
+// a key) this is ~4 permutes a key and the tiles' k-steps. Tiles as the caller's amx::Tiles(32) configures them.
 inline void tile_pv(const bf16* p, int64_t Tp, const bf16* const* keys, int64_t T, int64_t voff, int64_t D,
                     int64_t G, const float* inv, Scratch& s, bf16* out) {
-  amx::Tiles tiles(32);
   const __m512i lo = pair_index(0), hi = pair_index(16), zero = _mm512_setzero_si512();
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     const bool four = D - d0 >= 64;  // else 32 columns (D is a multiple of 32)
@@ -237,9 +236,13 @@ inline void attend(const bf16* q, const PagedKV& kv, const int32_t* table, int64
   };
   int64_t t = 0;  // the key loops' shared position
 #ifdef DEPLOYKIT_ATTENTION_TILES
+  // The switch read once a task, and the tiles configured once for both tile_scores and tile_pv.
+  const bool tiled = G <= 16 && tiles_on.load(std::memory_order_relaxed);
+  std::optional<amx::Tiles> tiles;
+  if (tiled) tiles.emplace(32);
   // On tiles, 16 keys at a time from the first key at a multiple of 16 in the sequence (the keys before it one at a
   // time), so a key's path depends on its position and the context length alone, never on the block table.
-  if (G <= 16 && bs % 16 == 0 && tiles_on.load(std::memory_order_relaxed)) {
+  if (tiled && bs % 16 == 0) {
     for (const int64_t lead = std::min(T, (16 - t0 % 16) % 16); t < lead; ++t) one_key(t);
     t = tile_scores(q, keys, t, T, G, D, row, scale, s, scores);
   }
@@ -265,7 +268,7 @@ inline void attend(const bf16* q, const PagedKV& kv, const int32_t* table, int64
   const int64_t voff = kv.kv_heads * D;
 #ifdef DEPLOYKIT_ATTENTION_TILES
   // On tiles, p rounded to bf16 into s.p (the sum over the rounded values, so a row's weights sum to 1), then tile_pv.
-  if (G <= 16 && tiles_on.load(std::memory_order_relaxed)) {
+  if (tiled) {
     const int64_t Tp = (T + 31) / 32 * 32;
     s.p.resize(16 * Tp);
     for (int64_t g = 0; g < G; ++g) {
