@@ -75,7 +75,8 @@ inline void slice_block(int64_t M, const bf16* xbp, int64_t Kh, int64_t mb, int6
   const int rows = (int)std::min<int64_t>(32, M - mb * 32);
   amx::ATiles a = amx::blocked_a(xbp, Kh, mb);
   a.base += (k0 / 16) * a.step;
-  const amx::Partial part{c, k0 == 0, k0 + kn == Kh, k0, amx::segment(Kh)};
+  const amx::Partial part{c, k0 == 0, k0 + kn == Kh, k0, amx::segment(Kh),
+                          amx::own_lines.load(std::memory_order_relaxed)};
   amx::tile_blocks(a, std::min(rows, 16), std::max(rows - 16, 0), b, kn, nb, n, bias, out + mb * 32 * ldo, ldo, &part,
                    pairs.silu, pend, ahead);
 }

@@ -134,7 +134,12 @@ struct Partial {
   float* acc;  // [4][16 * 16], 64-byte aligned
   bool first, last;
   int64_t k0, seg;
+  bool own_lines = false;  // a plain epilogue's output lines requested for ownership ahead (tile_block)
 };
+
+// Whether a prompt's plain epilogues request their output lines ahead (Partial::own_lines): runtime-settable to
+// measure it (set_amx_prompt_tiles, compact_amx.cpp).
+inline std::atomic<bool> own_lines{true};
 
 // The MB x NB C tiles into dst [4][16 * 16] (tile t at dst + 256 t).
 template <int MB, int NB>
@@ -309,6 +314,14 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
   const bf16* a0 = a.base;
   const int steps = (int)((Kh + 15) / 16);
   const int per = pend && pend->active() ? (pend->units - pend->done + steps - 1) / steps : 0;
+  // A prompt block's plain epilogue (at once, below): its rows' output lines are requested for ownership a few a
+  // k-step through its last segment. Without it, its 32 rows' stores missed on lines not yet owned while the tiles
+  // sat idle. Alternated in one process on an Emerald Rapids-class Xeon (benchmarks/README.md, session 47), time with
+  // / without at 512 rows: qkv [1152, 896] 0.89-0.96, o_proj [896, 896] 0.92-0.97, down [896, 4864] 0.99; the
+  // deferred SiLU rows gained nothing from it (1.01-1.04), nor did a plain epilogue deferred like them (0.99-1.02).
+  const int owned = partial && partial->own_lines && last && !(pend && silu) ? rows0 + (MB > 1 ? rows1 : 0) : 0;
+  const int owned_per = (owned + steps - 1) / steps;
+  int own_row = 0;
   for (int64_t kp = 0; kp < Kh; kp += 16, a0 += a.step) {
     if (kp > 0 && (k0 + kp) % seg == 0) {  // a segment ends inside this call
       if (pend) pend->run(pend->units);    // its rows may read the acc about to be written
@@ -340,6 +353,10 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
     }
     if (per) pend->run(pend->done + per);
     if (ahead) ahead->step();
+    for (int i = 0; i < owned_per && own_row < owned; ++i, ++own_row) {
+      const bf16* o = out + (own_row < rows0 ? own_row : 16 + own_row - rows0) * ldo + nb[0] * 16;
+      asm volatile("prefetchw %0" ::"m"(*reinterpret_cast<const char*>(o)));
+    }
   }
   if (!last) {
     if (pend) pend->run(pend->units);

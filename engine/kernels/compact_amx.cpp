@@ -136,13 +136,15 @@ void set_compact_amx_decode_once(int64_t blocks) {
 bool compact_amx_enabled() { return compact_amx::enabled.load(); }
 
 // How a prompt's AMX matmuls (amx_slices.h) take K: slices of `slice_segments` segments (0: whole K, as before
-// segments), and whether blocked x streams past L1 (amx_tiles.h stream_a). Every setting gives the same bits; for
-// measurements and the tests. Defaults: 1, true.
-void set_amx_prompt_tiles(int64_t slice_segments, bool stream_a) {
+// segments), whether blocked x streams past L1 (amx_tiles.h stream_a), and whether plain epilogues request their
+// output lines ahead (amx_tiles.h own_lines). Every setting gives the same bits; for measurements and the tests.
+// Defaults: 1, true, true.
+void set_amx_prompt_tiles(int64_t slice_segments, bool stream_a, bool own_lines) {
   TORCH_CHECK(slice_segments >= 0, "slice_segments is 0 (whole K) or more, not ", slice_segments);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   amx_slices::slice_segments.store(slice_segments);
   amx::stream_a.store(stream_a);
+  amx::own_lines.store(own_lines);
 #endif
 }
 
@@ -150,7 +152,7 @@ TORCH_LIBRARY_FRAGMENT(deploykit, m) {
   m.def("set_compact_amx(bool on) -> bool", &set_compact_amx);
   m.def("compact_amx_enabled() -> bool", &compact_amx_enabled);
   m.def("set_compact_amx_decode_once(int blocks) -> ()", &set_compact_amx_decode_once);
-  m.def("set_amx_prompt_tiles(int slice_segments, bool stream_a) -> ()", &set_amx_prompt_tiles);
+  m.def("set_amx_prompt_tiles(int slice_segments, bool stream_a, bool own_lines=True) -> ()", &set_amx_prompt_tiles);
   m.def("compact_linear_amx(Tensor x, Tensor blob, Tensor? bias) -> Tensor");
   m.def("compact_gate_up_silu_amx(Tensor x, Tensor blob, Tensor? bias) -> Tensor");
 }

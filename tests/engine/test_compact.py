@@ -116,7 +116,7 @@ def test_amx_tiles_on_compact_weights_decode_once_or_again_to_the_same_bits(m, k
     # blocks, a k-slice of whole segments at a time (one by default, all of K with slice_segments 0), else again for
     # every block; where K is so long that fewer than 4 blocks fit a chunk (K = 4864: 3), the k-slices go outermost
     # and each pair is decoded once per slice for up to 16 blocks (the default, 4, at m = 130 and 300). x streams past
-    # L1 or not. Every way gives the same bits. The AVX-512 compact kernels (the switch off) sum in another order:
+    # L1 or not; the epilogue's output lines are requested ahead or not. Every way gives the same bits. The AVX-512 compact kernels (the switch off) sum in another order:
     # close to the tiles, not bitwise.
     w, x = weights(208, k, seed=m), torch.randn(m, k).bfloat16()
     w[3, 5], w[40, k - 800], w[207, k - 1] = 1e4, -1e-25, 7e3  # escapes, patched into each decoded k-tile
@@ -125,8 +125,9 @@ def test_amx_tiles_on_compact_weights_decode_once_or_again_to_the_same_bits(m, k
     try:
         for once in (1, 4, 1_000):
             ops.set_compact_amx_decode_once(once)
-            for segments, stream in ((1, True), (0, False), (2, True), (0, True)):
-                ops.set_amx_prompt_tiles(segments, stream)
+            for segments, stream, own in ((1, True, True), (1, True, False), (0, False, True), (2, True, False),
+                                          (0, True, True)):
+                ops.set_amx_prompt_tiles(segments, stream, own)
                 outs.append(kernels.linear(x, blob, bias))
         assert ops.set_compact_amx(False) is False
         avx512 = kernels.linear(x, blob, bias)
@@ -161,9 +162,10 @@ def test_packed_and_compact_weights_give_a_row_the_same_bits_in_any_call_on_amx_
         assert torch.equal(got[i:i + 5], kernels.linear(x[i:i + 5], packed, bias)), f"rows {i}.. of {m}"
         assert torch.equal(got[i:i + 5], kernels.linear(x[i:i + 5], blob, bias)), f"rows {i}.. of {m}"
     threads = torch.get_num_threads()
-    try:  # the packed prompt in k-slices of all of K or two segments, x streamed or not, and on one thread
-        for segments, stream, t in ((0, False, threads), (2, True, threads), (1, True, 1)):
-            ops.set_amx_prompt_tiles(segments, stream)
+    try:  # the packed prompt in k-slices of all of K or two segments, x streamed or not, its output lines requested
+        # ahead or not, and on one thread
+        for segments, stream, own, t in ((0, False, True, threads), (2, True, False, threads), (1, True, True, 1)):
+            ops.set_amx_prompt_tiles(segments, stream, own)
             torch.set_num_threads(t)
             assert torch.equal(kernels.linear(x, packed, bias), got), (segments, stream, t)
     finally:

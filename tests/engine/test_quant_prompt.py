@@ -38,10 +38,11 @@ def test_prompt_rows_are_the_bits_of_the_dequantized_weights_on_tiles_in_any_chu
     want = kernels.linear(x, kernels.prepare_weight(w, compact=True), bias)
     for m in (1, 5, 16, 33, 70, ROWS):
         assert torch.equal(kernels.linear(x[:m], blob, bias, prompt_from=0), want[:m]), (fmt, m)
-    try:  # K in k-slices of one segment (the default), two, or all of K; x streamed past L1 or not: the same bits
-        for segments, stream in ((0, False), (2, True), (1, False)):
-            ops.set_amx_prompt_tiles(segments, stream)
-            assert torch.equal(kernels.linear(x, blob, bias, prompt_from=0), want), (fmt, segments, stream)
+    try:  # K in k-slices of one segment (the default), two, or all of K; x streamed past L1 or not; the output lines
+        # requested ahead or not: the same bits
+        for segments, stream, own in ((0, False, True), (2, True, False), (1, False, True), (1, True, False)):
+            ops.set_amx_prompt_tiles(segments, stream, own)
+            assert torch.equal(kernels.linear(x, blob, bias, prompt_from=0), want), (fmt, segments, stream, own)
     finally:
         ops.set_amx_prompt_tiles(1, True)
     int8 = kernels.linear(x[:70], blob, bias)  # no prompt rows: the int8 kernels
