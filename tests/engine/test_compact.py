@@ -116,8 +116,8 @@ def test_amx_tiles_on_compact_weights_decode_once_or_again_to_the_same_bits(m, k
     # blocks, a k-slice of whole segments at a time (one by default, all of K with slice_segments 0), else again for
     # every block; where K is so long that fewer than 4 blocks fit a chunk (K = 4864: 3), the k-slices go outermost
     # and each pair is decoded once per slice for up to 16 blocks (the default, 4, at m = 130 and 300). x streams past
-    # L1 or not; the epilogue's output lines are requested ahead or not. Every way gives the same bits. The AVX-512 compact kernels (the switch off) sum in another order:
-    # close to the tiles, not bitwise.
+    # L1 or not; the epilogue's output lines are requested ahead or not. Every way gives the same bits. The AVX-512
+    # compact kernels (the switch off) sum in another order: close to the tiles, not bitwise.
     w, x = weights(208, k, seed=m), torch.randn(m, k).bfloat16()
     w[3, 5], w[40, k - 800], w[207, k - 1] = 1e4, -1e-25, 7e3  # escapes, patched into each decoded k-tile
     blob, bias = compact(w), torch.randn(208)
