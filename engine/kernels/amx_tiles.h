@@ -317,8 +317,8 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
   // A prompt block's plain epilogue (at once, below): its rows' output lines are requested for ownership a few a
   // k-step through its last segment. Without it, its 32 rows' stores missed on lines not yet owned while the tiles
   // sat idle. Alternated in one process on an Emerald Rapids-class Xeon (benchmarks/README.md, session 47), time with
-  // / without at 512 rows: qkv [1152, 896] 0.89-0.96, o_proj [896, 896] 0.92-0.97, down [896, 4864] 0.99; the
-  // deferred SiLU rows gained nothing from it (1.01-1.04), nor did a plain epilogue deferred like them (0.99-1.02).
+  // / without at 512 rows: qkv [1152, 896] 0.94-0.98 in 4 runs of 6, o_proj [896, 896] 0.95-0.97, down [896, 4864]
+  // 0.99-1.00; the deferred SiLU rows gained nothing from it (1.01-1.04), nor did a plain epilogue deferred like them.
   const int owned = partial && partial->own_lines && last && !(pend && silu) ? rows0 + (MB > 1 ? rows1 : 0) : 0;
   const int owned_per = (owned + steps - 1) / steps;
   int own_row = 0;
