@@ -8,7 +8,7 @@ that a decode step costs about what a small real model's does on 2 cores, so the
 client is `deploykit bench`'s (deploykit/bench/stream.py), which takes 22-27 µs of CPU an event where httpx takes
 176-232: it shares the CPUs it measures, and its CPU a token is reported next to the front end's. Rounds alternate
 direct/HTTP (the host is shared) and the best round of each is kept; overhead_pct_paired_median compares each HTTP round
-with the direct round just before it.
+with the direct round of the same iteration.
 """
 from __future__ import annotations
 
@@ -218,9 +218,9 @@ def main() -> None:
             "overhead_pct": round(overhead, 2),
             "overhead_pct_median": round(100 * (median(r["wall_s"] for r in rs)
                                                 / median(r["wall_s"] for r in rounds["direct"]) - 1), 2),
-            # each round against the direct round just before it (the same minute of this VM), as overhead_pct
-            "overhead_pct_paired_median": round(median(100 * (1 - tps(r) / tps(d))
-                                                       for d, r in zip(rounds["direct"], rs)), 2),
+            # each round against the same iteration's direct round (the same minute of this VM), as overhead_pct
+            "overhead_pct_paired_median": round(median(100 * (1 - tps(r) / tps(dr))
+                                                       for dr, r in zip(rounds["direct"], rs)), 2),
             "meets_target": overhead < 5.0, "tokens_checked": h["tokens"], "sse_events": h["events"],
             "ttft_p50_s": round(median(r["ttft_p50_s"] for r in rs), 4),
             # CPU time per generated token: the front end's is what it takes from the inference CPUs when it shares them

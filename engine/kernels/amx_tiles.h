@@ -315,12 +315,15 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
   const int steps = (int)((Kh + 15) / 16);
   const int per = pend && pend->active() ? (pend->units - pend->done + steps - 1) / steps : 0;
   // A prompt block's plain epilogue (at once, below): its rows' output lines are requested for ownership a few a
-  // k-step through its last segment. Without it, its 32 rows' stores missed on lines not yet owned while the tiles
-  // sat idle. Alternated in one process on an Emerald Rapids-class Xeon (benchmarks/README.md, session 47), time with
-  // / without at 512 rows: qkv [1152, 896] 0.94-0.98 in 4 runs of 6, o_proj [896, 896] 0.95-0.97, down [896, 4864]
-  // 0.99-1.00; the deferred SiLU rows gained nothing from it (1.01-1.04), nor did a plain epilogue deferred like them.
+  // k-step through K's last segment (from own_from in this call). Without it, its 32 rows' stores missed on lines not
+  // yet owned while the tiles sat idle. Alternated in one process on an Emerald Rapids-class Xeon (benchmarks/
+  // README.md, session 47), time with / without at 512 rows: qkv [1152, 896] 0.94-0.98 in 4 runs of 6, o_proj
+  // [896, 896] 0.95-0.97, down [896, 4864] 0.99-1.00; the deferred SiLU rows gained nothing from it (1.01-1.04), nor
+  // did a plain epilogue deferred like them.
   const int owned = partial && partial->own_lines && last && !(pend && silu) ? rows0 + (MB > 1 ? rows1 : 0) : 0;
-  const int owned_per = (owned + steps - 1) / steps;
+  const int64_t own_from = owned ? (k0 + Kh - 1) / seg * seg - k0 : Kh;  // where K's last segment starts, in this call
+  const int own_steps = (int)((Kh - own_from + 15) / 16);
+  const int owned_per = owned ? (owned + own_steps - 1) / own_steps : 0;
   int own_row = 0;
   for (int64_t kp = 0; kp < Kh; kp += 16, a0 += a.step) {
     if (kp > 0 && (k0 + kp) % seg == 0) {  // a segment ends inside this call
@@ -353,9 +356,13 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
     }
     if (per) pend->run(pend->done + per);
     if (ahead) ahead->step();
-    for (int i = 0; i < owned_per && own_row < owned; ++i, ++own_row) {
-      const bf16* o = out + (own_row < rows0 ? own_row : 16 + own_row - rows0) * ldo + nb[0] * 16;
-      asm volatile("prefetchw %0" ::"m"(*reinterpret_cast<const char*>(o)));
+    for (int i = 0; kp >= own_from && i < owned_per && own_row < owned; ++i, ++own_row) {
+      const char* o = reinterpret_cast<const char*>(out + (own_row < rows0 ? own_row : 16 + own_row - rows0) * ldo +
+                                                     nb[0] * 16);
+      asm volatile("prefetchw %0" ::"m"(*o));
+      const char* e = o + NB * 32 - 1;  // the row's last byte of these blocks: in the next line where o is unaligned
+      if ((reinterpret_cast<uintptr_t>(e) ^ reinterpret_cast<uintptr_t>(o)) >= 64)
+        asm volatile("prefetchw %0" ::"m"(*e));
     }
   }
   if (!last) {

@@ -167,7 +167,7 @@ def test_packed_and_compact_weights_give_a_row_the_same_bits_in_any_call_on_amx_
         for segments, stream, own, t in ((0, False, True, threads), (2, True, False, threads), (1, True, True, 1)):
             ops.set_amx_prompt_tiles(segments, stream, own)
             torch.set_num_threads(t)
-            assert torch.equal(kernels.linear(x, packed, bias), got), (segments, stream, t)
+            assert torch.equal(kernels.linear(x, packed, bias), got), (segments, stream, own, t)
     finally:
         ops.set_amx_prompt_tiles(1, True)
         torch.set_num_threads(threads)
