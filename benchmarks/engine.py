@@ -14,7 +14,7 @@ every measurement in alternating order, one at a time, a measurement during whic
 repeated, and each number is reported as best and median over the rounds. Decode rates exclude prefill (they start
 at the step that delivered every sequence's first token); prefill is the time to first token of a 512-token prompt,
 the best of PREFILL_REPEAT back-to-back runs in each round (the matmul peak it is held to is each shape's best of 5
-timed calls: the same statistic on both sides; the first run's time is reported as well).
+timed calls after a warm-up one: a best of several on both sides; the first run's time is reported as well).
 llama.cpp runs with its defaults, flash attention included (auto: on here; runs before 2026-11-25 had it off), and
 N sequences as N parallel sequences of one context (benchmarks/gguf_export.py).
 """
@@ -592,7 +592,8 @@ def main() -> None:
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "workers": infos},
         "settings": {"weights": a.weights, "compact": not a.no_compact, "rounds": a.rounds, "decode_tokens": a.tokens,
                      "decode_prompt_tokens": a.context,
-                     "batch": BATCH, "small_batch": SMALL_BATCH, "prefill_tokens": PREFILL, "quick": a.quick},
+                     "batch": BATCH, "small_batch": SMALL_BATCH, "prefill_tokens": PREFILL,
+                     "prefill_repeat": PREFILL_REPEAT, "quick": a.quick},
         **s, "ratios": derived, "targets": targets,
         "retried_for_foreign_load": {k: sum(x["retries"] for x in v) for k, v in samples.items()},
         "validation": {"gguf": gguf_check, "greedy_agreement": greedy_agreement(samples, a.tokens, single)},
@@ -602,7 +603,8 @@ def main() -> None:
 METHOD = ("roofline = best bandwidth / bytes a decode step reads (all weights but the embedding table); bandwidth = "
           "the best of native reads of 1 GiB and of a buffer of those bytes (1-8 streams a thread, with and without "
           "an L2 prefetch 4 KiB ahead) and an MKL fp32 GEMV; prefill "
-          "TFLOP/s = 2 * decoder-layer matmul params * 512 / TTFT (prefill_vs_bf16: a quantized file's against "
+          "TFLOP/s = 2 * decoder-layer matmul params * 512 / TTFT, the best of prefill_repeat prompts in a row in "
+          "each round (ttft_first_run_s: the first of them; prefill_vs_bf16: a quantized file's against "
           "the bf16 checkpoint's, both ours, in the same rounds); matmul peak = [512,K]x[K,N] on one layer's "
           "shapes (FLOP-weighted), each on its fastest implementation (bf16 ones, or MKL fp32 where faster); "
           "paired_median: the median over rounds of a figure against the same round's probe or peak")
