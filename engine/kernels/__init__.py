@@ -237,6 +237,10 @@ _quant_amx = bool(_ops.set_quant_amx(True)) if _ops is not None and _QUANT and _
 _quant_prompt = bool(_ops.set_quant_prompt_amx(True)) if _ops is not None and _QUANT and _NATIVE.amx else False
 _quant_prompt_linear = _ops.quant_prompt_linear.default if _quant_prompt else None
 _quant_prompt_silu = _ops.quant_prompt_gate_up_silu.default if _quant_prompt else None
+_quant_prompt_silu_panels = _ops.quant_prompt_gate_up_silu_panels.default if _quant_prompt else None
+_quant_prompt_linear_panels = _ops.quant_prompt_linear_panels.default if _quant_prompt else None
+_gate_up_silu_panels = _ops.compact_gate_up_silu_panels.default if _compact_amx else None
+_compact_linear_panels = _ops.compact_linear_panels.default if _compact_amx else None
 # Decode attention's scores on AMX tiles, 16 keys at a time (kernels/attention.h tile_scores): one switch per process,
 # for the attention op and the fused step alike, so their outputs stay bitwise the same.
 _attention_tiles = bool(_ops.set_attention_tiles(True)) if _ops is not None and _NATIVE.amx else False
@@ -270,6 +274,29 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     it, bit for bit what silu_mul(linear(x, w, bias)) gives (prompt_from=0 for a quantized w), without writing the
     [..., 2I] intermediate (kernels/compact_amx.cpp, quant_prompt_amx.cpp)."""
     return _rows_2d(_quant_prompt_silu if w.dtype == _U8 else _gate_up_silu, x, w, bias)
+
+
+# From this many prompt rows on, prompt_mlp hands gate_up's output to the down projection as tile panels.
+PANEL_MIN_M = 64
+
+
+def prompt_mlp_ok(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether prompt_mlp takes a layer's gate_up [2I, K] and down [K, I]: each compact on AMX tiles or quantized with
+    the prompt path on, and I a multiple of 32 (whole panels)."""
+    up_ok = (gate_up_silu_ok(gate_up) or prompt_gate_up_silu_ok(gate_up)) and (
+        (quant_parts(gate_up)[0] if is_quantized(gate_up) else compact_info(gate_up)[0]) % 64 == 0)
+    return up_ok and (on_tiles(down) or (_quant_prompt and is_quantized(down)))
+
+
+def prompt_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None, down: torch.Tensor,
+               down_bias: torch.Tensor | None) -> torch.Tensor:
+    """linear(gate_up_silu(x, gate_up, gate_up_bias), down, down_bias, 0) bit for bit, for PANEL_MIN_M or more prompt
+    rows x [M, K] (bf16) of weights prompt_mlp_ok took: gate_up's SiLU epilogue writes silu(gate) * up as the tile
+    panels that the down projection's A tiles read (kernels/amx_slices.h), where it would otherwise copy that [M, I]
+    intermediate into tile blocks first (at 512 rows of the benchmark model ~0.27 ms a layer, about a tenth of the
+    down projection)."""
+    y = (_quant_prompt_silu_panels if gate_up.dtype == _U8 else _gate_up_silu_panels)(x, gate_up, gate_up_bias)
+    return (_quant_prompt_linear_panels if down.dtype == _U8 else _compact_linear_panels)(y, x.shape[0], down, down_bias)
 
 
 def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

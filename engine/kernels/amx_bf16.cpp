@@ -55,12 +55,12 @@ struct Source {
     begin = reinterpret_cast<const char*>(in_place(nb, k0));
     end = begin + kn * 64;
   }
-  // Block mb of the tile-blocked x against column blocks nb over all of K (below `once` blocks a chunk).
-  void again(int64_t M, const bf16* xbp, int64_t mb, const int64_t* nb, int n, const float* bias, bf16* out,
-             const amx_slices::Pairs& pairs) {
+  // Block mb of x's tiles against column blocks nb over all of K (below `once` blocks a chunk).
+  void again(int64_t M, const amx_slices::XTiles& x, int64_t mb, const int64_t* nb, int n, const float* bias,
+             bf16* out, const amx_slices::Pairs& pairs) {
     const int rows = (int)std::min<int64_t>(32, M - mb * 32);
     amx::PackedB<> b{in_place(nb[0], 0), in_place(nb[n - 1], 0)};
-    amx::tile_blocks(amx::blocked_a(xbp, K / 2, mb), std::min(rows, 16), std::max(rows - 16, 0), b, K / 2, nb, n, bias,
+    amx::tile_blocks(x.at(K / 2, mb), std::min(rows, 16), std::max(rows - 16, 0), b, K / 2, nb, n, bias,
                      out + mb * 32 * pairs.ldo(), pairs.ldo());
   }
 };

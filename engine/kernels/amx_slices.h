@@ -1,8 +1,9 @@
-// A prompt's AMX-BF16 driver for every weight kind: x is copied into tile blocks, and each pair of 16-column blocks
-// gives its B tiles one segment of K at a time (amx_tiles.h), decoded to bf16 once (compact 12-bit, block-quantized)
-// or read in place (packed), for every 32-row block of a chunk that stays in L2; a long K takes the k-slices
-// outermost. A Source says how its blocks decode (compact_amx.cpp, quant_prompt_amx.cpp, amx_bf16.cpp); every way
-// gives each row the same tdpbf16ps sequence and the same order of segment sums (amx_tiles.h).
+// A prompt's AMX-BF16 driver for every weight kind: x is copied into tile blocks (or comes as the panels a gate_up
+// with SiLU wrote, XTiles below), and each pair of 16-column blocks gives its B tiles one segment of K at a time
+// (amx_tiles.h), decoded to bf16 once (compact 12-bit, block-quantized) or read in place (packed), for every 32-row
+// block of a chunk that stays in L2; a long K takes the k-slices outermost. A Source says how its blocks decode
+// (compact_amx.cpp, quant_prompt_amx.cpp, amx_bf16.cpp); every way gives each row the same tdpbf16ps sequence and the
+// same order of segment sums (amx_tiles.h).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -57,8 +58,9 @@ inline int64_t slice_for(int64_t Kh, bool outer) {
 struct Pairs {
   int64_t NB;
   bool silu;
+  int64_t panel = 0;  // with silu: the output in panels of this many elements (amx_tiles.h col_of); 0: rows
   int64_t count() const { return silu ? NB / 2 : (NB + 1) / 2; }
-  int64_t ldo() const { return silu ? NB * 8 : NB * 16; }
+  int64_t ldo() const { return panel ? 32 : silu ? NB * 8 : NB * 16; }
   int ids(int64_t p, int64_t* nb) const {
     nb[0] = silu ? p : 2 * p;
     nb[1] = silu ? NB / 2 + p : 2 * p + 1;
@@ -66,19 +68,29 @@ struct Pairs {
   }
 };
 
+// A prompt's x as its A tiles read it: blocked (amx_block_x, copied from x [M, K]) or panels (amx_tiles.h panel_a,
+// written so by a gate_up with SiLU: rows_pad rows a panel).
+struct XTiles {
+  const bf16* p;
+  int64_t rows_pad = 0;  // panels; 0: blocked
+  amx::ATiles at(int64_t Kh, int64_t mb) const {
+    return rows_pad ? amx::panel_a(p, rows_pad, mb) : amx::blocked_a(p, Kh, mb);
+  }
+};
+
 // Block mb's tiles over k-pairs [k0, k0 + kn) of column blocks nb (n of them), B tiles from `b` (decoded, or in
 // place), the earlier segments' sums at c.
-inline void slice_block(int64_t M, const bf16* xbp, int64_t Kh, int64_t mb, int64_t k0, int64_t kn, const int64_t* nb,
+inline void slice_block(int64_t M, const XTiles& x, int64_t Kh, int64_t mb, int64_t k0, int64_t kn, const int64_t* nb,
                         int n, amx::PackedB<false>& b, float* c, const float* bias, bf16* out, const Pairs& pairs,
                         amx::Pending* pend, amx::Ahead* ahead) {
   const int64_t ldo = pairs.ldo();
   const int rows = (int)std::min<int64_t>(32, M - mb * 32);
-  amx::ATiles a = amx::blocked_a(xbp, Kh, mb);
+  amx::ATiles a = x.at(Kh, mb);
   a.base += (k0 / 16) * a.step;
   const amx::Partial part{c, k0 == 0, k0 + kn == Kh, k0, amx::segment(Kh),
                           amx::own_lines.load(std::memory_order_relaxed)};
   amx::tile_blocks(a, std::min(rows, 16), std::max(rows - 16, 0), b, kn, nb, n, bias, out + mb * 32 * ldo, ldo, &part,
-                   pairs.silu, pend, ahead);
+                   pairs.silu, pend, ahead, pairs.panel);
 }
 
 // The B tiles of pair p's k-pairs [k0, k0 + kn): decoded into buf (two blocks of `slice` k-pairs), or, for a source
@@ -113,7 +125,7 @@ inline amx::Ahead* next_decode(Source& src, const Pairs& pairs, int64_t q, int64
 // Blocks [c0, c1) against pairs [p0, p1), k-slices of `slice` k-pairs outermost; cbuf holds (c1 - c0) * (p1 - p0) *
 // 1024 floats.
 template <class Source>
-inline void k_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pairs, int64_t c0, int64_t c1, int64_t p0,
+inline void k_outer(int64_t M, const XTiles& x, Source& src, const Pairs& pairs, int64_t c0, int64_t c1, int64_t p0,
                     int64_t p1, int64_t slice, bf16* buf, float* cbuf, const float* bias, bf16* out,
                     amx::Pending* pend) {
   const int64_t Kh = src.K / 2;
@@ -128,7 +140,7 @@ inline void k_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pairs,
       if (p + 1 < p1) next = next_decode(src, pairs, p + 1, k0, kn, steps, ahead);
       else if (k0 + kn < Kh) next = next_decode(src, pairs, p0, k0 + kn, std::min(slice, Kh - k0 - kn), steps, ahead);
       for (int64_t mb = c0; mb < c1; ++mb)
-        slice_block(M, xbp, Kh, mb, k0, kn, nb, n, b, cbuf + ((p - p0) * (c1 - c0) + (mb - c0)) * 1024, bias, out,
+        slice_block(M, x, Kh, mb, k0, kn, nb, n, b, cbuf + ((p - p0) * (c1 - c0) + (mb - c0)) * 1024, bias, out,
                     pairs, pend, next);
     }
   }
@@ -138,7 +150,7 @@ inline void k_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pairs,
 // blocks (from `once` blocks on; cbuf holds (c1 - c0) * 1024 floats), else again for
 // every block as its tiles go (src.again).
 template <class Source>
-inline void pair_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pairs, int64_t c0, int64_t c1, int64_t p0,
+inline void pair_outer(int64_t M, const XTiles& x, Source& src, const Pairs& pairs, int64_t c0, int64_t c1, int64_t p0,
                        int64_t p1, int64_t once, int64_t slice, bf16* buf, float* cbuf, const float* bias, bf16* out,
                        amx::Pending* pend) {
   const int64_t Kh = src.K / 2;
@@ -154,27 +166,26 @@ inline void pair_outer(int64_t M, const bf16* xbp, Source& src, const Pairs& pai
         if (k0 + kn < Kh) next = next_decode(src, pairs, p, k0 + kn, std::min(slice, Kh - k0 - kn), steps, ahead);
         else if (p + 1 < p1) next = next_decode(src, pairs, p + 1, 0, std::min(slice, Kh), steps, ahead);
         for (int64_t mb = c0; mb < c1; ++mb)
-          slice_block(M, xbp, Kh, mb, k0, kn, nb, n, b, cbuf + (mb - c0) * 1024, bias, out, pairs, pend, next);
+          slice_block(M, x, Kh, mb, k0, kn, nb, n, b, cbuf + (mb - c0) * 1024, bias, out, pairs, pend, next);
       }
     } else {
       const int n = pairs.ids(p, nb);
       if (pend) pend->flush_held();  // again() runs its own tiles, without the deferred epilogue
-      for (int64_t mb = c0; mb < c1; ++mb) src.again(M, xbp, mb, nb, n, bias, out, pairs);
+      for (int64_t mb = c0; mb < c1; ++mb) src.again(M, x, mb, nb, n, bias, out, pairs);
     }
   }
 }
 
-// xt [M, K] against every pair of src into out (bias fp32 or nullptr), x copied into tile blocks; pairs give their B
-// tiles once for a chunk from `once` 32-row blocks on (Source::again below that), and the k-slices go outermost where a
-// chunk has fewer than `outer` blocks and the call at least that many. The pairs of each chunk (or k-outer span of
-// blocks) go to the threads in runs as they come free (runs.h tile_pairs); a k-outer run is at least OUTER_LEAST
-// pairs (but the last, or where a fixed share would hold fewer), since each run reads its blocks' A slices again.
+// M rows of x (its A tiles: x) against every pair of src into out (bias fp32 or nullptr; with pairs.panel, out is
+// panels); pairs give their B tiles once for a chunk from `once` 32-row blocks on (Source::again below that), and the
+// k-slices go outermost where a chunk has fewer than `outer` blocks and the call at least that many. The pairs of each
+// chunk (or k-outer span of blocks) go to the threads in runs as they come free (runs.h tile_pairs); a k-outer run is
+// at least OUTER_LEAST pairs (but the last, or where a fixed share would hold fewer), since each run reads its blocks'
+// A slices again.
 constexpr int64_t OUTER_LEAST = 4;
 template <class Source>
-void blocked(int64_t M, const at::Tensor& xt, Source& src, const Pairs& pairs, int64_t once, int64_t outer_min,
-             const float* bias, bf16* out) {
-  const at::Tensor xb = amx_block_x(xt);  // zero-padded to whole 32-row blocks
-  const bf16* xbp = xb.data_ptr<bf16>();
+void blocked_tiles(int64_t M, const XTiles& x, Source& src, const Pairs& pairs, int64_t once, int64_t outer_min,
+                   const float* bias, bf16* out) {
   const int64_t mblocks = (M + 31) / 32, chunk = std::max<int64_t>(1, CHUNK_BYTES / (32 * src.K * 2));
   const int64_t np = pairs.count();
   if (np == 0) return;
@@ -203,9 +214,9 @@ void blocked(int64_t M, const at::Tensor& xt, Source& src, const Pairs& pairs, i
         const int64_t c0 = g * group, c1 = std::min(mblocks, c0 + group);
         tile_pairs(runs[g], np, t0, t1, nt, least, [&](int64_t p0, int64_t p1) {
           if (outer)
-            k_outer(M, xbp, src, pairs, c0, c1, p0, p1, slice, buf, cbuf, bias, out, pend);
+            k_outer(M, x, src, pairs, c0, c1, p0, p1, slice, buf, cbuf, bias, out, pend);
           else
-            pair_outer(M, xbp, src, pairs, c0, c1, p0, p1, once, slice, buf, cbuf, bias, out, pend);
+            pair_outer(M, x, src, pairs, c0, c1, p0, p1, once, slice, buf, cbuf, bias, out, pend);
         });
       }
       pending.finish();
@@ -213,6 +224,32 @@ void blocked(int64_t M, const at::Tensor& xt, Source& src, const Pairs& pairs, i
     std::free(buf);
     std::free(cbuf);
   });
+}
+
+// The same for xt [M, K], copied into tile blocks first (zero-padded to whole 32-row blocks).
+template <class Source>
+void blocked(int64_t M, const at::Tensor& xt, Source& src, const Pairs& pairs, int64_t once, int64_t outer_min,
+             const float* bias, bf16* out) {
+  const at::Tensor xb = amx_block_x(xt);
+  blocked_tiles(M, XTiles{xb.data_ptr<bf16>()}, src, pairs, once, outer_min, bias, out);
+}
+
+// Panels for the rows of an [M, K] x (K % 32 == 0), written by a gate_up with SiLU (Pairs::panel): [K/32, rows_pad, 32]
+// with the rows past M zeroed, since the A tiles of the last 32-row block read them.
+inline at::Tensor panels_for(int64_t M, int64_t K, const at::TensorOptions& options) {
+  const int64_t rows_pad = (M + 31) / 32 * 32;
+  at::Tensor p = at::empty({K / 32, rows_pad, 32}, options);
+  if (rows_pad > M) p.narrow(1, M, rows_pad - M).zero_();
+  return p;
+}
+
+// A panels tensor's rows_pad, checked against K and M.
+inline int64_t panel_rows(const at::Tensor& xp, int64_t M, int64_t K) {
+  TORCH_CHECK(xp.dim() == 3 && xp.size(0) * 32 == K && xp.size(2) == 32 && xp.size(1) % 32 == 0 &&
+                  xp.size(1) >= M && xp.size(1) < M + 32 && xp.scalar_type() == at::kBFloat16 && xp.is_contiguous(),
+              "x panels must be a contiguous bf16 [K/32, rows rounded up to 32, 32] tensor for K=", K, " and M=", M,
+              ", got ", xp.sizes());
+  return xp.size(1);
 }
 
 #endif

@@ -85,6 +85,18 @@ inline ATiles blocked_a(const bf16* xb, int64_t Kh, int64_t mb32) {
   return {xb + mb32 * 2 * per_half, 512, per_half, 64, stream_a.load(std::memory_order_relaxed)};
 }
 
+// Panels of x: K/32 panels [rows_pad][32] (rows_pad: the rows rounded up to whole 32-row blocks, the rest zeros),
+// panel q holding columns 32 q .. 32 q + 31. Every tile is a contiguous 1 KiB block, as in blocked x; a prompt's
+// gate_up with SiLU writes its output this way (col_of) for the down projection to read without a copy (amx_slices.h).
+inline ATiles panel_a(const bf16* xp, int64_t rows_pad, int64_t mb32) {
+  return {xp + mb32 * 32 * 32, rows_pad * 32, 512, 64, stream_a.load(std::memory_order_relaxed)};
+}
+
+// Where an output row's column block nb (16 columns) starts: at 16 nb in a plain row, or, with panel (the elements
+// of one panel, rows_pad * 32; 0: plain rows), in panel nb / 2 at column 16 (nb % 2). Rows are `ldo` apart in both
+// (a panel's: 32).
+inline int64_t col_of(int64_t nb, int64_t panel) { return panel ? (nb >> 1) * panel + (nb & 1) * 16 : nb * 16; }
+
 // k-pairs a slice, for Kh k-pairs cut into equal slices of at most `most` (whole k-tiles of 16).
 inline int64_t slice_of(int64_t Kh, int64_t most) {
   const int64_t n = (Kh + most - 1) / most;
@@ -235,13 +247,14 @@ struct Pending {
   }
   // This block's rows (rows0, rows1 of two halves), its last segment's C tiles already in c and the earlier ones'
   // sums in a (or nullptr); nb: the gate and up blocks. a must hold until the rows are out (the next block's k-loop).
-  void set(int rows0, int rows1, const int64_t* nb, const float* bias, bf16* o, int64_t ld, const float* a) {
+  void set(int rows0, int rows1, const int64_t* nb, const float* bias, bf16* o, int64_t ld, const float* a,
+           int64_t panel) {
     acc = a;
     bg = bias ? _mm512_loadu_ps(bias + nb[0] * 16) : _mm512_setzero_ps();
     bu = bias ? _mm512_loadu_ps(bias + nb[1] * 16) : _mm512_setzero_ps();
     rows[0] = rows0;
     rows[1] = rows1;
-    out = o + nb[0] * 16;
+    out = o + col_of(nb[0], panel);
     ldo = ld;
     done = h = r = 0;
     units = rows0 + rows1;
@@ -283,14 +296,15 @@ struct Ahead {
 // from the two blocks' bf16 outputs exactly as silu_mul computes it from a stored gate_up row.
 // pend (or nullptr; only with partial, whose acc outlives the call): a deferred SiLU epilogue (Pending), run a few
 // rows a k-step; with silu, this block's then takes its place, else every epilogue runs at once. ahead (or nullptr):
-// the next decode's weights, requested a few lines a k-step.
+// the next decode's weights, requested a few lines a k-step. panel (a SiLU epilogue only; 0: plain rows): out holds
+// this block's rows in panels (col_of).
 // With a deferred SiLU epilogue, a block's C tiles 2 and 3 stay in the tiles when its last segment ends and are stored
 // in the next block's first k-step, after its products on tiles 0 and 1 (as oneDNN's AMX kernel interleaves its
 // tile stores): 4 tile stores at the end of a block leave the tile unit idle while they drain.
 template <int MB, int NB, class Source>
 inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t Kh, const int64_t nb[NB],
                        const float* bias, bf16* out, int64_t ldo, const Partial* partial = nullptr, bool silu = false,
-                       Pending* pend = nullptr, Ahead* ahead = nullptr) {
+                       Pending* pend = nullptr, Ahead* ahead = nullptr, int64_t panel = 0) {
   if (!partial && pend) {  // a deferred epilogue would outlive `own` below: the previous block's rows go out now
     pend->finish();
     pend = nullptr;
@@ -358,7 +372,7 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
     if (ahead) ahead->step();
     for (int i = 0; kp >= own_from && i < owned_per && own_row < owned; ++i, ++own_row) {
       const char* o = reinterpret_cast<const char*>(out + (own_row < rows0 ? own_row : 16 + own_row - rows0) * ldo +
-                                                     nb[0] * 16);
+                                                     col_of(nb[0], panel));
       asm volatile("prefetchw %0" ::"m"(*o));
       const char* e = o + NB * 32 - 1;  // the row's last byte of these blocks: in the next line where o is unaligned
       if ((reinterpret_cast<uintptr_t>(e) ^ reinterpret_cast<uintptr_t>(o)) >= 64)
@@ -382,7 +396,7 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
           _tile_stored(3, pend->c[3], 64);
         }
       }
-      pend->set(rows0, MB > 1 ? rows1 : 0, nb, bias, out, ldo, prev);
+      pend->set(rows0, MB > 1 ? rows1 : 0, nb, bias, out, ldo, prev, panel);
       pend->held = hold;
       return;
     }
@@ -398,7 +412,7 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
       for (int h = 0; h < MB; ++h)
         for (int r = 0, rows = h == 0 ? rows0 : rows1; r < rows; ++r)
           silu_row(c[h * 2] + r * 16, at(h * 2, r), c[h * 2 + 1] + r * 16, at(h * 2 + 1, r), bg, bu,
-                   out + (h * 16 + r) * ldo + nb[0] * 16);
+                   out + (h * 16 + r) * ldo + col_of(nb[0], panel));
       return;
     }
   }
@@ -417,13 +431,13 @@ inline void tile_block(const ATiles& a, int rows0, int rows1, Source& b, int64_t
 template <class Source>
 inline void tile_blocks(const ATiles& a, int rows0, int rows1, Source& b, int64_t Kh, const int64_t* nb, int n,
                         const float* bias, bf16* out, int64_t ldo, const Partial* partial = nullptr,
-                        bool silu = false, Pending* pend = nullptr, Ahead* ahead = nullptr) {
+                        bool silu = false, Pending* pend = nullptr, Ahead* ahead = nullptr, int64_t panel = 0) {
   if (rows1 > 0) {
-    if (n > 1) tile_block<2, 2>(a, rows0, rows1, b, Kh, nb, bias, out, ldo, partial, silu, pend, ahead);
-    else tile_block<2, 1>(a, rows0, rows1, b, Kh, nb, bias, out, ldo, partial, false, pend, ahead);
+    if (n > 1) tile_block<2, 2>(a, rows0, rows1, b, Kh, nb, bias, out, ldo, partial, silu, pend, ahead, panel);
+    else tile_block<2, 1>(a, rows0, rows1, b, Kh, nb, bias, out, ldo, partial, false, pend, ahead, panel);
   } else {
-    if (n > 1) tile_block<1, 2>(a, rows0, 0, b, Kh, nb, bias, out, ldo, partial, silu, pend, ahead);
-    else tile_block<1, 1>(a, rows0, 0, b, Kh, nb, bias, out, ldo, partial, false, pend, ahead);
+    if (n > 1) tile_block<1, 2>(a, rows0, 0, b, Kh, nb, bias, out, ldo, partial, silu, pend, ahead, panel);
+    else tile_block<1, 1>(a, rows0, 0, b, Kh, nb, bias, out, ldo, partial, false, pend, ahead, panel);
   }
 }
 

@@ -47,14 +47,14 @@ struct Source {
     begin = reinterpret_cast<const char*>(w.data + (nb * w.groups + k0 / 4) * compact::GROUP_BYTES);
     end = begin + kn / 4 * compact::GROUP_BYTES;
   }
-  // Block mb of the tile-blocked x against column blocks nb, decoding their k-tiles again as the tiles go.
-  void again(int64_t M, const bf16* xbp, int64_t mb, const int64_t* nb, int n, const float* bias, bf16* out,
-             const Pairs& pairs) {
+  // Block mb of x's tiles against column blocks nb, decoding their k-tiles again as the tiles go.
+  void again(int64_t M, const amx_slices::XTiles& x, int64_t mb, const int64_t* nb, int n, const float* bias,
+             bf16* out, const Pairs& pairs) {
     alignas(64) bf16 buf[2 * 1024];
     const int rows = (int)std::min<int64_t>(32, M - mb * 32);
     compact_amx::CompactB b(w, nb, n, buf);
-    amx::tile_blocks(amx::blocked_a(xbp, K / 2, mb), std::min(rows, 16), std::max(rows - 16, 0), b, K / 2, nb, n, bias,
-                     out + mb * 32 * pairs.ldo(), pairs.ldo(), nullptr, pairs.silu);
+    amx::tile_blocks(x.at(K / 2, mb), std::min(rows, 16), std::max(rows - 16, 0), b, K / 2, nb, n, bias,
+                     out + mb * 32 * pairs.ldo(), pairs.ldo(), nullptr, pairs.silu, nullptr, nullptr, pairs.panel);
   }
 };
 
@@ -105,6 +105,47 @@ at::Tensor compact_gate_up_silu_amx(const at::Tensor& x, const at::Tensor& blob,
   return out;
 }
 
+// A prompt's MLP without copying the down projection's x into tile blocks: compact_gate_up_silu_panels writes
+// silu(gate) * up for M > 32 prompt rows as panels (amx_slices.h panels_for), each value the bits
+// compact_gate_up_silu_amx gives it; compact_linear_panels (and quant_prompt_linear_panels) read them as their A
+// tiles. The copy it saves was ~0.27 ms a layer at 512 rows of the benchmark model ([512, 4864], about a tenth of the
+// down projection's time; benchmarks/README.md, session 49).
+at::Tensor compact_gate_up_silu_panels(const at::Tensor& x, const at::Tensor& blob,
+                                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_init(), "AMX tile state was not granted by the OS");
+  const compact::Matrix w = compact::matrix(blob);
+  TORCH_CHECK(w.K % op_args::BLOCK_K == 0, "the AMX path needs K % ", op_args::BLOCK_K, " == 0, got K=", w.K);
+  TORCH_CHECK(w.N % 64 == 0, "panels of gate_up's output need whole 32-column panels of gate and of up, got N=", w.N);
+  op_args::check_x(x, w.K);
+  const int64_t M = x.size(0);
+  TORCH_CHECK(M > 32, "panels are for a prompt's rows (more than 32), got ", M);
+  const at::Tensor b = op_args::float_bias(bias, w.N);
+  at::Tensor out = amx_slices::panels_for(M, w.N / 2, x.options());
+  Source src{w, w.K};
+  const int64_t once = decode_once_min_blocks.load(std::memory_order_relaxed);
+  amx_slices::blocked(M, x, src, Pairs{w.N / 16, true, out.size(1) * 32}, once, once,
+                      b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<bf16>());
+  return out;
+}
+
+// xp: panels of M > 32 prompt rows [K/32, M rounded up to 32, 32] -> [M, N] bf16, each row the bits
+// compact_linear_amx gives it from the same rows as [M, K].
+at::Tensor compact_linear_panels(const at::Tensor& xp, int64_t M, const at::Tensor& blob,
+                                 const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_init(), "AMX tile state was not granted by the OS");
+  const compact::Matrix w = compact::matrix(blob);
+  TORCH_CHECK(w.K % op_args::BLOCK_K == 0, "the AMX path needs K % ", op_args::BLOCK_K, " == 0, got K=", w.K);
+  TORCH_CHECK(M > 32, "panels are for a prompt's rows (more than 32), got ", M);
+  const int64_t rows_pad = amx_slices::panel_rows(xp, M, w.K);
+  const at::Tensor b = op_args::float_bias(bias, w.N);
+  at::Tensor out = at::empty({M, w.N}, xp.options());
+  Source src{w, w.K};
+  const int64_t once = decode_once_min_blocks.load(std::memory_order_relaxed);
+  amx_slices::blocked_tiles(M, amx_slices::XTiles{xp.data_ptr<bf16>(), rows_pad}, src, Pairs{w.N / 16, false}, once,
+                            once, b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<bf16>());
+  return out;
+}
+
 // Turns the AMX path on or off for every compact matrix it can take (compact_amx::on); true if it is now on.
 bool set_compact_amx(bool on) {
   compact_amx::enabled.store(on && amx_init());
@@ -118,6 +159,14 @@ at::Tensor compact_linear_amx(const at::Tensor&, const at::Tensor&, const std::o
 }
 
 at::Tensor compact_gate_up_silu_amx(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "this kernel library was built without AMX");
+}
+
+at::Tensor compact_gate_up_silu_panels(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "this kernel library was built without AMX");
+}
+
+at::Tensor compact_linear_panels(const at::Tensor&, int64_t, const at::Tensor&, const std::optional<at::Tensor>&) {
   TORCH_CHECK(false, "this kernel library was built without AMX");
 }
 
@@ -155,11 +204,15 @@ TORCH_LIBRARY_FRAGMENT(deploykit, m) {
   m.def("set_amx_prompt_tiles(int slice_segments, bool stream_a, bool own_lines=True) -> ()", &set_amx_prompt_tiles);
   m.def("compact_linear_amx(Tensor x, Tensor blob, Tensor? bias) -> Tensor");
   m.def("compact_gate_up_silu_amx(Tensor x, Tensor blob, Tensor? bias) -> Tensor");
+  m.def("compact_gate_up_silu_panels(Tensor x, Tensor blob, Tensor? bias) -> Tensor");
+  m.def("compact_linear_panels(Tensor xp, int M, Tensor blob, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deploykit, CPU, m) {
   m.impl("compact_linear_amx", &compact_linear_amx);
   m.impl("compact_gate_up_silu_amx", &compact_gate_up_silu_amx);
+  m.impl("compact_gate_up_silu_panels", &compact_gate_up_silu_panels);
+  m.impl("compact_linear_panels", &compact_linear_panels);
 }
 
 }  // namespace deploykit

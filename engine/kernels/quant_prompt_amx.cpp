@@ -119,7 +119,8 @@ struct Source {
       end = reinterpret_cast<const char*>(base + ((k0 + kn) / 16 + inf.units - 1) / inf.units * inf.chunk_bytes);
     });
   }
-  void again(int64_t, const bf16*, int64_t, const int64_t*, int, const float*, bf16*, const amx_slices::Pairs&) {
+  void again(int64_t, const amx_slices::XTiles&, int64_t, const int64_t*, int, const float*, bf16*,
+             const amx_slices::Pairs&) {
     TORCH_CHECK(false, "quantized prompt rows decode each slice once");  // blocked() is called with once = 1
   }
 };
@@ -175,6 +176,47 @@ at::Tensor quant_prompt_gate_up_silu(const at::Tensor& x, const at::Tensor& blob
   return out;
 }
 
+// A prompt's MLP in panels, as compact_amx.cpp's compact_gate_up_silu_panels and compact_linear_panels: every row a
+// prompt's (M > 32), gate_up + SiLU written as panels (amx_slices.h panels_for) with each value the bits
+// quant_prompt_gate_up_silu gives it, and a matrix reading panels as its A tiles with each row the bits
+// quant_prompt_linear gives it (prompt_from 0), without copying x into tile blocks.
+at::Tensor quant_prompt_gate_up_silu_panels(const at::Tensor& x, const at::Tensor& blob,
+                                            const std::optional<at::Tensor>& bias) {
+  const Matrix w = matrix(blob);
+  TORCH_CHECK(enabled.load(), "the quantized prompt path is off (set_quant_prompt_amx)");
+  TORCH_CHECK(w.N % 64 == 0, "panels of gate_up's output need whole 32-column panels of gate and of up, got N=", w.N);
+  op_args::check_x(x, w.K);
+  const int64_t M = x.size(0);
+  TORCH_CHECK(M > 32, "panels are for a prompt's rows (more than 32), got ", M);
+  const at::Tensor b = op_args::float_bias(bias, w.N);
+  at::Tensor out;
+#ifdef DEPLOYKIT_PROMPT_AMX
+  out = amx_slices::panels_for(M, w.N / 2, x.options());
+  Source src{w, w.K};
+  amx_slices::blocked(M, x, src, amx_slices::Pairs{w.N / 16, true, out.size(1) * 32}, 1, OUTER_MIN,
+                      b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<bf16>());
+#endif
+  return out;
+}
+
+at::Tensor quant_prompt_linear_panels(const at::Tensor& xp, int64_t M, const at::Tensor& blob,
+                                      const std::optional<at::Tensor>& bias) {
+  const Matrix w = matrix(blob);
+  TORCH_CHECK(enabled.load(), "the quantized prompt path is off (set_quant_prompt_amx)");
+  TORCH_CHECK(M > 32, "panels are for a prompt's rows (more than 32), got ", M);
+  at::Tensor out;
+#ifdef DEPLOYKIT_PROMPT_AMX
+  const int64_t rows_pad = amx_slices::panel_rows(xp, M, w.K);
+  const at::Tensor b = op_args::float_bias(bias, w.N);
+  out = at::empty({M, w.N}, xp.options());
+  Source src{w, w.K};
+  amx_slices::blocked_tiles(M, amx_slices::XTiles{xp.data_ptr<bf16>(), rows_pad}, src,
+                            amx_slices::Pairs{w.N / 16, false}, 1, OUTER_MIN, b.defined() ? b.data_ptr<float>() : nullptr,
+                            out.data_ptr<bf16>());
+#endif
+  return out;
+}
+
 // Turns the prompt path on (where the build has AMX-BF16 code and the OS grants tile state) or off; true if now on.
 bool set_quant_prompt_amx(bool on) {
 #ifdef DEPLOYKIT_PROMPT_AMX
@@ -189,11 +231,15 @@ TORCH_LIBRARY_FRAGMENT(deploykit, m) {
   m.def("set_quant_prompt_amx(bool on) -> bool", &set_quant_prompt_amx);
   m.def("quant_prompt_linear(Tensor x, Tensor blob, Tensor? bias, int prompt_from) -> Tensor");
   m.def("quant_prompt_gate_up_silu(Tensor x, Tensor blob, Tensor? bias) -> Tensor");
+  m.def("quant_prompt_gate_up_silu_panels(Tensor x, Tensor blob, Tensor? bias) -> Tensor");
+  m.def("quant_prompt_linear_panels(Tensor xp, int M, Tensor blob, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deploykit, CPU, m) {
   m.impl("quant_prompt_linear", &quant_prompt_linear);
   m.impl("quant_prompt_gate_up_silu", &quant_prompt_gate_up_silu);
+  m.impl("quant_prompt_gate_up_silu_panels", &quant_prompt_gate_up_silu_panels);
+  m.impl("quant_prompt_linear_panels", &quant_prompt_linear_panels);
 }
 
 }  // namespace deploykit

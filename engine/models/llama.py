@@ -84,6 +84,10 @@ class LlamaModel:
         # The same for a prompt's rows on quantized weights (decode rows keep the int8 kernels).
         self.prompt_gate_up_silu = (self.act_fused and self.dtype == torch.bfloat16
                                     and all(kernels.prompt_gate_up_silu_ok(L.gate_up) for L in self.layers))
+        # A prompt's whole MLP with gate_up's output handed to the down projection as tile panels (no copy into tile
+        # blocks between them): the same bits as gate_up_silu, then linear.
+        self.prompt_mlp = (self.act_fused and self.dtype == torch.bfloat16
+                           and all(kernels.prompt_mlp_ok(L.gate_up, L.down) for L in self.layers))
 
     def _load(self, r, held: quant.Loader, take) -> None:
         """take(t) -> the arena's copy of t; each weight is taken once it has its final form."""
@@ -269,6 +273,8 @@ class LlamaModel:
             for i in range(0, n, MLP_ROWS):
                 d[i:i + MLP_ROWS] = self.mlp(L, x[i:i + MLP_ROWS], min(max(nd - i, 0), MLP_ROWS))
             return d
+        if nd == 0 and n >= kernels.PANEL_MIN_M and self.prompt_mlp:
+            return kernels.prompt_mlp(x, L.gate_up, L.gate_up_bias, L.down, L.down_bias)
         if self.gate_up_silu or (nd == 0 and self.prompt_gate_up_silu):
             y = kernels.gate_up_silu(x, L.gate_up, L.gate_up_bias)            # [N, I]
         elif self.act_fused:
