@@ -296,7 +296,8 @@ def prompt_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tenso
     intermediate into tile blocks first (at 512 rows of the benchmark model ~0.27 ms a layer, about a tenth of the
     down projection)."""
     y = (_quant_prompt_silu_panels if gate_up.dtype == _U8 else _gate_up_silu_panels)(x, gate_up, gate_up_bias)
-    return (_quant_prompt_linear_panels if down.dtype == _U8 else _compact_linear_panels)(y, x.shape[0], down, down_bias)
+    linear_panels = _quant_prompt_linear_panels if down.dtype == _U8 else _compact_linear_panels
+    return linear_panels(y, x.shape[0], down, down_bias)
 
 
 def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,9 @@ namespace amx_slices {
 
 using bf16 = at::BFloat16;
 
-// A prompt's x (past 32 rows; packed weights: from 64) is copied into tile blocks and taken in chunks of 32-row
-// blocks of at most CHUNK_BYTES, which stay in L2 (2 MiB a core on every AMX CPU so far) while each column-block pair
-// of a thread's run goes over them.
+// A prompt's x (past 32 rows; packed weights: from 64) is copied into tile blocks (or read as panels) and taken in
+// chunks of 32-row blocks of at most CHUNK_BYTES, which stay in L2 (2 MiB a core on every AMX CPU so far) while each
+// column-block pair of a thread's run goes over them.
 constexpr int64_t CHUNK_BYTES = 1024 * 1024;
 // Decoded once, a pair is decoded a k-slice at a time into a buffer, and every 32-row block of the chunk runs that
 // slice's tiles on it. A slice is one segment of K (amx_tiles.h: at most 28 KiB of the pair's B tiles, which stay in
@@ -186,6 +186,8 @@ constexpr int64_t OUTER_LEAST = 4;
 template <class Source>
 void blocked_tiles(int64_t M, const XTiles& x, Source& src, const Pairs& pairs, int64_t once, int64_t outer_min,
                    const float* bias, bf16* out) {
+  TORCH_CHECK(!pairs.panel || (pairs.silu && pairs.NB % 4 == 0),
+              "AMX tiles: only a SiLU epilogue over whole 32-column panels writes panels");
   const int64_t mblocks = (M + 31) / 32, chunk = std::max<int64_t>(1, CHUNK_BYTES / (32 * src.K * 2));
   const int64_t np = pairs.count();
   if (np == 0) return;
@@ -240,6 +242,19 @@ inline at::Tensor panels_for(int64_t M, int64_t K, const at::TensorOptions& opti
   const int64_t rows_pad = (M + 31) / 32 * 32;
   at::Tensor p = at::empty({K / 32, rows_pad, 32}, options);
   if (rows_pad > M) p.narrow(1, M, rows_pad - M).zero_();
+  return p;
+}
+
+// The M rows [M, K] that panels xp hold (a copy).
+inline at::Tensor rows_of(const at::Tensor& xp, int64_t M) {
+  return xp.narrow(1, 0, M).transpose(0, 1).reshape({M, xp.size(0) * 32});
+}
+
+// Rows y [M, K] as panels (panels_for), for a path that computed rows.
+inline at::Tensor panels_of(const at::Tensor& y) {
+  const int64_t M = y.size(0), K = y.size(1);
+  at::Tensor p = panels_for(M, K, y.options());
+  p.narrow(1, 0, M).copy_(y.view({M, K / 32, 32}).transpose(0, 1));
   return p;
 }
 

@@ -65,8 +65,9 @@ struct Tiles {
 };
 
 // Where the A tiles of one M block live: tile k-step s of half h starts at base + h * half + s * step (elements)
-// with rows `ld` bytes apart. stream: loaded with tileloaddt1 (a prefill's blocked x, read once per pair from L2:
-// it should not push the pair's B tiles out of L1); else tileloadd (a few rows read in place, again for every pair).
+// with rows `ld` bytes apart. stream: loaded with tileloaddt1 (a prefill's blocked x or panels, read once per pair
+// from L2: it should not push the pair's B tiles out of L1); else tileloadd (a few rows read in place, again for
+// every pair).
 struct ATiles {
   const bf16* base;
   int64_t step, half, ld;
@@ -76,7 +77,8 @@ struct ATiles {
 // Plain x [M, K]: tiles are read in place with the activation's row stride.
 inline ATiles plain_a(const bf16* x, int64_t ldx) { return {x, 32, 16 * ldx, ldx * (int64_t)sizeof(bf16)}; }
 
-// Whether blocked x streams (ATiles::stream): runtime-settable to measure it (set_amx_prompt_tiles, compact_amx.cpp).
+// Whether blocked x and panels stream (ATiles::stream): runtime-settable to measure it (set_amx_prompt_tiles,
+// compact_amx.cpp).
 inline std::atomic<bool> stream_a{true};
 
 // Blocked x [M/16, K/32, 16, 32]: every tile is one contiguous 1 KiB block.
@@ -246,7 +248,8 @@ struct Pending {
     run(units);
   }
   // This block's rows (rows0, rows1 of two halves), its last segment's C tiles already in c and the earlier ones'
-  // sums in a (or nullptr); nb: the gate and up blocks. a must hold until the rows are out (the next block's k-loop).
+  // sums in a (or nullptr); nb: the gate and up blocks; o: the block's first row, rows `ld` apart, in panels of
+  // `panel` elements where panel is not 0 (col_of). a must hold until the rows are out (the next block's k-loop).
   void set(int rows0, int rows1, const int64_t* nb, const float* bias, bf16* o, int64_t ld, const float* a,
            int64_t panel) {
     acc = a;

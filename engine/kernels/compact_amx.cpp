@@ -1,11 +1,12 @@
 // compact_linear on AMX tiles (compact_amx.h) for every M, the MLP's gate_up with silu(gate) * up applied as the
-// tiles are stored, and the switch that turns them on.
+// tiles are stored, a prompt's gate_up written as tile panels and a matrix that reads them, and the switch that turns
+// them on.
 //
 // Up to 32 rows, x is read in place and each thread decodes its column blocks' k-tiles into L1 as the tiles take
-// them. Past 32 rows (prefill), x is copied into tile blocks, and a chunk of 32-row blocks either decodes each pair
-// of column blocks again per block, or once, a segment of K at a time that every block of the chunk reads from L1; a
-// long K takes the segments outermost (amx_slices.h). Every way gives each row the same tdpbf16ps sequence and the
-// same order of segment sums (amx_tiles.h).
+// them. Past 32 rows (prefill), x is copied into tile blocks (or comes as panels), and a chunk of 32-row blocks
+// either decodes each pair of column blocks again per block, or once, a segment of K at a time that every block of
+// the chunk reads from L1; a long K takes the segments outermost (amx_slices.h). Every way gives each row the same
+// tdpbf16ps sequence and the same order of segment sums (amx_tiles.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -17,6 +18,9 @@
 #include "op_args.h"
 
 namespace deploykit {
+
+at::Tensor compact_linear(const at::Tensor& x, const at::Tensor& blob,
+                          const std::optional<at::Tensor>& bias);  // compact_bf16.cpp
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 
@@ -108,8 +112,9 @@ at::Tensor compact_gate_up_silu_amx(const at::Tensor& x, const at::Tensor& blob,
 // A prompt's MLP without copying the down projection's x into tile blocks: compact_gate_up_silu_panels writes
 // silu(gate) * up for M > 32 prompt rows as panels (amx_slices.h panels_for), each value the bits
 // compact_gate_up_silu_amx gives it; compact_linear_panels (and quant_prompt_linear_panels) read them as their A
-// tiles. The copy it saves was ~0.27 ms a layer at 512 rows of the benchmark model ([512, 4864], about a tenth of the
-// down projection's time; benchmarks/README.md, session 49).
+// tiles. The copy it saves took ~0.27 ms a layer at 512 rows of the benchmark model ([512, 4864] bf16, about a tenth
+// of the down projection's time); a 512-token prefill took 0.93x the time with panels (benchmarks/README.md, "A
+// prompt's MLP through tile panels").
 at::Tensor compact_gate_up_silu_panels(const at::Tensor& x, const at::Tensor& blob,
                                        const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(amx_init(), "AMX tile state was not granted by the OS");
@@ -137,6 +142,8 @@ at::Tensor compact_linear_panels(const at::Tensor& xp, int64_t M, const at::Tens
   TORCH_CHECK(w.K % op_args::BLOCK_K == 0, "the AMX path needs K % ", op_args::BLOCK_K, " == 0, got K=", w.K);
   TORCH_CHECK(M > 32, "panels are for a prompt's rows (more than 32), got ", M);
   const int64_t rows_pad = amx_slices::panel_rows(xp, M, w.K);
+  // Switched off (set_compact_amx): the rows as compact_linear takes them then, so the bits stay linear's.
+  if (!compact_amx::enabled.load()) return compact_linear(amx_slices::rows_of(xp, M), blob, bias);
   const at::Tensor b = op_args::float_bias(bias, w.N);
   at::Tensor out = at::empty({M, w.N}, xp.options());
   Source src{w, w.K};
@@ -174,7 +181,8 @@ bool set_compact_amx(bool) { return false; }
 
 #endif
 
-// From how many 32-row blocks of a chunk compact_linear_amx decodes each pair of column blocks once (default 4).
+// From how many 32-row blocks of a chunk compact_linear_amx (and the panel ops) decodes each pair of column blocks once
+// (default 4).
 void set_compact_amx_decode_once(int64_t blocks) {
   TORCH_CHECK(blocks >= 1, "the decode-once path needs at least one 32-row block, not ", blocks);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)

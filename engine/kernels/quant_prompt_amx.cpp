@@ -121,7 +121,7 @@ struct Source {
   }
   void again(int64_t, const amx_slices::XTiles&, int64_t, const int64_t*, int, const float*, bf16*,
              const amx_slices::Pairs&) {
-    TORCH_CHECK(false, "quantized prompt rows decode each slice once");  // blocked() is called with once = 1
+    TORCH_CHECK(false, "quantized prompt rows decode each slice once");  // blocked(_tiles) get once = 1
   }
 };
 
@@ -182,39 +182,42 @@ at::Tensor quant_prompt_gate_up_silu(const at::Tensor& x, const at::Tensor& blob
 // quant_prompt_linear gives it (prompt_from 0), without copying x into tile blocks.
 at::Tensor quant_prompt_gate_up_silu_panels(const at::Tensor& x, const at::Tensor& blob,
                                             const std::optional<at::Tensor>& bias) {
+#ifdef DEPLOYKIT_PROMPT_AMX
   const Matrix w = matrix(blob);
-  TORCH_CHECK(enabled.load(), "the quantized prompt path is off (set_quant_prompt_amx)");
   TORCH_CHECK(w.N % 64 == 0, "panels of gate_up's output need whole 32-column panels of gate and of up, got N=", w.N);
   op_args::check_x(x, w.K);
   const int64_t M = x.size(0);
   TORCH_CHECK(M > 32, "panels are for a prompt's rows (more than 32), got ", M);
+  // Switched off (set_quant_prompt_amx): the int8 rows gate_up_silu gives then, as panels.
+  if (!enabled.load()) return amx_slices::panels_of(quant_prompt_gate_up_silu(x, blob, bias));
   const at::Tensor b = op_args::float_bias(bias, w.N);
-  at::Tensor out;
-#ifdef DEPLOYKIT_PROMPT_AMX
-  out = amx_slices::panels_for(M, w.N / 2, x.options());
+  at::Tensor out = amx_slices::panels_for(M, w.N / 2, x.options());
   Source src{w, w.K};
   amx_slices::blocked(M, x, src, amx_slices::Pairs{w.N / 16, true, out.size(1) * 32}, 1, OUTER_MIN,
                       b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<bf16>());
-#endif
   return out;
+#else
+  TORCH_CHECK(false, "this kernel library was built without AMX");
+#endif
 }
 
 at::Tensor quant_prompt_linear_panels(const at::Tensor& xp, int64_t M, const at::Tensor& blob,
                                       const std::optional<at::Tensor>& bias) {
-  const Matrix w = matrix(blob);
-  TORCH_CHECK(enabled.load(), "the quantized prompt path is off (set_quant_prompt_amx)");
-  TORCH_CHECK(M > 32, "panels are for a prompt's rows (more than 32), got ", M);
-  at::Tensor out;
 #ifdef DEPLOYKIT_PROMPT_AMX
+  const Matrix w = matrix(blob);
+  TORCH_CHECK(M > 32, "panels are for a prompt's rows (more than 32), got ", M);
   const int64_t rows_pad = amx_slices::panel_rows(xp, M, w.K);
+  if (!enabled.load()) return quant_prompt_linear(amx_slices::rows_of(xp, M), blob, bias, 0);  // switched off: int8
   const at::Tensor b = op_args::float_bias(bias, w.N);
-  out = at::empty({M, w.N}, xp.options());
+  at::Tensor out = at::empty({M, w.N}, xp.options());
   Source src{w, w.K};
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   amx_slices::blocked_tiles(M, amx_slices::XTiles{xp.data_ptr<bf16>(), rows_pad}, src,
-                            amx_slices::Pairs{w.N / 16, false}, 1, OUTER_MIN, b.defined() ? b.data_ptr<float>() : nullptr,
-                            out.data_ptr<bf16>());
-#endif
+                            amx_slices::Pairs{w.N / 16, false}, 1, OUTER_MIN, bp, out.data_ptr<bf16>());
   return out;
+#else
+  TORCH_CHECK(false, "this kernel library was built without AMX");
+#endif
 }
 
 // Turns the prompt path on (where the build has AMX-BF16 code and the OS grants tile state) or off; true if now on.

@@ -48,11 +48,12 @@ def test_a_prompts_mlp_through_panels_is_gate_up_silu_then_down_bit_for_bit(gate
     gu, gub, dn, dnb = layer(gate, down, 512, 768)
     assert kernels.prompt_mlp_ok(gu, dn)
     x = (torch.randn(300, 512) * 2).bfloat16()
-    try:  # K in slices of one segment (the default), whole K or two; compact pairs decoded once or again per block
-        for segments, once in ((1, 4), (0, 1), (2, 64)):
-            ops.set_amx_prompt_tiles(segments, True)
+    try:  # K in slices of one segment (the default), whole K or two; compact pairs decoded once or again per block;
+        # x streamed past L1 or not; plain epilogues' lines requested ahead or not
+        for segments, once, stream, own in ((1, 4, True, True), (0, 1, False, True), (2, 64, True, False)):
+            ops.set_amx_prompt_tiles(segments, stream, own)
             ops.set_compact_amx_decode_once(once)
-            for m in (kernels.PANEL_MIN_M, 65, 161, 300):
+            for m in (kernels.PANEL_MIN_M, 65, 120, 161, 250, 300):  # 0-31 rows in the last block's second half
                 want = kernels.linear(kernels.gate_up_silu(x[:m], gu, gub), dn, dnb, prompt_from=0)
                 assert torch.equal(kernels.prompt_mlp(x[:m], gu, gub, dn, dnb), want), (segments, once, m)
             want = kernels.linear(kernels.gate_up_silu(x[:100], gu, None), dn, None, prompt_from=0)
@@ -65,10 +66,21 @@ def test_a_prompts_mlp_through_panels_is_gate_up_silu_then_down_bit_for_bit(gate
 @pytest.mark.parametrize("kind", ["compact", "Q4_0"])
 def test_a_long_k_down_projection_reads_panels_k_outer_with_the_same_bits(kind):
     """The benchmark model's down projection has K = 4864: a chunk of its blocks does not stay in L2, so its k-slices
-    go outermost (amx_slices.h k_outer) from 4 blocks on."""
+    go outermost (amx_slices.h k_outer) from 4 blocks on; 96 rows (3 blocks) decode each compact pair again per block
+    instead."""
     gu, gub, dn, dnb = layer(kind, kind, 256, 4864)
     x = torch.randn(200, 256).bfloat16()
     for m in (96, 128, 200):
+        want = kernels.linear(kernels.gate_up_silu(x[:m], gu, gub), dn, dnb, prompt_from=0)
+        assert torch.equal(kernels.prompt_mlp(x[:m], gu, gub, dn, dnb), want), m
+
+
+@pytest.mark.parametrize("kind", ["compact", "Q4_0"])
+def test_a_long_k_gate_up_writes_its_panels_k_outer_with_the_same_bits(kind):
+    """A hidden size past ~4,000 takes gate_up's k-slices outermost too: its SiLU rows go to panels from there."""
+    gu, gub, dn, dnb = layer(kind, kind, 4352, 128)
+    x = torch.randn(250, 4352).bfloat16()
+    for m in (120, 250):
         want = kernels.linear(kernels.gate_up_silu(x[:m], gu, gub), dn, dnb, prompt_from=0)
         assert torch.equal(kernels.prompt_mlp(x[:m], gu, gub, dn, dnb), want), m
 
@@ -82,6 +94,27 @@ def test_gate_up_panels_hold_its_rows_and_zeros_past_them(kind):
     assert panels.shape == (512 // 32, 96, 32)
     assert torch.equal(rows_of(panels, 70), kernels.gate_up_silu(x, gu, gub))
     assert not panels[:, 70:].any()  # the last block's A tiles read these rows
+
+
+def test_switched_off_tile_paths_give_their_fallbacks_bits_through_panels_too():
+    """set_quant_prompt_amx(False) sends a quantized prompt to the int8 kernels and set_compact_amx(False) a compact
+    matrix to the AVX-512 kernels: the panel ops then give those paths' bits, as gate_up_silu and linear do."""
+    x = torch.randn(100, 512).bfloat16()
+    gu, gub, dn, dnb = layer("Q4_0", "Q8_0", 512, 768)
+    try:
+        assert ops.set_quant_prompt_amx(False) is False
+        want = kernels.linear(kernels.gate_up_silu(x, gu, gub), dn, dnb, prompt_from=0)
+        assert torch.equal(kernels.prompt_mlp(x, gu, gub, dn, dnb), want)
+    finally:
+        assert ops.set_quant_prompt_amx(True)
+    assert not torch.equal(kernels.prompt_mlp(x, gu, gub, dn, dnb), want)  # the int8 path's bits differ
+    gu, gub, dn, dnb = layer("compact", "compact", 512, 768)
+    try:
+        assert ops.set_compact_amx(False) is False
+        want = kernels.linear(kernels.gate_up_silu(x, gu, gub), dn, dnb, prompt_from=0)
+        assert torch.equal(kernels.prompt_mlp(x, gu, gub, dn, dnb), want)
+    finally:
+        assert ops.set_compact_amx(True)
 
 
 def test_panels_are_refused_where_they_do_not_fit():
@@ -103,8 +136,9 @@ def test_panels_are_refused_where_they_do_not_fit():
 
 
 def test_a_models_prefill_through_panels_gives_the_same_tokens_and_logits(tiny_model, monkeypatch):
+    # No prefix cache: the second run must prefill its prompts itself rather than take the first run's KV.
     core = EngineCore(EngineConfig(tiny_model("qwen2", intermediate=192), dtype="bfloat16", max_model_len=256,
-                                   compact_weights=True))
+                                   compact_weights=True, prefix_caching=False))
     model = core.model
     assert model.prompt_mlp
     calls = []
@@ -127,7 +161,7 @@ def test_a_models_prefill_through_panels_gives_the_same_tokens_and_logits(tiny_m
 
     with_panels = greedy(True)
     n = len(logits)
-    assert calls and min(calls) >= kernels.PANEL_MIN_M  # the prefill went through panels, every layer
+    assert sum(calls) == 210 * len(model.layers)  # every prompt row of every layer went through panels
     calls.clear()
     assert greedy(False) == with_panels and not calls
     assert len(logits) == 2 * n and all(torch.equal(a, b) for a, b in zip(logits[:n], logits[n:]))
