@@ -64,23 +64,15 @@ def test_a_prompts_mlp_through_panels_is_gate_up_silu_then_down_bit_for_bit(gate
 
 
 @pytest.mark.parametrize("kind", ["compact", "Q4_0"])
-def test_a_long_k_down_projection_reads_panels_k_outer_with_the_same_bits(kind):
+@pytest.mark.parametrize("hidden,inter,rows", [(256, 4864, (96, 128, 200)), (4352, 128, (120, 250))],
+                         ids=["long-k-down", "long-k-gate-up"])
+def test_a_long_k_reads_or_writes_panels_k_outer_with_the_same_bits(kind, hidden, inter, rows):
     """The benchmark model's down projection has K = 4864: a chunk of its blocks does not stay in L2, so its k-slices
-    go outermost (amx_slices.h k_outer) from 4 blocks on; 96 rows (3 blocks) decode each compact pair again per block
-    instead."""
-    gu, gub, dn, dnb = layer(kind, kind, 256, 4864)
-    x = torch.randn(200, 256).bfloat16()
-    for m in (96, 128, 200):
-        want = kernels.linear(kernels.gate_up_silu(x[:m], gu, gub), dn, dnb, prompt_from=0)
-        assert torch.equal(kernels.prompt_mlp(x[:m], gu, gub, dn, dnb), want), m
-
-
-@pytest.mark.parametrize("kind", ["compact", "Q4_0"])
-def test_a_long_k_gate_up_writes_its_panels_k_outer_with_the_same_bits(kind):
-    """A hidden size past ~4,000 takes gate_up's k-slices outermost too: its SiLU rows go to panels from there."""
-    gu, gub, dn, dnb = layer(kind, kind, 4352, 128)
-    x = torch.randn(250, 4352).bfloat16()
-    for m in (120, 250):
+    go outermost (amx_slices.h k_outer) from 4 blocks on (96 rows, 3 blocks, decode each compact pair again per block
+    instead); a hidden size past ~4,000 takes gate_up's k-slices outermost too, its SiLU rows going to panels there."""
+    gu, gub, dn, dnb = layer(kind, kind, hidden, inter)
+    x = torch.randn(max(rows), hidden).bfloat16()
+    for m in rows:
         want = kernels.linear(kernels.gate_up_silu(x[:m], gu, gub), dn, dnb, prompt_from=0)
         assert torch.equal(kernels.prompt_mlp(x[:m], gu, gub, dn, dnb), want), m
 
