@@ -290,11 +290,9 @@ def prompt_mlp_ok(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
 
 def prompt_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None, down: torch.Tensor,
                down_bias: torch.Tensor | None) -> torch.Tensor:
-    """linear(gate_up_silu(x, gate_up, gate_up_bias), down, down_bias, 0) bit for bit, for PANEL_MIN_M or more prompt
-    rows x [M, K] (bf16) of weights prompt_mlp_ok took: gate_up's SiLU epilogue writes silu(gate) * up as the tile
-    panels that the down projection's A tiles read (kernels/amx_slices.h), where it would otherwise copy that [M, I]
-    intermediate into tile blocks first (at 512 rows of the benchmark model ~0.27 ms a layer, about a tenth of the
-    down projection)."""
+    """linear(gate_up_silu(x, gate_up, gate_up_bias), down, down_bias, 0) bit for bit for PANEL_MIN_M+ prompt rows x
+    [M, K] (bf16) of weights prompt_mlp_ok took, the [M, I] intermediate handed over as tile panels, not copied into
+    tile blocks by the down projection (kernels/amx_slices.h; ~0.27 ms a layer at 512 rows of the benchmark model)."""
     y = (_quant_prompt_silu_panels if gate_up.dtype == _U8 else _gate_up_silu_panels)(x, gate_up, gate_up_bias)
     linear_panels = _quant_prompt_linear_panels if down.dtype == _U8 else _compact_linear_panels
     return linear_panels(y, x.shape[0], down, down_bias)

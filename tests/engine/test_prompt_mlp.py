@@ -88,25 +88,21 @@ def test_gate_up_panels_hold_its_rows_and_zeros_past_them(kind):
     assert not panels[:, 70:].any()  # the last block's A tiles read these rows
 
 
-def test_switched_off_tile_paths_give_their_fallbacks_bits_through_panels_too():
+@pytest.mark.parametrize("gate,down,switch", [("Q4_0", "Q8_0", "set_quant_prompt_amx"),
+                                              ("compact", "compact", "set_compact_amx")])
+def test_switched_off_tile_paths_give_their_fallbacks_bits_through_panels_too(gate, down, switch):
     """set_quant_prompt_amx(False) sends a quantized prompt to the int8 kernels and set_compact_amx(False) a compact
     matrix to the AVX-512 kernels: the panel ops then give those paths' bits, as gate_up_silu and linear do."""
     x = torch.randn(100, 512).bfloat16()
-    gu, gub, dn, dnb = layer("Q4_0", "Q8_0", 512, 768)
+    gu, gub, dn, dnb = layer(gate, down, 512, 768)
     try:
-        assert ops.set_quant_prompt_amx(False) is False
+        assert getattr(ops, switch)(False) is False
         want = kernels.linear(kernels.gate_up_silu(x, gu, gub), dn, dnb, prompt_from=0)
         assert torch.equal(kernels.prompt_mlp(x, gu, gub, dn, dnb), want)
     finally:
-        assert ops.set_quant_prompt_amx(True)
-    assert not torch.equal(kernels.prompt_mlp(x, gu, gub, dn, dnb), want)  # the int8 path's bits differ
-    gu, gub, dn, dnb = layer("compact", "compact", 512, 768)
-    try:
-        assert ops.set_compact_amx(False) is False
-        want = kernels.linear(kernels.gate_up_silu(x, gu, gub), dn, dnb, prompt_from=0)
-        assert torch.equal(kernels.prompt_mlp(x, gu, gub, dn, dnb), want)
-    finally:
-        assert ops.set_compact_amx(True)
+        assert getattr(ops, switch)(True)
+    if switch == "set_quant_prompt_amx":
+        assert not torch.equal(kernels.prompt_mlp(x, gu, gub, dn, dnb), want)  # the int8 path's bits differ
 
 
 def test_panels_are_refused_where_they_do_not_fit():
