@@ -154,18 +154,17 @@ inline void gate_up_columns(int64_t B, const bf16* x, int64_t H, const Weight& w
       const int64_t ids[2] = {j, J + j};
       compact_amx::blocks(B, x, H, w.c, ids, 2, bias, gu, ldo);
     }
-  } else if (w.kind == Weight::COMPACT) {  // gate block j, then up block j (no wait for silu * up)
+  } else if (w.kind == Weight::COMPACT) {
     gemv::with_rows(B, [&](auto mt) {
       constexpr int MT = decltype(mt)::value;
-      const bool one = gemv::one_stream();  // one stream at a time, or both blocks at once (gemv.h Streams)
-      for (int64_t j = j0; j < j1; ++j) {
+      if (gemv::one_stream()) {  // one stream at a time: gate blocks [j0, j1) in a run, then up's (gate_up_claim)
+        for (int64_t j = j0; j < j1; ++j) compact::blocks<1, MT, false>(x, H, w.c, &j, bias, gu, ldo);
+        for (int64_t j = J + j0; j < J + j1; ++j) compact::blocks<1, MT, false>(x, H, w.c, &j, bias, gu, ldo);
+        return;
+      }
+      for (int64_t j = j0; j < j1; ++j) {  // gate block j and up block j at once (gemv.h Streams)
         const int64_t ids[2] = {j, J + j};
-        if (one) {
-          compact::blocks<1, MT, false>(x, H, w.c, ids, bias, gu, ldo);
-          compact::blocks<1, MT, false>(x, H, w.c, ids + 1, bias, gu, ldo);
-        } else {
-          compact::blocks<2, MT, true>(x, H, w.c, ids, bias, gu, ldo);  // 4 MT accumulators
-        }
+        compact::blocks<2, MT, true>(x, H, w.c, ids, bias, gu, ldo);  // 4 MT accumulators
       }
     });
   } else {
@@ -204,14 +203,32 @@ inline void matvec_shares(int64_t B, const bf16* x, int64_t K, const Weight& w, 
   shares.walk(tid, step, 2 * step, [&](int64_t b0, int64_t b1) { columns(B, x, K, w, room, r, b0, b1, bias, y, ldy); });
 }
 
-// gate_up over the column blocks j this thread claims of `shares` (J of them; a claim takes gate block j and up block
-// J + j), then done(j0, j1) for each claim: silu(gate) * up of its columns, on the thread that has them.
+// The gate blocks a claim of gate_up takes of J (and as many up blocks): about GATE_UP_RUN bytes of each half where
+// gate_up_columns reads a claim's gate blocks in one run and then its up blocks (quantized, and compact off AMX
+// tiles), at most an eighth of J. Claims of one block a half (8 KiB of Q4_0 at K = 896, 21 KiB compact) switched
+// between the two halves' streams every block, which the hardware prefetcher follows worse than long runs. Measured
+// on a 2-vCPU Zen 4 (benchmarks/README.md, session 50) in the batch-1 fused step, 128 KiB against one block,
+// alternated in one process, 24-40 rounds, median time in gate_up (a token) with DRAM slow / fast (the bandwidth
+// probe below / above 46 GB/s): Q4_0 0.90-0.94 (0.95-0.99) / 0.72-0.85 (0.86-0.96), Q4_K_M 0.84 (0.92) / 0.73
+// (0.86), Q8_0 (15 KiB blocks) 0.98 (0.99) / 0.96 (1.00), compact bf16 0.90 (0.94) / 0.79-0.80 (0.90-0.91);
+// 256 KiB and J / 8 as 128 KiB. The AMX tiles take gate j and up j as one pair and keep claim_blocks.
+inline constexpr int64_t GATE_UP_RUN = 128 << 10;
+inline int64_t gate_up_claim(const Weight& w, int64_t J) {
+  const bool runs = w.quantized() || (w.kind == Weight::COMPACT && !compact_amx::on(w.c));
+  if (!runs) return std::max<int64_t>(1, claim_blocks(w, 2 * J) / 2);
+  const int64_t block = w.quantized() ? w.q.parts[0].group_bytes : w.c.groups * compact::GROUP_BYTES;
+  return std::max<int64_t>(1, std::min(GATE_UP_RUN / block, J / 8));
+}
+
+// gate_up over the column blocks j this thread claims of `shares` (J of them; a claim of blocks [j0, j1) takes gate
+// blocks j0..j1 and up blocks J + j0..J + j1), then done(j0, j1) for each claim: silu(gate) * up of its columns, on
+// the thread that has them.
 template <class Done>
 inline void gate_up_shares(int64_t B, const bf16* x, int64_t H, const Weight& w, int64_t J, Shares& shares, int tid,
                            const float* bias, Room& room, bf16* gu, const Done& done) {
   Ready r;
   prepare(B, x, H, w, room, r);
-  const int64_t step = std::max<int64_t>(1, claim_blocks(w, 2 * shares.items()) / 2);
+  const int64_t step = gate_up_claim(w, shares.items());
   shares.walk(tid, step, 2 * step, [&](int64_t j0, int64_t j1) {
     gate_up_columns(B, x, H, w, room, r, J, j0, j1, bias, gu);
     done(j0, j1);
