@@ -204,15 +204,15 @@ inline void matvec_shares(int64_t B, const bf16* x, int64_t K, const Weight& w, 
 }
 
 // The gate blocks a claim of gate_up takes of J (and as many up blocks): about GATE_UP_RUN bytes of each half where
-// gate_up_columns reads a claim's gate blocks in one run and then its up blocks (quantized, and compact off AMX
-// tiles with one stream at a time), at most an eighth of J. Claims of one block a half (8 KiB of Q4_0 at K = 896, 21 KiB compact) switched
-// between the two halves' streams every block, which the hardware prefetcher follows worse than long runs. Measured
-// on a 2-vCPU Zen 4 (benchmarks/README.md, session 50) in the batch-1 fused step, 128 KiB against one block,
-// alternated in one process, 24-40 rounds, median time in gate_up (a token) with DRAM slow / fast (the bandwidth
-// probe below / above 46 GB/s): Q4_0 0.90-0.94 (0.95-0.99) / 0.72-0.85 (0.86-0.96), Q4_K_M 0.84 (0.92) / 0.73
-// (0.86), Q8_0 (15 KiB blocks) 0.98 (0.99) / 0.96 (1.00), compact bf16 0.90 (0.94) / 0.79-0.80 (0.90-0.91);
-// 256 KiB and J / 8 as 128 KiB. The AMX tiles and the compact GEMV's two streams at once (gemv.h Streams) take gate
-// j and up j as one pair and keep claim_blocks.
+// gate_up_columns reads a claim's gate blocks in one run and then its up blocks (quantized, and compact off AMX tiles
+// with one stream at a time), at most an eighth of J. Claims of one block a half (8 KiB of Q4_0 at K = 896, 21 KiB
+// compact) switched between the two halves' streams every block, which the hardware prefetcher follows worse than long
+// runs. Measured on a 2-vCPU Zen 4 (benchmarks/README.md, session 50) in the batch-1 fused step, 128 KiB against one
+// block, alternated in one process, 24-40 rounds, median time in gate_up (a token) with DRAM slow / fast (the bandwidth
+// probe below / above 46 GB/s): Q4_0 0.90-0.94 (0.95-0.99) / 0.72-0.85 (0.86-0.96), Q4_K_M 0.84 (0.92) / 0.73 (0.86),
+// Q8_0 (15 KiB blocks) 0.98 (0.99) / 0.96 (1.00), compact bf16 0.90 (0.94) / 0.79-0.80 (0.90-0.91); 256 KiB and J / 8
+// as 128 KiB. The AMX tiles and the compact GEMV's two streams at once (gemv.h Streams) take gate j and up j as one
+// pair and keep claim_blocks.
 inline constexpr int64_t GATE_UP_RUN = 128 << 10;
 inline int64_t gate_up_claim(const Weight& w, int64_t J) {
   const bool runs = w.quantized() || (w.kind == Weight::COMPACT && !compact_amx::on(w.c) && gemv::one_stream());
