@@ -69,8 +69,14 @@ def quantize(w: torch.Tensor, fmt: str) -> Raw:
     return Raw(fmt, blocks.reshape(n, -1).contiguous())
 
 
-def pack(parts: list[Raw]) -> torch.Tensor:
-    """Row parts of one matrix (e.g. q, k, v) -> its blob; consecutive parts of one format are merged first."""
+def pack(parts: list[Raw], interleave: bool = False) -> torch.Tensor:
+    """Row parts of one matrix (e.g. q, k, v) -> its blob; consecutive parts of one format are merged first.
+    interleave: a gate and an up half of one format and size are stored 16-row group by group instead, so that the
+    fused decode step, which takes gate block j with up block j, reads one stream (kernels/quant_layout.h)."""
+    if (interleave and len(parts) == 2 and parts[0].type_name == parts[1].type_name
+            and parts[0].data.shape == parts[1].data.shape):
+        return kernels.quant_pack([p.data.contiguous() for p in parts], [GGML_IDS[parts[0].type_name]] * 2,
+                                  parts[0].cols, True)
     merged: list[Raw] = []
     for p in parts:
         if merged and merged[-1].type_name == p.type_name:
@@ -84,7 +90,12 @@ def pack(parts: list[Raw]) -> torch.Tensor:
 def describe(blob: torch.Tensor) -> list[tuple[str, int]]:
     """(format, rows) of each part of a packed matrix."""
     v = kernels.quant_parts(blob)
-    return [(GGML_NAMES[v[i]], v[i + 1]) for i in range(2, len(v), 2)]
+    return [(GGML_NAMES[v[i]], v[i + 1]) for i in range(3, len(v), 2)]
+
+
+def interleaved(blob: torch.Tensor) -> bool:
+    """Whether a packed matrix holds its two halves group by group (pack(interleave=True))."""
+    return bool(kernels.quant_parts(blob)[2])
 
 
 class WeightPaths:
@@ -123,7 +134,7 @@ class Loader:
         self.widen = kernels.bf16w_ok()
         self.paths = WeightPaths()
 
-    def matrix(self, names: list[str]) -> torch.Tensor | None:
+    def matrix(self, names: list[str], interleave: bool = False) -> torch.Tensor | None:
         if not self.native:
             return None
         plan = []
@@ -138,7 +149,7 @@ class Loader:
             raws.append(self.reader.raw(n) if type_name == fmt else quantize(self.reader.get(n), fmt))
             self.paths.add(type_name, f"quantized {fmt}" if type_name == fmt else f"quantized on load to {fmt}",
                            rule.KEPT[fmt].bytes(*shape))
-        return pack(raws)
+        return pack(raws, interleave)
 
     def widens(self, names: list[str]) -> bool:
         """Whether matrices `names` (not held quantized) stay in bf16 under the model's fp32, for linear_bf16w to

@@ -107,7 +107,7 @@ template <int F>
 template <int F>
 inline void decode_group(const Part& p, int64_t gl, int64_t K, int8_t* dst) {
   constexpr Info inf = info_of(F);
-  const uint8_t* base = p.data + gl * p.group_bytes;
+  const uint8_t* base = p.data + gl * p.group_stride;
   const int64_t ahead = stream_ahead.bytes[F].load(std::memory_order_relaxed);
   const Hint hint = stream_ahead.hint.load(std::memory_order_relaxed);
   for (int64_t c = 0; c < K / (32 * inf.units); ++c)
@@ -287,7 +287,7 @@ void groups(const int8_t* xa, const float* tabs, int64_t M, const Matrix& w, int
             config = want;
             configure(want);
           }
-          const uint8_t* gbase = p.data + (g - p.row0 / 16) * p.group_bytes;
+          const uint8_t* gbase = p.data + (g - p.row0 / 16) * p.group_stride;
           const int rows = (int)std::min<int64_t>(16, M - 16 * b);
           const int8_t* xb = xa + b * units * TILE_BYTES;
           const float* tb = tabs + b * units * TABLE_FLOATS;

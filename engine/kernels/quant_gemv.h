@@ -67,7 +67,7 @@ inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const fl
   // chain starts at -128 sum q = 16 x -8 sum q; at most 4 x 4 x 240 x 128 + 128 x 32 x 127 per lane). In-cache (L3)
   // Q4_0 at M = 1 ran 1.05-1.10x faster on Zen 4, bitwise the same.
   constexpr bool hi16 = F == Q4_0 || F == Q4_1 || F == Q4_K;
-  const uint8_t* base = p.data + gl * p.group_bytes;
+  const uint8_t* base = p.data + gl * p.group_stride;
   __m512 accf[MT];
   for (int m = 0; m < MT; ++m) accf[m] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F), bit5 = _mm512_set1_epi8(0x10), top2 = _mm512_set1_epi8(0x30);

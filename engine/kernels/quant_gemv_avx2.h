@@ -190,7 +190,7 @@ inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const fl
   constexpr Info inf = info_of(F);
   constexpr bool five = fifth_bit(F);
   constexpr bool both = MT >= 2 && F != Q6_K;
-  const uint8_t* base = p.data + gl * p.group_bytes;
+  const uint8_t* base = p.data + gl * p.group_stride;
   __m256 accf[2][MT];
   for (int h = 0; h < 2; ++h)
     for (int m = 0; m < MT; ++m) accf[h][m] = _mm256_setzero_ps();

@@ -119,18 +119,27 @@ constexpr int64_t HEADER_BYTES = 256;
 constexpr int32_t MAGIC = 0x3151'4b44;  // "DKQ1"
 constexpr int MAX_PARTS = 12;
 
-// Header: int32 magic, N, K, parts; then per part int32 format, rows, int64 offset (from the blob start).
+// Header: int32 magic, N, K, parts; then per part int32 format, rows, int64 offset (from the blob start); at
+// INTERLEAVED_AT an int32, 1 where the blob's two parts (one format, as many rows each) lie group by group, group g
+// of part 0 then group g of part 1: gate_up's gate and up halves, so that the fused decode step, which takes gate block
+// j and up block j together, reads one sequential stream (step_matrix.h gate_up_columns). 0 in older blobs: the
+// header is zeroed.
+constexpr int64_t INTERLEAVED_AT = 16 + MAX_PARTS * 16;
+static_assert(INTERLEAVED_AT + 4 <= HEADER_BYTES);
+
 struct Part {
   int32_t format;
   int64_t row0, rows;   // rows [row0, row0 + rows) of the matrix, multiples of 16
-  const uint8_t* data;  // group g of this part at data + g * group_bytes
-  int64_t group_bytes;
+  const uint8_t* data;  // group g of this part at data + g * group_stride
+  int64_t group_bytes;  // one group's bytes
+  int64_t group_stride; // group_bytes, or 2 group_bytes in an interleaved blob
 };
 
 struct Matrix {
   int64_t N, K;
   int nparts;
   Part parts[MAX_PARTS];
+  bool interleaved;  // two parts, group by group (INTERLEAVED_AT)
 };
 
 inline int64_t group_bytes(int32_t format, int64_t K) {
@@ -148,7 +157,11 @@ inline Matrix matrix(const at::Tensor& blob) {
   int32_t h[4];
   std::memcpy(h, base, sizeof(h));
   TORCH_CHECK(h[0] == MAGIC && h[3] >= 1 && h[3] <= MAX_PARTS, "not a quantized weight blob (bad header)");
-  Matrix m{h[1], h[2], h[3], {}};
+  int32_t interleaved;
+  std::memcpy(&interleaved, base + INTERLEAVED_AT, sizeof(interleaved));
+  TORCH_CHECK(interleaved == 0 || (interleaved == 1 && h[3] == 2), "bad interleave flag in a quantized weight blob");
+  Matrix m{h[1], h[2], h[3], {}, interleaved == 1};
+  const int64_t ways = m.interleaved ? 2 : 1;
   int64_t row = 0;
   for (int p = 0; p < m.nparts; ++p) {
     int32_t fr[2];
@@ -157,12 +170,15 @@ inline Matrix matrix(const at::Tensor& blob) {
     std::memcpy(&off, base + 16 + p * 16 + 8, sizeof(off));
     TORCH_CHECK(known(fr[0]) && fr[1] > 0 && fr[1] % 16 == 0, "bad part ", p, " in a quantized weight blob");
     const int64_t gb = group_bytes(fr[0], m.K);
-    TORCH_CHECK(off >= HEADER_BYTES && off % 64 == 0 && off + fr[1] / 16 * gb <= blob.numel(),
+    TORCH_CHECK(off >= HEADER_BYTES && off % 64 == 0 && off + (fr[1] / 16 * ways - ways + 1) * gb <= blob.numel(),
                 "part ", p, " lies outside its quantized weight blob");
-    m.parts[p] = Part{fr[0], row, fr[1], base + off, gb};
+    m.parts[p] = Part{fr[0], row, fr[1], base + off, gb, ways * gb};
     row += fr[1];
   }
   TORCH_CHECK(row == m.N, "the parts of a quantized weight blob do not add up to its ", m.N, " rows");
+  TORCH_CHECK(!m.interleaved || (m.parts[0].format == m.parts[1].format && m.parts[0].rows == m.parts[1].rows &&
+                                 m.parts[1].data == m.parts[0].data + m.parts[0].group_bytes),
+              "an interleaved quantized weight blob takes two parts of one format and size, one group apart");
   return m;
 }
 

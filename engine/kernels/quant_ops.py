@@ -20,13 +20,14 @@ def is_quantized(w: torch.Tensor) -> bool:
     return w.dtype == torch.uint8 and w.dim() == 1
 
 
-def quant_pack(raws: list[torch.Tensor], formats: list[int], k: int) -> torch.Tensor:
-    """GGUF blocks of each row part [rows, bytes] (uint8) in ggml type `formats[i]` -> one quantized matrix blob."""
-    return _qops.quant_pack(raws, formats, k)
+def quant_pack(raws: list[torch.Tensor], formats: list[int], k: int, interleave: bool = False) -> torch.Tensor:
+    """GGUF blocks of each row part [rows, bytes] (uint8) in ggml type `formats[i]` -> one quantized matrix blob.
+    interleave: two parts of one format and size, stored group by group (kernels/quant_layout.h)."""
+    return _qops.quant_pack(raws, formats, k, interleave)
 
 
 def quant_parts(blob: torch.Tensor) -> list[int]:
-    """[N, K, format, rows, format, rows, ...] of a quantized matrix."""
+    """[N, K, interleaved (0 or 1), format, rows, format, rows, ...] of a quantized matrix."""
     return list(_qops.quant_parts(blob))
 
 

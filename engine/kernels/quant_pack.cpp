@@ -201,10 +201,16 @@ void pack_group(int32_t f, const Row* rows, int64_t K, uint8_t* out) {
 }  // namespace
 
 // raws: per part, the GGUF bytes of its rows [rows, K / block * block_bytes] (uint8); formats: their ggml types.
-// -> the uint8 blob of the [sum(rows), K] matrix (quant_layout.h), 64-byte aligned parts.
-at::Tensor quant_pack(const std::vector<at::Tensor>& raws, const std::vector<int64_t>& formats, int64_t K) {
+// -> the uint8 blob of the [sum(rows), K] matrix (quant_layout.h), 64-byte aligned parts. interleave: two parts of
+// one format and size stored group by group (quant_layout.h INTERLEAVED_AT); the matrix and every product with it are
+// the same, only the order of its groups in memory changes.
+at::Tensor quant_pack(const std::vector<at::Tensor>& raws, const std::vector<int64_t>& formats, int64_t K,
+                      bool interleave) {
   TORCH_CHECK(!raws.empty() && raws.size() == formats.size() && (int)raws.size() <= MAX_PARTS,
               "quant_pack: one format per part, 1 to ", MAX_PARTS, " parts");
+  TORCH_CHECK(!interleave || (raws.size() == 2 && formats[0] == formats[1] && raws[0].dim() == 2 &&
+                              raws[1].dim() == 2 && raws[0].size(0) == raws[1].size(0)),
+              "quant_pack: interleave takes two parts of one format and as many rows");
   std::vector<int64_t> offsets;
   int64_t size = HEADER_BYTES, N = 0;
   for (size_t p = 0; p < raws.size(); ++p) {
@@ -217,14 +223,17 @@ at::Tensor quant_pack(const std::vector<at::Tensor>& raws, const std::vector<int
                     r.size(1) == K / inf.file_block * inf.file_bytes,
                 "quant_pack: part ", p, " must be contiguous uint8 [rows (a multiple of 16), ",
                 K / inf.file_block * inf.file_bytes, "]");
-    offsets.push_back(size);
+    offsets.push_back(interleave && p == 1 ? offsets[0] + group_bytes(f, K) : size);
     size += r.size(0) / 16 * group_bytes(f, K);
     N += r.size(0);
   }
+  const int64_t ways = interleave ? 2 : 1;
   at::Tensor blob = at::zeros({size}, at::kByte);
   uint8_t* base = blob.data_ptr<uint8_t>();
   const int32_t head[4] = {MAGIC, (int32_t)N, (int32_t)K, (int32_t)raws.size()};
   std::memcpy(base, head, sizeof(head));
+  const int32_t interleaved = interleave ? 1 : 0;
+  std::memcpy(base + INTERLEAVED_AT, &interleaved, sizeof(interleaved));
   for (size_t p = 0; p < raws.size(); ++p) {
     const int32_t f = (int32_t)formats[p];
     const int32_t fr[2] = {f, (int32_t)raws[p].size(0)};
@@ -236,7 +245,7 @@ at::Tensor quant_pack(const std::vector<at::Tensor>& raws, const std::vector<int
       std::vector<Row> rows(16);
       for (int64_t g = g0; g < g1; ++g) {
         for (int r = 0; r < 16; ++r) decode_row(f, src + (g * 16 + r) * row_bytes, K, rows[r]);
-        pack_group(f, rows.data(), K, base + offsets[p] + g * gb);
+        pack_group(f, rows.data(), K, base + offsets[p] + g * ways * gb);
       }
     });
   }
@@ -247,7 +256,7 @@ at::Tensor quant_pack(const std::vector<at::Tensor>& raws, const std::vector<int
 void dequant_row(const Matrix& m, int64_t row, float* out) {
   const Part& p = part_of(m, row / 16);
   const int r = (int)(row % 16);
-  const uint8_t* grp = p.data + (row - p.row0) / 16 * p.group_bytes;
+  const uint8_t* grp = p.data + (row - p.row0) / 16 * p.group_stride;
   const Info inf = info(p.format);
   for (int64_t c = 0; c < m.K / (32 * inf.units); ++c) {
     const uint8_t* o = grp + c * inf.chunk_bytes;
@@ -323,16 +332,17 @@ at::Tensor quant_rows(const at::Tensor& blob, const at::Tensor& ids, at::ScalarT
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 
-// The blob's parts: (format, rows) pairs flattened, for Python to describe a weight.
+// The blob's shape, whether its two parts are interleaved (1 or 0), and its parts' (format, rows) pairs flattened, for
+// Python to describe a weight.
 std::vector<int64_t> quant_parts(const at::Tensor& blob) {
   const Matrix m = matrix(blob);
-  std::vector<int64_t> out{m.N, m.K};
+  std::vector<int64_t> out{m.N, m.K, m.interleaved ? 1 : 0};
   for (int p = 0; p < m.nparts; ++p) out.push_back(m.parts[p].format), out.push_back(m.parts[p].rows);
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(deploykit, m) {
-  m.def("quant_pack(Tensor[] raws, int[] formats, int K) -> Tensor");
+  m.def("quant_pack(Tensor[] raws, int[] formats, int K, bool interleave=False) -> Tensor");
   m.def("quant_rows(Tensor blob, Tensor ids, ScalarType dtype) -> Tensor");
   m.def("quant_parts(Tensor blob) -> int[]");
 }

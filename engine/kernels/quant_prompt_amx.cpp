@@ -101,7 +101,7 @@ struct Source {
   int64_t K;
   void slice(int64_t nb, int64_t k0, int64_t kn, bf16* dst) {
     const Part& p = part_of(w, nb);
-    const uint8_t* base = p.data + (nb - p.row0 / 16) * p.group_bytes;
+    const uint8_t* base = p.data + (nb - p.row0 / 16) * p.group_stride;
     with_format(p.format, [&](auto f) {
       constexpr int F = decltype(f)::value;
       constexpr Info inf = info_of(F);
@@ -112,7 +112,7 @@ struct Source {
   // The chunks that slice() reads: a 16-row group's chunks hold their scales, so they are one range.
   void bytes(int64_t nb, int64_t k0, int64_t kn, const char*& begin, const char*& end) const {
     const Part& p = part_of(w, nb);
-    const uint8_t* base = p.data + (nb - p.row0 / 16) * p.group_bytes;
+    const uint8_t* base = p.data + (nb - p.row0 / 16) * p.group_stride;
     with_format(p.format, [&](auto f) {
       constexpr Info inf = info_of(decltype(f)::value);
       begin = reinterpret_cast<const char*>(base + k0 / 16 / inf.units * inf.chunk_bytes);

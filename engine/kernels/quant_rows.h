@@ -55,6 +55,30 @@ inline void rows(int64_t M, const Act* act, const Matrix& w, int64_t b0, int64_t
   }
 }
 
+// out[m, 16 j .. 16 j + 16) and out[m, 16 (J + j) .. 16 (J + j) + 16) for j in [j0, j1) and M <= 4 rows of an
+// interleaved matrix (quant_layout.h: two parts of J groups): group j of part 0 then group j of part 1, the next
+// group in memory, so the weights stream as one run; the format and M made compile-time once for the run.
+template <class Out>
+inline void interleaved_rows(int64_t M, const Act* act, const Matrix& w, int64_t j0, int64_t j1, const float* bias,
+                             Out* out, int64_t ldo) {
+  with_format(w.parts[0].format, [&](auto f) {
+    constexpr int F = decltype(f)::value;
+    const auto run = [&](auto mt) {
+      constexpr int MT = decltype(mt)::value;
+      for (int64_t j = j0; j < j1; ++j) {
+        group<F, MT, true>(act, w.parts[0], j, w.K, bias, out, ldo);
+        group<F, MT, true>(act, w.parts[1], j, w.K, bias, out, ldo);
+      }
+    };
+    switch (M) {
+      case 1: run(std::integral_constant<int, 1>{}); break;
+      case 2: run(std::integral_constant<int, 2>{}); break;
+      case 3: run(std::integral_constant<int, 3>{}); break;
+      default: run(std::integral_constant<int, 4>{}); break;
+    }
+  });
+}
+
 // The same for any M: more than 4 rows go in tiles of 4 over a pair of groups at a time, so the pair's weights are
 // read from memory once and from L1/L2 for the later tiles. The first tile streams the pair ahead where requested
 // lines go to L2 (quant_stream.h), where the later tiles find them too; non-temporal ones would be gone. Every row

@@ -145,7 +145,17 @@ inline void gate_up_pairs(const bf16* x, int64_t ldx, const bf16* w, int64_t Kh,
 inline void gate_up_columns(int64_t B, const bf16* x, int64_t H, const Weight& w, Room& room, const Ready& r, int64_t J,
                             int64_t j0, int64_t j1, const float* bias, bf16* gu) {
   const int64_t ldo = 32 * J;
-  if (w.quantized()) {
+  // Interleaved halves (quant_layout.h): gate block j, then up block j, the next group in memory, so a claim is one
+  // stream. Measured on a 2-vCPU Zen 4 (benchmarks/README.md, session 51), the batch-1 step with the halves interleaved
+  // against one run of gate blocks then one of up blocks, alternated in one process, median time a token with DRAM
+  // slow / fast: Q4_0 0.966 / 0.915 (gate_up 0.957 / 0.829), Q8_0 0.923 / 0.852, Q4_K_M 0.960 / -.
+  if (w.quantized() && w.q.interleaved) {
+    if (B <= MAX_ROWS && !r.tiles) return quant::interleaved_rows(B, r.a, w.q, j0, j1, bias, gu, ldo);
+    for (int64_t j = j0; j < j1; ++j) {
+      columns(B, x, H, w, room, r, j, j + 1, bias, gu, ldo);
+      columns(B, x, H, w, room, r, J + j, J + j + 1, bias, gu, ldo);
+    }
+  } else if (w.quantized()) {
     columns(B, x, H, w, room, r, j0, j1, bias, gu, ldo);
     columns(B, x, H, w, room, r, J + j0, J + j1, bias, gu, ldo);
   } else if (w.kind == Weight::COMPACT && compact_amx::on(w.c)) {  // gate j and up j as a pair
@@ -204,15 +214,15 @@ inline void matvec_shares(int64_t B, const bf16* x, int64_t K, const Weight& w, 
 }
 
 // The gate blocks a claim of gate_up takes of J (and as many up blocks): about GATE_UP_RUN bytes of each half where
-// gate_up_columns reads a claim's gate blocks in one run and then its up blocks (quantized, and compact off AMX tiles
-// with one stream at a time), at most an eighth of J. Claims of one block a half (8 KiB of Q4_0 at K = 896, 21 KiB
-// compact) switched between the two halves' streams every block, which the hardware prefetcher follows worse than long
-// runs. Measured on a 2-vCPU Zen 4 (benchmarks/README.md, session 50) in the batch-1 fused step, 128 KiB against one
-// block, alternated in one process, 24-40 rounds, median time in gate_up (a token) with DRAM slow / fast (the bandwidth
-// probe below / above 46 GB/s): Q4_0 0.90-0.94 (0.95-0.99) / 0.72-0.85 (0.86-0.96), Q4_K_M 0.84 (0.92) / 0.73 (0.86),
-// Q8_0 (15 KiB blocks) 0.98 (0.99) / 0.96 (1.00), compact bf16 0.90 (0.94) / 0.79-0.80 (0.90-0.91); 256 KiB and J / 8
-// as 128 KiB. The AMX tiles and the compact GEMV's two streams at once (gemv.h Streams) take gate j and up j as one
-// pair and keep claim_blocks.
+// gate_up_columns reads a claim's blocks as runs (quantized: one run of interleaved gate and up blocks, or one run of
+// gate blocks and then one of up blocks; compact off AMX tiles with one stream at a time), at most an eighth of J.
+// Claims of one block a half (8 KiB of Q4_0 at K = 896, 21 KiB compact) switched between the two halves' streams every
+// block, which the hardware prefetcher follows worse than long runs. Measured on a 2-vCPU Zen 4 (benchmarks/README.md,
+// session 50) in the batch-1 fused step, halves not interleaved, 128 KiB against one block, alternated in one process,
+// 24-40 rounds, median time in gate_up (a token) with DRAM slow / fast (the bandwidth probe below / above 46 GB/s):
+// Q4_0 0.90-0.94 (0.95-0.99) / 0.72-0.85 (0.86-0.96), Q4_K_M 0.84 (0.92) / 0.73 (0.86), Q8_0 (15 KiB blocks) 0.98
+// (0.99) / 0.96 (1.00), compact bf16 0.90 (0.94) / 0.79-0.80 (0.90-0.91); 256 KiB and J / 8 as 128 KiB. The AMX tiles
+// and the compact GEMV's two streams at once (gemv.h Streams) take gate j and up j as one pair and keep claim_blocks.
 inline constexpr int64_t GATE_UP_RUN = 128 << 10;
 inline int64_t gate_up_claim(const Weight& w, int64_t J) {
   const bool runs = w.quantized() || (w.kind == Weight::COMPACT && !compact_amx::on(w.c) && gemv::one_stream());

@@ -108,9 +108,9 @@ class LlamaModel:
                                      f"configuration implies {(rows, cols)}; the configuration does not match the "
                                      "weights")
 
-        def quantized(names: list[str], rows: int, cols: int) -> torch.Tensor | None:
+        def quantized(names: list[str], rows: int, cols: int, interleave: bool) -> torch.Tensor | None:
             # Held in its GGUF blocks (or quantized on load) where deploykit.quant says so: one blob for the group.
-            w = held.matrix(names)
+            w = held.matrix(names, interleave)
             if w is not None:
                 used.update(names)
                 check(names, tuple(kernels.quant_parts(w)[:2]), rows, cols)
@@ -130,9 +130,10 @@ class LlamaModel:
         def opt(name: str) -> torch.Tensor | None:
             return get(name) if name in r else None
 
-        def fused(names: list[str], rows: int, cols: int) -> torch.Tensor:
-            # One GEMM per projection group; the parts are freed as soon as the fused copy exists.
-            q = quantized(names, rows, cols)
+        def fused(names: list[str], rows: int, cols: int, interleave: bool = False) -> torch.Tensor:
+            # One GEMM per projection group; the parts are freed as soon as the fused copy exists. interleave: gate
+            # and up, held quantized group by group (quant.pack).
+            q = quantized(names, rows, cols, interleave)
             if q is not None:
                 return q
             b = bf16(names, rows, cols)
@@ -152,7 +153,7 @@ class LlamaModel:
         embed = ["model.embed_tokens.weight"]
         # A quantized table is looked up row by row (kernels.quant_rows) and, when tied, is the lm_head as well.
         tied = not ("lm_head.weight" in r and not s.tie_word_embeddings)
-        self.embed = quantized(embed, s.vocab_size, hidden)
+        self.embed = quantized(embed, s.vocab_size, hidden, False)
         if self.embed is None:
             self.embed = bf16(embed, s.vocab_size, hidden)  # rows widened as they are looked up
         if self.embed is None:
@@ -192,7 +193,7 @@ class LlamaModel:
             L.o = place(fused([p + "self_attn.o_proj.weight"], hidden, self.q_size))
             L.o_bias = place(prepare_bias(opt(p + "self_attn.o_proj.bias")))
             L.ln2 = RMSNorm(place(get(p + "post_attention_layernorm.weight")), s.rms_norm_eps)
-            L.gate_up = place(fused([n + ".weight" for n in gate_up], 2 * inter, hidden))
+            L.gate_up = place(fused([n + ".weight" for n in gate_up], 2 * inter, hidden, interleave=True))
             L.gate_up_bias = place(fused_bias([n + ".bias" for n in gate_up]))
             L.down = place(fused([p + "mlp.down_proj.weight"], hidden, inter))
             L.down_bias = place(prepare_bias(opt(p + "mlp.down_proj.bias")))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import kernels
+from engine import kernels, quant
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.sampling import SamplingParams
@@ -46,6 +46,8 @@ def _run(model_dir: str, fused: bool, threads: int, monkeypatch, quantization: s
     assert model.step_weights is not None
     held = [w for w in model.step_weights if w is not None and kernels.is_quantized(w)]
     assert bool(held) == (quantization != "none"), "quantized on load, or not at all"
+    # Quantized gate_up halves lie group by group (quant.pack interleave), which the step reads in its own order.
+    assert all(quant.interleaved(y.gate_up) for y in model.layers if kernels.is_quantized(y.gate_up))
     compacted = any(w is not None and kernels.is_compact(w) for w in model.step_weights)
     assert compacted == compact if quantization == "none" else compacted <= compact
     if not fused:

@@ -79,6 +79,32 @@ def test_packing_is_lossless_for_every_format(fmt):
     assert torch.equal(kernels.quant_rows(mixed, torch.arange(80), torch.float32), want)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gate_and_up_held_group_by_group_are_the_same_matrix(fmt):
+    """gate_up's halves are held interleaved, 16-row group by group (quant.pack(interleave=True)), so the fused decode
+    step reads gate block j and up block j as one stream: every row decoded and every product, at 1-4 rows (the
+    GEMV), 5-40 (tiles; AMX-INT8 from 16 where the CPU has it), a prompt's rows and fp32 logits, is bitwise what the
+    halves stored one after the other give. Halves of two formats or sizes are stored one after the other."""
+    k = 768 if fmt.endswith("_K") else 320
+    gate, up = random_raw(fmt, 48, k, 1), random_raw(fmt, 48, k, 2)
+    plain, inter = quant.pack([gate, up]), quant.pack([gate, up], interleave=True)
+    assert quant.interleaved(inter) and not quant.interleaved(plain)
+    assert inter.numel() == plain.numel() and quant.describe(inter) == [(fmt, 48), (fmt, 48)]
+    ids = torch.arange(96)
+    assert torch.equal(kernels.quant_rows(inter, ids, torch.float32), kernels.quant_rows(plain, ids, torch.float32))
+    torch.manual_seed(0)
+    x, bias = torch.randn(40, k).bfloat16(), torch.randn(96)
+    for m in (1, 2, 3, 4, 5, 16, 40):
+        assert torch.equal(kernels.linear(x[:m], inter, bias), kernels.linear(x[:m], plain, bias)), m
+    assert torch.equal(kernels.linear(x, inter, bias, prompt_from=0), kernels.linear(x, plain, bias, prompt_from=0))
+    assert torch.equal(kernels.logits(x[:3], inter), kernels.logits(x[:3], plain))
+    other = random_raw("Q8_0" if fmt != "Q8_0" else "Q4_0", 48, k, 3)
+    assert not quant.interleaved(quant.pack([gate, other], interleave=True))
+    assert not quant.interleaved(quant.pack([gate, random_raw(fmt, 32, k, 4)], interleave=True))
+    with pytest.raises(RuntimeError, match="interleave takes two parts of one format"):
+        kernels.quant_pack([gate.data, other.data], [quant.GGML_IDS[fmt], quant.GGML_IDS[other.type_name]], k, True)
+
+
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
 def test_quantize_on_load_writes_what_llama_cpps_quantizer_writes(fmt):
     from gguf import GGMLQuantizationType, quants
