@@ -148,7 +148,7 @@ inline void gate_up_columns(int64_t B, const bf16* x, int64_t H, const Weight& w
   // Interleaved halves (quant_layout.h): gate block j, then up block j, the next group in memory, so a claim is one
   // stream. Measured on a 2-vCPU Zen 4 (benchmarks/README.md, session 51), the batch-1 step with the halves interleaved
   // against one run of gate blocks then one of up blocks, alternated in one process, median time a token with DRAM
-  // slow / fast: Q4_0 0.966 / 0.915 (gate_up 0.957 / 0.829), Q8_0 0.923 / 0.852, Q4_K_M 0.960 / -.
+  // slow / fast: Q4_0 0.966 / 0.915 (gate_up 0.957 / 0.829), Q8_0 0.923 / 0.852, Q4_K_M 0.960 (slow only).
   if (w.quantized() && w.q.interleaved) {
     if (B <= MAX_ROWS && !r.tiles) return quant::interleaved_rows(B, r.a, w.q, j0, j1, bias, gu, ldo);
     for (int64_t j = j0; j < j1; ++j) {
