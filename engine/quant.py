@@ -69,6 +69,12 @@ def quantize(w: torch.Tensor, fmt: str) -> Raw:
     return Raw(fmt, blocks.reshape(n, -1).contiguous())
 
 
+# The weights of a segment of K in the blobs pack() makes (kernels/quant_layout.h), or -1: the kernels choose
+# (segments where a 16-row group outgrows the L1 cache, on CPUs whose quantized matmuls are not on AMX tiles). The
+# tests set it to run the segmented layout through models too small to get it.
+SEGMENT_K = -1
+
+
 def pack(parts: list[Raw], interleave: bool = False) -> torch.Tensor:
     """Row parts of one matrix (e.g. q, k, v) -> its blob; consecutive parts of one format are merged first.
     interleave: a gate and an up half of one format and size are stored 16-row group by group instead, so that the
@@ -76,7 +82,7 @@ def pack(parts: list[Raw], interleave: bool = False) -> torch.Tensor:
     if (interleave and len(parts) == 2 and parts[0].type_name == parts[1].type_name
             and parts[0].data.shape == parts[1].data.shape):
         return kernels.quant_pack([p.data.contiguous() for p in parts], [GGML_IDS[parts[0].type_name]] * 2,
-                                  parts[0].cols, True)
+                                  parts[0].cols, True, SEGMENT_K)
     merged: list[Raw] = []
     for p in parts:
         if merged and merged[-1].type_name == p.type_name:
@@ -84,7 +90,7 @@ def pack(parts: list[Raw], interleave: bool = False) -> torch.Tensor:
         else:
             merged.append(p)
     return kernels.quant_pack([p.data.contiguous() for p in merged], [GGML_IDS[p.type_name] for p in merged],
-                              parts[0].cols)
+                              parts[0].cols, False, SEGMENT_K)
 
 
 def describe(blob: torch.Tensor) -> list[tuple[str, int]]:

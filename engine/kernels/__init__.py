@@ -10,8 +10,8 @@ from deploykit import isa
 from deploykit.memory import WIDEN_ROWS
 from engine.kernels import attention, loader, quant_ops, step, streaming
 # The quantized-weight helpers, re-exported (bound to this library below).
-from engine.kernels.quant_ops import (is_quantized, quant_pack, quant_parts, quant_rows, quant_stream_ahead,
-                                      quant_stream_hint)
+from engine.kernels.quant_ops import (is_quantized, quant_pack, quant_parts, quant_rows, quant_segments,
+                                      quant_stream_ahead, quant_stream_hint)
 # The element-wise ops' PyTorch references (tests compare the native ops with them), re-exported here.
 from engine.kernels.reference import (fallback_add_rms_norm, fallback_head_rms_norm_, fallback_rotary_,  # noqa: F401
                                       fallback_silu_mul)
@@ -21,7 +21,8 @@ __all__ = ["LIMITS", "PACK_COLS", "add_rms_norm", "argmax", "bf16w_ok", "compact
            "step_f32_weight",
            "fused", "head_rms_norm_", "is_compact", "is_quantized", "linear", "logits", "prefill_attention",
            "prefill_attention_supported", "prepare_bf16w",
-           "prepare_bias", "prepare_weight", "quant_pack", "quant_parts", "quant_rows", "quantized_ok", "rotary_",
+           "prepare_bias", "prepare_weight", "quant_pack", "quant_parts", "quant_rows", "quant_segments", "quantized_ok",
+           "rotary_",
            "silu_mul", "status", "tune_streams"]
 
 _NATIVE = loader.load()

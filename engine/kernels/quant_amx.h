@@ -107,15 +107,23 @@ template <int F>
 template <int F>
 inline void decode_group(const Part& p, int64_t gl, int64_t K, int8_t* dst) {
   constexpr Info inf = info_of(F);
-  const uint8_t* base = p.data + gl * p.group_stride;
   const int64_t ahead = stream_ahead.bytes[F].load(std::memory_order_relaxed);
   const Hint hint = stream_ahead.hint.load(std::memory_order_relaxed);
-  for (int64_t c = 0; c < K / (32 * inf.units); ++c)
-    for (int u = 0; u < inf.units; ++u) {
-      if (ahead) request_ahead<F>(base + c * inf.chunk_bytes, u, ahead, hint);
-      decode_unit<F>(base + c * inf.chunk_bytes, u, dst + (c * inf.units + u) * TILE_BYTES);
-    }
+  p.segments(gl, 0, K / (32 * inf.units), [&](const uint8_t* base, int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c)
+      for (int u = 0; u < inf.units; ++u) {
+        if (ahead) request_ahead<F>(base + c * inf.chunk_bytes, u, ahead, hint);
+        decode_unit<F>(base + c * inf.chunk_bytes, u, dst + (c * inf.units + u) * TILE_BYTES);
+      }
+  });
 }
+
+// Group g of part p, whose chunks hold its scales (Part::at: wherever its segments lie).
+struct GroupRef {
+  const Part* p;
+  int64_t g;
+  const uint8_t* chunk(int64_t c) const { return p->at(g, c); }
+};
 
 // Whole units: C 0..3 (16 x 16 int32), A 4..5 (16 rows x 32 k), B 6..7 (8 k-groups x 64 bytes). Halves (Q6_K):
 // C 0..1, A 2..3 (16 rows x 16 k), B 4..5 (4 k-groups).
@@ -181,10 +189,10 @@ inline void fill_table(const Act* act, int64_t units, float* tab) {
 // anywhere kept them on the stack, stored and reloaded around every tile instruction (a "memory" asm), at 2.5x the
 // time.
 template <int F, size_t... R>
-[[gnu::always_inline]] inline void fold(__m512 (&accf)[16], const uint8_t* gbase, int64_t u, const int32_t* ca,
+[[gnu::always_inline]] inline void fold(__m512 (&accf)[16], const GroupRef& gbase, int64_t u, const int32_t* ca,
                                         const int32_t* cb, const float* tab, std::index_sequence<R...>) {
   constexpr Info inf = info_of(F);
-  const UnitScale<F> s(gbase + u / inf.units * inf.chunk_bytes, (int)(u % inf.units));
+  const UnitScale<F> s(gbase.chunk(u / inf.units), (int)(u % inf.units));
   const auto tb = [&](int r) { return F == Q6_K ? _mm512_load_si512(cb + 16 * r) : _mm512_setzero_si512(); };
   const float* tu = tab + u * TABLE_FLOATS;
   ((accf[R] = s.apply(accf[R], _mm512_load_si512(ca + 16 * R), tb(R), TableScalars{tu + R})), ...);
@@ -206,7 +214,7 @@ template <class Out, size_t... R>
 // store waits on it, and each store one fold's time to reach L1 before the vector loads read it (a tile store does not
 // forward to them). With one step between issue and store, the stores stalled on the tdpbssd about half the time.
 template <int F, int T>
-[[gnu::always_inline]] inline void step(__m512 (&accf)[16], const int8_t* xa, const int8_t* wd, const uint8_t* gbase,
+[[gnu::always_inline]] inline void step(__m512 (&accf)[16], const int8_t* xa, const int8_t* wd, const GroupRef& gbase,
                                         int64_t v, int64_t units, int32_t (&c)[2][256], const float* tab) {
   if (v + 1 < units) store<(T + 1) % 4>(c[(T + 1) % 2]);
   if (v + 3 < units) issue<(T + 3) % 4>(xa, wd, v + 3);
@@ -216,7 +224,7 @@ template <int F, int T>
 // out[r, col .. col + 16) for the `rows` valid rows of one 16-row block: xa its A tiles [units][16][32] and tab its
 // scalar tables (zero past `rows`), wd one decoded group [units][8][64] whose scales are in its packed chunks at gbase.
 template <int F, class Out>
-inline void block(const int8_t* xa, const float* tab, const int8_t* wd, const uint8_t* gbase, int64_t units, int rows,
+inline void block(const int8_t* xa, const float* tab, const int8_t* wd, const GroupRef& gbase, int64_t units, int rows,
                   const float* bias, Out* out, int64_t ldo, int64_t col) {
   constexpr auto rows16 = std::make_index_sequence<16>();
   __m512 accf[16];  // the rows' fp32 sums over K, in registers
@@ -287,7 +295,7 @@ void groups(const int8_t* xa, const float* tabs, int64_t M, const Matrix& w, int
             config = want;
             configure(want);
           }
-          const uint8_t* gbase = p.data + (g - p.row0 / 16) * p.group_stride;
+          const GroupRef gbase{&p, g - p.row0 / 16};
           const int rows = (int)std::min<int64_t>(16, M - 16 * b);
           const int8_t* xb = xa + b * units * TILE_BYTES;
           const float* tb = tabs + b * units * TABLE_FLOATS;

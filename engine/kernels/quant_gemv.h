@@ -56,10 +56,20 @@ inline __m512i bcast4(const int32_t* p) { return _mm512_set1_epi32(*p); }
 inline void store16(at::BFloat16* p, __m512 v) { vec::store16(p, v); }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 
-// out[m, 16 gl .. 16 gl + 16) of part p for MT activation rows: one 16-row group. Ahead: request the weights ahead
-// of the stream (quant_stream.h: how far, per format, and into which cache); a distance of 0 turns that off.
-template <int F, int MT, bool Ahead, class Out>
-inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const float* bias, Out* out, int64_t ldo) {
+// The fp32 sums of one 16-row group for MT activation rows, carried across its segments (quant_rows.h).
+template <int MT>
+struct Sums {
+  __m512 v[MT];
+  Sums() {
+    for (int m = 0; m < MT; ++m) v[m] = _mm512_setzero_ps();
+  }
+};
+
+// sums += the units of chunks [c0, c1) of one 16-row group, chunk c at base + c chunk_bytes (one segment of it,
+// Part::segments). Ahead: request the weights ahead of the stream (quant_stream.h: how far, per format, and into
+// which cache); a distance of 0 turns that off.
+template <int F, int MT, bool Ahead>
+[[gnu::always_inline]] inline void span(const Act* act, const uint8_t* base, int64_t c0, int64_t c1, Sums<MT>& sums) {
   constexpr Info inf = info_of(F);
   constexpr bool nibbles = F != Q8_0, five = fifth_bit(F);
   // 4-bit codes without a fifth or sixth bit: the high nibble is dotted where it lies (16 x its value, one ANDN
@@ -67,14 +77,12 @@ inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const fl
   // chain starts at -128 sum q = 16 x -8 sum q; at most 4 x 4 x 240 x 128 + 128 x 32 x 127 per lane). In-cache (L3)
   // Q4_0 at M = 1 ran 1.05-1.10x faster on Zen 4, bitwise the same.
   constexpr bool hi16 = F == Q4_0 || F == Q4_1 || F == Q4_K;
-  const uint8_t* base = p.data + gl * p.group_stride;
-  __m512 accf[MT];
-  for (int m = 0; m < MT; ++m) accf[m] = _mm512_setzero_ps();
+  __m512 accf[MT];  // a local copy, kept in registers through the loop (sums itself may alias act)
+  for (int m = 0; m < MT; ++m) accf[m] = sums.v[m];
   const __m512i low4 = _mm512_set1_epi8(0x0F), bit5 = _mm512_set1_epi8(0x10), top2 = _mm512_set1_epi8(0x30);
-  const int64_t chunks = K / (32 * inf.units);
   const int64_t ahead = Ahead ? stream_ahead.bytes[F].load(std::memory_order_relaxed) : 0;
   const Hint hint = stream_ahead.hint.load(std::memory_order_relaxed);
-  for (int64_t c = 0; c < chunks; ++c) {
+  for (int64_t c = c0; c < c1; ++c) {
     for (int u = 0; u < inf.units; ++u) {
       if (ahead) request_ahead<F>(base + c * inf.chunk_bytes, u, ahead, hint);
       const int64_t unit = c * inf.units + u;
@@ -138,15 +146,21 @@ inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const fl
       for (int m = 0; m < MT; ++m) accf[m] = scale.apply(accf[m], acc[m], accb[m], ActScalars{act[m], unit});
     }
   }
+  for (int m = 0; m < MT; ++m) sums.v[m] = accf[m];
+}
+
+// out[m, 16 gl .. 16 gl + 16) of part p: a group's sums plus its bias.
+template <int MT, class Out>
+inline void finish(const Sums<MT>& sums, const Part& p, int64_t gl, const float* bias, Out* out, int64_t ldo) {
   const int64_t col = p.row0 + 16 * gl;
   const __m512 b = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
-  for (int m = 0; m < MT; ++m) store16(out + m * ldo + col, _mm512_add_ps(accf[m], b));
+  for (int m = 0; m < MT; ++m) store16(out + m * ldo + col, _mm512_add_ps(sums.v[m], b));
 }
 
 }  // namespace quant
 }  // namespace deploykit
 
-#include "quant_rows.h"  // rows(): the groups of a matrix, each through group<F, MT, Ahead> above
+#include "quant_rows.h"  // group() and rows(): a matrix's groups and panels, through span() and finish() above
 
 #pragma GCC diagnostic pop
 #pragma GCC pop_options

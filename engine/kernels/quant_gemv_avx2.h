@@ -182,23 +182,32 @@ template <int F, int MT>
   for (int h = 0; h < 2; ++h) scale_unit<F, MT>(act, ch, u, unit, h, acc[h], nullptr, accf[h]);
 }
 
-// out[m, 16 gl .. 16 gl + 16) of part p for MT activation rows: one 16-row group, one half (8 rows) at a time inside
-// each unit, so the int accumulators of one half and the fp32 ones of both fit AVX2's 16 registers at MT <= 2; from 2
-// rows, every format but Q6_K in one pass for both halves (both_halves).
-template <int F, int MT, bool Ahead, class Out>
-inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const float* bias, Out* out, int64_t ldo) {
+// The fp32 sums of one 16-row group for MT activation rows (two halves of 8 rows), carried across its segments.
+template <int MT>
+struct Sums {
+  __m256 v[2][MT];
+  Sums() {
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < MT; ++m) v[h][m] = _mm256_setzero_ps();
+  }
+};
+
+// sums += the units of chunks [c0, c1) of one 16-row group, chunk c at base + c chunk_bytes (one segment of it,
+// Part::segments): one half (8 rows) at a time inside each unit, so the int accumulators of one half and the fp32 ones
+// of both fit AVX2's 16 registers at MT <= 2; from 2 rows, every format but Q6_K in one pass for both halves
+// (both_halves).
+template <int F, int MT, bool Ahead>
+[[gnu::always_inline]] inline void span(const Act* act, const uint8_t* base, int64_t c0, int64_t c1, Sums<MT>& sums) {
   constexpr Info inf = info_of(F);
   constexpr bool five = fifth_bit(F);
   constexpr bool both = MT >= 2 && F != Q6_K;
-  const uint8_t* base = p.data + gl * p.group_stride;
-  __m256 accf[2][MT];
+  __m256 accf[2][MT];  // a local copy, kept in registers through the loop (sums itself may alias act)
   for (int h = 0; h < 2; ++h)
-    for (int m = 0; m < MT; ++m) accf[h][m] = _mm256_setzero_ps();
+    for (int m = 0; m < MT; ++m) accf[h][m] = sums.v[h][m];
   const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
-  const int64_t chunks = K / (32 * inf.units);
   const int64_t ahead = Ahead ? stream_ahead.bytes[F].load(std::memory_order_relaxed) : 0;
   const Hint hint = stream_ahead.hint.load(std::memory_order_relaxed);
-  for (int64_t c = 0; c < chunks; ++c) {
+  for (int64_t c = c0; c < c1; ++c) {
     const uint8_t* ch = base + c * inf.chunk_bytes;
     for (int u = 0; u < inf.units; ++u) {
       if (ahead) request_ahead<F>(ch, u, ahead, hint);  // quant_stream.h
@@ -270,14 +279,21 @@ inline void group(const Act* act, const Part& p, int64_t gl, int64_t K, const fl
       }
     }
   }
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < MT; ++m) sums.v[h][m] = accf[h][m];
+}
+
+// out[m, 16 gl .. 16 gl + 16) of part p: a group's sums plus its bias.
+template <int MT, class Out>
+inline void finish(const Sums<MT>& sums, const Part& p, int64_t gl, const float* bias, Out* out, int64_t ldo) {
   const int64_t col = p.row0 + 16 * gl;
   for (int h = 0; h < 2; ++h) {
     const __m256 b = bias ? _mm256_loadu_ps(bias + col + 8 * h) : _mm256_setzero_ps();
-    for (int m = 0; m < MT; ++m) store8(out + m * ldo + col + 8 * h, _mm256_add_ps(accf[h][m], b));
+    for (int m = 0; m < MT; ++m) store8(out + m * ldo + col + 8 * h, _mm256_add_ps(sums.v[h][m], b));
   }
 }
 
 }  // namespace quant
 }  // namespace deploykit
 
-#include "quant_rows.h"  // rows(): the groups of a matrix, each through group<F, MT, Ahead> above
+#include "quant_rows.h"  // group() and rows(): a matrix's groups and panels, through span() and finish() above

@@ -26,10 +26,21 @@
 // A matrix [N, K] is one uint8 blob: a 256-byte header (magic, N, K, parts) and then each part's 16-row groups,
 // each group one stream of K / (32 * units per chunk) chunks. Parts let q, k and v (or gate and up) of different
 // formats form one fused matrix, as Q4_K_M files mix them.
+//
+// Segmented blobs (SEGMENT_AT): where a group is longer than the L1 cache (down at K = 4864 is 43 KiB of Q4_0), the
+// GEMV's stream evicts the activations it reuses for the next group, and reading them again from L2 left 0.77x of
+// the read rate with DRAM fast (benchmarks/README.md, session 52). Such a part then holds its groups in panels of
+// `panel` groups, each panel cut along K into segments of seg_k weights, stored segment-major: segment 0 of each of
+// the panel's groups, then segment 1 of each, ... The batch-1 GEMV walks a panel in that order (quant_rows.h panel):
+// one sequential stream whose activations for one segment (~1 KiB) stay in L1 across the panel. Every kernel reaches
+// a chunk through Part::at / Part::segments, and sums each group's units in the same order, so every product is
+// bitwise what the plain layout gives. An interleaved blob's two parts share one array of slots (gate group j at slot
+// 2 j, up group j at 2 j + 1), and its panels are of slots.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -125,14 +136,41 @@ constexpr int MAX_PARTS = 12;
 // j and up block j together, reads one sequential stream (step_matrix.h gate_up_columns). 0 in older blobs: the
 // header is zeroed.
 constexpr int64_t INTERLEAVED_AT = 16 + MAX_PARTS * 16;
-static_assert(INTERLEAVED_AT + 4 <= HEADER_BYTES);
+// At SEGMENT_AT two int32: seg_k, the weights of a segment (a multiple of 256, so of every format's chunk; 0: not
+// segmented), and panel, the groups (slots) of a panel. 0 in older blobs.
+constexpr int64_t SEGMENT_AT = INTERLEAVED_AT + 4;
+static_assert(SEGMENT_AT + 8 <= HEADER_BYTES);
+constexpr int64_t MAX_PANEL = 8;  // the most groups a panel holds (quant_rows.h keeps a panel's sums on the stack)
 
 struct Part {
   int32_t format;
   int64_t row0, rows;   // rows [row0, row0 + rows) of the matrix, multiples of 16
-  const uint8_t* data;  // group g of this part at data + g * group_stride
+  const uint8_t* data;  // unsegmented: group g of this part at data + g * group_stride
   int64_t group_bytes;  // one group's bytes
   int64_t group_stride; // group_bytes, or 2 group_bytes in an interleaved blob
+  // The slot array the part's groups lie in: group g is slot g * ways + way of nslots, from `slots` on.
+  const uint8_t* slots;
+  int64_t ways, way, nslots;
+  int64_t chunks, chunk_bytes;  // a group's chunks and their bytes
+  int64_t seg, panel;           // chunks a segment (chunks: not segmented) and slots a panel
+
+  bool segmented() const { return seg < chunks; }
+  // Chunk c of group g, followed in memory by the rest of c's segment.
+  const uint8_t* at(int64_t g, int64_t c) const {
+    if (!segmented()) return data + g * group_stride + c * chunk_bytes;
+    const int64_t s = g * ways + way, p0 = s - s % panel, gp = std::min(panel, nslots - p0);
+    const int64_t c0 = c - c % seg, len = std::min(seg, chunks - c0);
+    return slots + p0 * group_bytes + (gp * c0 + (s - p0) * len + (c - c0)) * chunk_bytes;
+  }
+  // fn(base, c0, c1) over the segments of group g's chunks [begin, end): chunk c of [c0, c1) at base + c chunk_bytes.
+  template <class Fn>
+  void segments(int64_t g, int64_t begin, int64_t end, Fn&& fn) const {
+    for (int64_t c0 = begin; c0 < end;) {
+      const int64_t c1 = std::min(end, (c0 / seg + 1) * seg);
+      fn(at(g, c0) - c0 * chunk_bytes, c0, c1);
+      c0 = c1;
+    }
+  }
 };
 
 struct Matrix {
@@ -140,6 +178,7 @@ struct Matrix {
   int nparts;
   Part parts[MAX_PARTS];
   bool interleaved;  // two parts, group by group (INTERLEAVED_AT)
+  int32_t seg_k, panel;  // SEGMENT_AT (0, 0: not segmented)
 };
 
 inline int64_t group_bytes(int32_t format, int64_t K) {
@@ -160,7 +199,11 @@ inline Matrix matrix(const at::Tensor& blob) {
   int32_t interleaved;
   std::memcpy(&interleaved, base + INTERLEAVED_AT, sizeof(interleaved));
   TORCH_CHECK(interleaved == 0 || (interleaved == 1 && h[3] == 2), "bad interleave flag in a quantized weight blob");
-  Matrix m{h[1], h[2], h[3], {}, interleaved == 1};
+  int32_t sp[2];
+  std::memcpy(sp, base + SEGMENT_AT, sizeof(sp));
+  TORCH_CHECK(sp[0] == 0 ? sp[1] == 0 : sp[0] > 0 && sp[0] % 256 == 0 && sp[1] >= 1 && sp[1] <= MAX_PANEL,
+              "bad segments in a quantized weight blob");
+  Matrix m{h[1], h[2], h[3], {}, interleaved == 1, sp[0], sp[1]};
   const int64_t ways = m.interleaved ? 2 : 1;
   int64_t row = 0;
   for (int p = 0; p < m.nparts; ++p) {
@@ -172,7 +215,11 @@ inline Matrix matrix(const at::Tensor& blob) {
     const int64_t gb = group_bytes(fr[0], m.K);
     TORCH_CHECK(off >= HEADER_BYTES && off % 64 == 0 && off + (fr[1] / 16 * ways - ways + 1) * gb <= blob.numel(),
                 "part ", p, " lies outside its quantized weight blob");
-    m.parts[p] = Part{fr[0], row, fr[1], base + off, gb, ways * gb};
+    const Info inf = info(fr[0]);
+    const int64_t chunks = m.K / (32 * inf.units), way = m.interleaved ? p : 0;
+    const int64_t seg = m.seg_k > 0 ? std::min<int64_t>(chunks, m.seg_k / (32 * inf.units)) : chunks;
+    m.parts[p] = Part{fr[0], row, fr[1], base + off, gb, ways * gb, base + off - way * gb, ways, way,
+                      fr[1] / 16 * ways, chunks, inf.chunk_bytes, seg, std::max(1, m.panel)};
     row += fr[1];
   }
   TORCH_CHECK(row == m.N, "the parts of a quantized weight blob do not add up to its ", m.N, " rows");

@@ -20,10 +20,19 @@ def is_quantized(w: torch.Tensor) -> bool:
     return w.dtype == torch.uint8 and w.dim() == 1
 
 
-def quant_pack(raws: list[torch.Tensor], formats: list[int], k: int, interleave: bool = False) -> torch.Tensor:
+def quant_pack(raws: list[torch.Tensor], formats: list[int], k: int, interleave: bool = False,
+               segment_k: int = -1) -> torch.Tensor:
     """GGUF blocks of each row part [rows, bytes] (uint8) in ggml type `formats[i]` -> one quantized matrix blob.
-    interleave: two parts of one format and size, stored group by group (kernels/quant_layout.h)."""
-    return _qops.quant_pack(raws, formats, k, interleave)
+    interleave: two parts of one format and size, stored group by group; segment_k: K cut into segments of that many
+    weights, panel by panel (a multiple of 256; 0: not; -1: where the kernels here read it faster); both
+    kernels/quant_layout.h. Every product is the same whatever the layout."""
+    return _qops.quant_pack(raws, formats, k, interleave, segment_k)
+
+
+def quant_segments(blob: torch.Tensor) -> tuple[int, int]:
+    """(segment_k, panel) of a quantized matrix: (0, 0) where it is not segmented (kernels/quant_layout.h)."""
+    seg_k, panel = _qops.quant_segments(blob)
+    return int(seg_k), int(panel)
 
 
 def quant_parts(blob: torch.Tensor) -> list[int]:

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "quant_amx.h"  // enabled: whether quantized matmuls run on AMX tiles here
 #include "quant_layout.h"
 
 namespace deploykit {
@@ -200,12 +201,34 @@ void pack_group(int32_t f, const Row* rows, int64_t K, uint8_t* out) {
 
 }  // namespace
 
+// The segments a blob of these parts gets when quant_pack is left to choose (segment_k < 0): segments of SEG_K
+// weights in panels of PANEL groups where some part's group passes SEGMENT_ABOVE bytes, in the AVX-512 builds on CPUs
+// whose quantized matmuls are not on AMX tiles (their batch-1 GEMV walks the panels, quant_rows.h). Measured on a
+// 2-vCPU Zen 4 (benchmarks/README.md, session 52), a standalone Q4_0 GEMV at K = 4864, both threads, DRAM fast: plain
+// groups 57-66 GB/s, its activations held in L1 (a timing-only copy) 73-85, panels of 4 groups in 4 segments 68-79,
+// 8 groups 71-80 (a panel is the unit a thread claims, so 8 left two threads 4 and 3 of down's 7 panels), 2 groups
+// 62-69; with DRAM slow all alike. In the batch-1 step a Q4_0 or Q8_0 token took ~0.97x the time with DRAM fast.
+constexpr int32_t SEG_K = 1024, PANEL = 4;
+constexpr int64_t SEGMENT_ABOVE = 20 << 10;
+
+int32_t auto_segment_k(const std::vector<int64_t>& formats, int64_t K) {
+#ifdef __AVX512F__
+  if (quant_amx::enabled.load(std::memory_order_relaxed)) return 0;
+  for (int64_t f : formats)
+    if (group_bytes((int32_t)f, K) > SEGMENT_ABOVE) return SEG_K;
+#endif
+  (void)formats, (void)K;
+  return 0;
+}
+
 // raws: per part, the GGUF bytes of its rows [rows, K / block * block_bytes] (uint8); formats: their ggml types.
 // -> the uint8 blob of the [sum(rows), K] matrix (quant_layout.h), 64-byte aligned parts. interleave: two parts of
-// one format and size stored group by group (quant_layout.h INTERLEAVED_AT); the matrix and every product with it are
-// the same, only the order of its groups in memory changes.
+// one format and size stored group by group (quant_layout.h INTERLEAVED_AT). segment_k: the weights of a segment
+// (quant_layout.h SEGMENT_AT; a multiple of 256) in panels of PANEL groups, 0 for none, or < 0 to let
+// auto_segment_k choose. The matrix and every product with it are the same whatever the layout; only the order of
+// its bytes in memory changes.
 at::Tensor quant_pack(const std::vector<at::Tensor>& raws, const std::vector<int64_t>& formats, int64_t K,
-                      bool interleave) {
+                      bool interleave, int64_t segment_k) {
   TORCH_CHECK(!raws.empty() && raws.size() == formats.size() && (int)raws.size() <= MAX_PARTS,
               "quant_pack: one format per part, 1 to ", MAX_PARTS, " parts");
   TORCH_CHECK(!interleave || (raws.size() == 2 && formats[0] == formats[1] && raws[0].dim() == 2 &&
@@ -227,25 +250,36 @@ at::Tensor quant_pack(const std::vector<at::Tensor>& raws, const std::vector<int
     size += r.size(0) / 16 * group_bytes(f, K);
     N += r.size(0);
   }
-  const int64_t ways = interleave ? 2 : 1;
   at::Tensor blob = at::zeros({size}, at::kByte);
   uint8_t* base = blob.data_ptr<uint8_t>();
   const int32_t head[4] = {MAGIC, (int32_t)N, (int32_t)K, (int32_t)raws.size()};
   std::memcpy(base, head, sizeof(head));
   const int32_t interleaved = interleave ? 1 : 0;
   std::memcpy(base + INTERLEAVED_AT, &interleaved, sizeof(interleaved));
+  const int32_t seg_k = segment_k < 0 ? auto_segment_k(formats, K) : (int32_t)segment_k;
+  TORCH_CHECK(seg_k >= 0 && seg_k % 256 == 0, "quant_pack: segment_k=", segment_k, " is not a multiple of 256");
+  const int32_t segments[2] = {seg_k, seg_k > 0 ? PANEL : 0};
+  std::memcpy(base + SEGMENT_AT, segments, sizeof(segments));
   for (size_t p = 0; p < raws.size(); ++p) {
-    const int32_t f = (int32_t)formats[p];
-    const int32_t fr[2] = {f, (int32_t)raws[p].size(0)};
+    const int32_t fr[2] = {(int32_t)formats[p], (int32_t)raws[p].size(0)};
     std::memcpy(base + 16 + p * 16, fr, sizeof(fr));
     std::memcpy(base + 16 + p * 16 + 8, &offsets[p], 8);
+  }
+  const Matrix m = matrix(blob);  // the header as written: where each group's chunks go
+  for (size_t p = 0; p < raws.size(); ++p) {
+    const Part& part = m.parts[p];
     const uint8_t* src = raws[p].data_ptr<uint8_t>();
-    const int64_t row_bytes = raws[p].size(1), gb = group_bytes(f, K);
+    const int64_t row_bytes = raws[p].size(1), gb = part.group_bytes;
     at::parallel_for(0, raws[p].size(0) / 16, 1, [&](int64_t g0, int64_t g1) {
       std::vector<Row> rows(16);
+      std::vector<uint8_t> group(gb);
       for (int64_t g = g0; g < g1; ++g) {
-        for (int r = 0; r < 16; ++r) decode_row(f, src + (g * 16 + r) * row_bytes, K, rows[r]);
-        pack_group(f, rows.data(), K, base + offsets[p] + g * ways * gb);
+        for (int r = 0; r < 16; ++r) decode_row(part.format, src + (g * 16 + r) * row_bytes, K, rows[r]);
+        pack_group(part.format, rows.data(), K, group.data());
+        part.segments(g, 0, part.chunks, [&](const uint8_t* at, int64_t c0, int64_t c1) {
+          std::memcpy(const_cast<uint8_t*>(at) + c0 * part.chunk_bytes, group.data() + c0 * part.chunk_bytes,
+                      (c1 - c0) * part.chunk_bytes);
+        });
       }
     });
   }
@@ -256,10 +290,10 @@ at::Tensor quant_pack(const std::vector<at::Tensor>& raws, const std::vector<int
 void dequant_row(const Matrix& m, int64_t row, float* out) {
   const Part& p = part_of(m, row / 16);
   const int r = (int)(row % 16);
-  const uint8_t* grp = p.data + (row - p.row0) / 16 * p.group_stride;
+  const int64_t g = (row - p.row0) / 16;
   const Info inf = info(p.format);
   for (int64_t c = 0; c < m.K / (32 * inf.units); ++c) {
-    const uint8_t* o = grp + c * inf.chunk_bytes;
+    const uint8_t* o = p.at(g, c);
     for (int u = 0; u < inf.units; ++u) {
       float* y = out + (c * inf.units + u) * 32;
       auto nib = [&](const uint8_t* lines, int k) {  // 4 nibble lines: k-group g low, g + 4 high
@@ -341,16 +375,24 @@ std::vector<int64_t> quant_parts(const at::Tensor& blob) {
   return out;
 }
 
+// [seg_k, panel] of the blob (quant_layout.h SEGMENT_AT; [0, 0]: not segmented).
+std::vector<int64_t> quant_segments(const at::Tensor& blob) {
+  const Matrix m = matrix(blob);
+  return {m.seg_k, m.panel};
+}
+
 TORCH_LIBRARY_FRAGMENT(deploykit, m) {
-  m.def("quant_pack(Tensor[] raws, int[] formats, int K, bool interleave=False) -> Tensor");
+  m.def("quant_pack(Tensor[] raws, int[] formats, int K, bool interleave=False, int segment_k=-1) -> Tensor");
   m.def("quant_rows(Tensor blob, Tensor ids, ScalarType dtype) -> Tensor");
   m.def("quant_parts(Tensor blob) -> int[]");
+  m.def("quant_segments(Tensor blob) -> int[]");
 }
 
 TORCH_LIBRARY_IMPL(deploykit, CPU, m) {
   m.impl("quant_pack", &quant_pack);
   m.impl("quant_rows", &quant_rows);
   m.impl("quant_parts", &quant_parts);
+  m.impl("quant_segments", &quant_segments);
 }
 
 }  // namespace deploykit

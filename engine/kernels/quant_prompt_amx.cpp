@@ -101,22 +101,25 @@ struct Source {
   int64_t K;
   void slice(int64_t nb, int64_t k0, int64_t kn, bf16* dst) {
     const Part& p = part_of(w, nb);
-    const uint8_t* base = p.data + (nb - p.row0 / 16) * p.group_stride;
+    const int64_t g = nb - p.row0 / 16;
     with_format(p.format, [&](auto f) {
       constexpr int F = decltype(f)::value;
       constexpr Info inf = info_of(F);
       for (int64_t v = k0 / 16; v < (k0 + kn) / 16; ++v)
-        unit_bf16<F>(base + v / inf.units * inf.chunk_bytes, (int)(v % inf.units), dst + (v - k0 / 16) * 512);
+        unit_bf16<F>(p.at(g, v / inf.units), (int)(v % inf.units), dst + (v - k0 / 16) * 512);
     });
   }
-  // The chunks that slice() reads: a 16-row group's chunks hold their scales, so they are one range.
+  // The chunks that slice() reads: a 16-row group's chunks hold their scales, so they are one range (in a segmented
+  // part, up to the end of the first chunk's segment: the rest is not requested ahead).
   void bytes(int64_t nb, int64_t k0, int64_t kn, const char*& begin, const char*& end) const {
     const Part& p = part_of(w, nb);
-    const uint8_t* base = p.data + (nb - p.row0 / 16) * p.group_stride;
+    const int64_t g = nb - p.row0 / 16;
     with_format(p.format, [&](auto f) {
       constexpr Info inf = info_of(decltype(f)::value);
-      begin = reinterpret_cast<const char*>(base + k0 / 16 / inf.units * inf.chunk_bytes);
-      end = reinterpret_cast<const char*>(base + ((k0 + kn) / 16 + inf.units - 1) / inf.units * inf.chunk_bytes);
+      const int64_t c0 = k0 / 16 / inf.units, c1 = ((k0 + kn) / 16 + inf.units - 1) / inf.units;
+      const int64_t stop = std::min(c1, (c0 / p.seg + 1) * p.seg);
+      begin = reinterpret_cast<const char*>(p.at(g, c0));
+      end = reinterpret_cast<const char*>(p.at(g, c0) + (stop - c0) * inf.chunk_bytes);
     });
   }
   void again(int64_t, const amx_slices::XTiles&, int64_t, const int64_t*, int, const float*, bf16*,

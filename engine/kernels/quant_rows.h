@@ -1,7 +1,7 @@
-// The walk over a quantized matrix's 16-row groups that both GEMVs share: each group through group<F, MT, Ahead>
-// of the ISA's kernel (quant_gemv.h on AVX512-VNNI, quant_gemv_avx2.h on AVX2), split where parts of different
-// formats meet, with the format and the row count made compile-time. Included at the end of each kernel header, after
-// its group(), so the dispatch is written once.
+// The walk over a quantized matrix's 16-row groups that both GEMVs share: each group, or each whole panel of a
+// segmented part (quant_layout.h), through span<F, MT, Ahead> and finish() of the ISA's kernel (quant_gemv.h on
+// AVX512-VNNI, quant_gemv_avx2.h on AVX2), split where parts of different formats meet, with the format and the row
+// count made compile-time. Included at the end of each kernel header, after its span(), so the walk is written once.
 #pragma once
 
 #include <algorithm>
@@ -14,25 +14,79 @@
 namespace deploykit {
 namespace quant {
 
+// out[m, 16 gl .. 16 gl + 16) of part p for MT activation rows: one 16-row group, segment by segment.
 template <int F, int MT, bool Ahead, class Out>
-inline void part_range(const Act* act, const Part& p, int64_t g0, int64_t g1, int64_t K, const float* bias, Out* out,
+inline void group(const Act* act, const Part& p, int64_t gl, const float* bias, Out* out, int64_t ldo) {
+  Sums<MT> sums;
+  for (int64_t c0 = 0; c0 < p.chunks; c0 += p.seg) {  // Part::segments, written out so that span() inlines here
+    const int64_t c1 = std::min(p.chunks, c0 + p.seg);
+    span<F, MT, Ahead>(act, p.at(gl, c0) - c0 * p.chunk_bytes, c0, c1, sums);
+  }
+  finish(sums, p, gl, bias, out, ldo);
+}
+
+// Slots p0 + [i0, i1) of a segmented panel of gp slots from slot p0 (parts[s % ways] holds slot s, as its group
+// s / ways), in the order they lie: segment 0 of each slot's group, then segment 1 of each, ... The activations of one
+// segment stay in L1 across the panel, where a whole group (43 KiB of Q4_0 at K = 4864) pushed them out before the
+// next group used them again; a whole panel is one sequential stream (part of one skips the other slots' pieces).
+// Each group's units are summed in the same order as group() sums them.
+template <int F, int MT, bool Ahead, class Out>
+inline void panel(const Act* act, const Part* const* parts, int64_t p0, int64_t gp, int64_t i0, int64_t i1,
+                  const float* bias, Out* out, int64_t ldo) {
+  const Part& q = *parts[0];
+  Sums<MT> sums[MAX_PANEL];
+  const uint8_t* seg = q.slots + p0 * q.group_bytes;  // the panel's current segment
+  for (int64_t c0 = 0; c0 < q.chunks; c0 += q.seg) {
+    const int64_t len = std::min(q.seg, q.chunks - c0), piece = len * q.chunk_bytes;
+    for (int64_t i = i0; i < i1; ++i)
+      span<F, MT, Ahead>(act, seg + i * piece - c0 * q.chunk_bytes, c0, c0 + len, sums[i - i0]);
+    seg += gp * piece;
+  }
+  for (int64_t i = i0; i < i1; ++i)
+    finish(sums[i - i0], *parts[(p0 + i) % q.ways], (p0 + i) / q.ways, bias, out, ldo);
+}
+
+// Slots [s0, s1) of the slot array parts[0..ways) share (quant_layout.h): panel by panel where it is segmented, else
+// slot by slot through group().
+template <int F, int MT, bool Ahead, class Out>
+inline void slot_range(const Act* act, const Part* const* parts, int64_t s0, int64_t s1, const float* bias, Out* out,
                        int64_t ldo) {
-  for (int64_t g = g0; g < g1; ++g) group<F, MT, Ahead>(act, p, g, K, bias, out, ldo);
+  const Part& q = *parts[0];
+  if (!q.segmented()) {
+    for (int64_t s = s0; s < s1; ++s) group<F, MT, Ahead>(act, *parts[s % q.ways], s / q.ways, bias, out, ldo);
+    return;
+  }
+  for (int64_t s = s0; s < s1;) {
+    const int64_t p0 = s - s % q.panel, e = std::min(p0 + q.panel, q.nslots), stop = std::min(s1, e);
+    panel<F, MT, Ahead>(act, parts, p0, e - p0, s - p0, stop - p0, bias, out, ldo);
+    s = stop;
+  }
+}
+
+template <int F, int MT, bool Ahead, class Out>
+inline void part_range(const Act* act, const Part& p, int64_t g0, int64_t g1, const float* bias, Out* out,
+                       int64_t ldo) {
+  if (p.ways != 1) {  // one half of an interleaved matrix alone: its groups are every other slot
+    for (int64_t g = g0; g < g1; ++g) group<F, MT, Ahead>(act, p, g, bias, out, ldo);
+    return;
+  }
+  const Part* parts[1] = {&p};
+  slot_range<F, MT, Ahead>(act, parts, g0, g1, bias, out, ldo);
 }
 
 template <int MT, bool Ahead, class Out>
-inline void part_rows(const Act* act, const Part& p, int64_t g0, int64_t g1, int64_t K, const float* bias, Out* out,
+inline void part_rows(const Act* act, const Part& p, int64_t g0, int64_t g1, const float* bias, Out* out,
                       int64_t ldo) {
-  with_format(p.format, [&](auto f) { part_range<decltype(f)::value, MT, Ahead>(act, p, g0, g1, K, bias, out, ldo); });
+  with_format(p.format, [&](auto f) { part_range<decltype(f)::value, MT, Ahead>(act, p, g0, g1, bias, out, ldo); });
 }
 
 template <int MT, class Out>
-inline void part_rows(bool ahead, const Act* act, const Part& p, int64_t g0, int64_t g1, int64_t K, const float* bias,
-                      Out* out, int64_t ldo) {
+inline void part_rows(bool ahead, const Act* act, const Part& p, int64_t g0, int64_t g1, const float* bias, Out* out,
+                      int64_t ldo) {
   if (ahead)
-    part_rows<MT, true>(act, p, g0, g1, K, bias, out, ldo);
+    part_rows<MT, true>(act, p, g0, g1, bias, out, ldo);
   else
-    part_rows<MT, false>(act, p, g0, g1, K, bias, out, ldo);
+    part_rows<MT, false>(act, p, g0, g1, bias, out, ldo);
 }
 
 // out[m, 16 b0 .. 16 b1) for M <= 4 activation rows: the 16-row groups [b0, b1) of the whole matrix, split where
@@ -47,28 +101,26 @@ inline void rows(int64_t M, const Act* act, const Matrix& w, int64_t b0, int64_t
     const int64_t lo = std::max(b0, p0), hi = std::min(b1, p1);
     if (lo >= hi) continue;
     switch (M) {
-      case 1: part_rows<1>(ahead, act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
-      case 2: part_rows<2>(ahead, act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
-      case 3: part_rows<3>(ahead, act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
-      default: part_rows<4>(ahead, act, p, lo - p0, hi - p0, w.K, bias, out, ldo); break;
+      case 1: part_rows<1>(ahead, act, p, lo - p0, hi - p0, bias, out, ldo); break;
+      case 2: part_rows<2>(ahead, act, p, lo - p0, hi - p0, bias, out, ldo); break;
+      case 3: part_rows<3>(ahead, act, p, lo - p0, hi - p0, bias, out, ldo); break;
+      default: part_rows<4>(ahead, act, p, lo - p0, hi - p0, bias, out, ldo); break;
     }
   }
 }
 
 // out[m, 16 j .. 16 j + 16) and out[m, 16 (J + j) .. 16 (J + j) + 16) for j in [j0, j1) and M <= 4 rows of an
-// interleaved matrix (quant_layout.h: two parts of J groups): group j of part 0 then group j of part 1, the next
-// group in memory, so the weights stream as one run; the format and M made compile-time once for the run.
+// interleaved matrix (quant_layout.h: two parts of J groups): group j of part 0 then group j of part 1 (slots 2 j and
+// 2 j + 1), the next group in memory, so the weights stream as one run; the format and M made compile-time once for
+// the run.
 template <class Out>
 inline void interleaved_rows(int64_t M, const Act* act, const Matrix& w, int64_t j0, int64_t j1, const float* bias,
                              Out* out, int64_t ldo) {
+  const Part* parts[2] = {&w.parts[0], &w.parts[1]};
   with_format(w.parts[0].format, [&](auto f) {
     constexpr int F = decltype(f)::value;
     const auto run = [&](auto mt) {
-      constexpr int MT = decltype(mt)::value;
-      for (int64_t j = j0; j < j1; ++j) {
-        group<F, MT, true>(act, w.parts[0], j, w.K, bias, out, ldo);
-        group<F, MT, true>(act, w.parts[1], j, w.K, bias, out, ldo);
-      }
+      slot_range<F, decltype(mt)::value, true>(act, parts, 2 * j0, 2 * j1, bias, out, ldo);
     };
     switch (M) {
       case 1: run(std::integral_constant<int, 1>{}); break;

@@ -204,13 +204,25 @@ inline int64_t claim_blocks(const Weight& w, int64_t n) {
   return std::max<int64_t>(1, std::min(claim, n / 8));
 }
 
+// A segmented matrix's panel (quant_layout.h), whose groups lie segment by segment and are best read whole
+// (quant_rows.h panel), or 1 block. ways: 2 where a claim's block j stands for gate j and up j (interleaved gate_up,
+// whose panels are of slots). Claims take whole panels, while a take-over splits what is left at any block, so that
+// the two threads still finish a phase close together. Measured on a 2-vCPU Zen 4 (benchmarks/README.md, session
+// 52): the last claims of a share tapering to single groups (read out of their panels, past the other groups'
+// pieces) lost down's whole gain from the panels (Q4_0 down 1.05 / 1.01 the plain layout's time, DRAM slow / fast).
+inline int64_t panel_blocks(const Weight& w, int64_t ways = 1) {
+  if (!w.quantized() || !w.q.parts[0].segmented()) return 1;
+  return std::max<int64_t>(1, w.q.parts[0].panel / ways);
+}
+inline int64_t whole(int64_t claim, int64_t unit) { return std::max(unit, claim / unit * unit); }
+
 // y[:, 16 b0 .. 16 b1) = x W^T + bias for B rows of x [B, K] over the column blocks this thread claims of `shares`.
 inline void matvec_shares(int64_t B, const bf16* x, int64_t K, const Weight& w, Room& room, Shares& shares, int tid,
                           const float* bias, bf16* y, int64_t ldy) {
   Ready r;
   prepare(B, x, K, w, room, r);
-  const int64_t step = claim_blocks(w, shares.items());
-  shares.walk(tid, step, 2 * step, [&](int64_t b0, int64_t b1) { columns(B, x, K, w, room, r, b0, b1, bias, y, ldy); });
+  const int64_t base = claim_blocks(w, shares.items()), step = whole(base, panel_blocks(w));
+  shares.walk(tid, step, 2 * base, [&](int64_t b0, int64_t b1) { columns(B, x, K, w, room, r, b0, b1, bias, y, ldy); });
 }
 
 // The gate blocks a claim of gate_up takes of J (and as many up blocks): about GATE_UP_RUN bytes of each half where
@@ -228,7 +240,7 @@ inline int64_t gate_up_claim(const Weight& w, int64_t J) {
   const bool runs = w.quantized() || (w.kind == Weight::COMPACT && !compact_amx::on(w.c) && gemv::one_stream());
   if (!runs) return std::max<int64_t>(1, claim_blocks(w, 2 * J) / 2);
   const int64_t block = w.quantized() ? w.q.parts[0].group_bytes : w.c.groups * compact::GROUP_BYTES;
-  return std::max<int64_t>(1, std::min(GATE_UP_RUN / block, J / 8));
+  return whole(std::max<int64_t>(1, std::min(GATE_UP_RUN / block, J / 8)), panel_blocks(w, 2));
 }
 
 // gate_up over the column blocks j this thread claims of `shares` (J of them; a claim of blocks [j0, j1) takes gate

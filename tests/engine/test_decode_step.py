@@ -282,3 +282,37 @@ def test_the_fused_step_takes_up_to_16_rows_bitwise_the_per_op_path(tiny_model, 
     logits, kv, rows = run(True)
     assert rows == set(range(1, n + 1)), rows
     assert_bitwise(logits, kv, ref_logits, ref_kv)
+
+
+# Segmented matrices (kernels/quant_layout.h SEGMENT_AT): the packer segments groups longer than L1 by itself (down of
+# the benchmark model, K = 4864), which these tiny models do not have, so here K is cut into 256-weight segments: every
+# matrix of a 512-wide model (gate_up interleaved as well), in panels of 4 groups. At 1-4 rows the step reads whole
+# panels; with thread 0 held back, thread 1 takes over panels; 16 rows go in tiles over pairs of groups.
+SEGMENTED = [("q4_0", 4), ("q8_0", 4), ("q4_0", 16)] if kernels.quantized_ok() else []
+
+
+@pytest.mark.parametrize("quantization,n", SEGMENTED)
+def test_segmented_weights_decode_bitwise_as_the_plain_layout(tiny_model, quantization, n, monkeypatch):
+    model_dir = tiny_model("qwen2", hidden=512, heads=8, kv_heads=2, intermediate=640, init_std=0.1)
+    ops = torch.ops.deploykit
+
+    def run(segment_k: int, fused: bool, delay_us: float = 0.0) -> tuple[list[torch.Tensor], torch.Tensor, list]:
+        monkeypatch.setattr(quant, "SEGMENT_K", segment_k)
+        core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", block_size=8, max_model_len=256,
+                                       quantization=quantization, max_num_seqs=16))
+        y = core.model.layers[0]
+        want = (segment_k, 4) if segment_k else (0, 0)
+        assert [kernels.quant_segments(w) for w in (y.qkv, y.o, y.gate_up, y.down)] == [want] * 4
+        if not fused:
+            core.model.step_weights = None
+        before = ops.set_first_thread_delay(delay_us)
+        try:
+            return drive(core, side_by_side(n), 2, monkeypatch)
+        finally:
+            ops.set_first_thread_delay(before)
+
+    ref_logits, ref_kv, _ = run(0, False)
+    for fused, delay_us in ((False, 0.0), (True, 0.0), (True, 200.0)):
+        logits, kv, calls = run(256, fused, delay_us)
+        assert {rows for rows, _ in calls} == (set(range(1, n + 1)) if fused else set())
+        assert_bitwise(logits, kv, ref_logits, ref_kv)

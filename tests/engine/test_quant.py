@@ -105,6 +105,46 @@ def test_gate_and_up_held_group_by_group_are_the_same_matrix(fmt):
         kernels.quant_pack([gate.data, other.data], [quant.GGML_IDS[fmt], quant.GGML_IDS[other.type_name]], k, True)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_segmented_panels_are_the_same_matrix(fmt):
+    """Where a 16-row group outgrows L1, K is cut into segments stored panel by panel (quant_layout.h SEGMENT_AT), so
+    the batch-1 GEMV keeps a segment's activations in L1: every row decoded and every product (1-4 rows over whole
+    and partial panels, 5-40 in tiles, a prompt's rows, fp32 logits, a matrix of two formats, interleaved halves) is
+    bitwise what the plain layout gives. Here 11 groups make panels of 4, 4 and 3, and the last segment is short."""
+    k = 768 if fmt.endswith("_K") else 640  # 3 segments of 256 (K-quants: a chunk each; else 4, 4 and 2 chunks)
+    raw, other = random_raw(fmt, 176, k, 1), random_raw("Q8_0" if fmt != "Q8_0" else "Q4_0", 32, k, 2)
+    gate, up = random_raw(fmt, 48, k, 3), random_raw(fmt, 48, k, 4)
+    torch.manual_seed(0)
+    x = torch.randn(40, k).bfloat16()
+    for parts, interleave in (([raw], False), ([raw, other], False), ([gate, up], True)):
+        ids = [quant.GGML_IDS[p.type_name] for p in parts]
+        plain = kernels.quant_pack([p.data for p in parts], ids, k, interleave, 0)
+        seg = kernels.quant_pack([p.data for p in parts], ids, k, interleave, 256)
+        assert kernels.quant_segments(plain) == (0, 0) and kernels.quant_segments(seg) == (256, 4)
+        assert seg.numel() == plain.numel() and quant.describe(seg) == quant.describe(plain)
+        assert quant.interleaved(seg) == interleave
+        n = sum(p.rows for p in parts)
+        ids = torch.arange(n)
+        assert torch.equal(kernels.quant_rows(seg, ids, torch.float32), kernels.quant_rows(plain, ids, torch.float32))
+        bias = torch.randn(n)
+        for m in (1, 2, 3, 4, 5, 16, 40):
+            assert torch.equal(kernels.linear(x[:m], seg, bias), kernels.linear(x[:m], plain, bias)), m
+            assert torch.equal(kernels.linear(x[:m].float(), seg, bias), kernels.linear(x[:m].float(), plain, bias))
+        assert torch.equal(kernels.linear(x, seg, bias, prompt_from=0), kernels.linear(x, plain, bias, prompt_from=0))
+        assert torch.equal(kernels.logits(x[:3], seg), kernels.logits(x[:3], plain))
+    with pytest.raises(RuntimeError, match="not a multiple of 256"):
+        kernels.quant_pack([raw.data], [quant.GGML_IDS[fmt]], k, False, 320)
+
+
+def test_long_groups_are_segmented_where_the_gemv_reads_them_faster():
+    """Left to choose, the packer segments matrices whose 16-row groups pass 20 KiB (down at K = 4864 in Q4_0: 43 KiB)
+    on AVX-512 CPUs whose quantized matmuls are not on AMX tiles, and nothing else."""
+    status = kernels.status()
+    want = (1024, 4) if status["variant"].startswith("avx512") and not status["quant_amx"] else (0, 0)
+    assert kernels.quant_segments(quant.pack([random_raw("Q4_0", 32, 4864)])) == want
+    assert kernels.quant_segments(quant.pack([random_raw("Q4_0", 32, 896)])) == (0, 0)
+
+
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
 def test_quantize_on_load_writes_what_llama_cpps_quantizer_writes(fmt):
     from gguf import GGMLQuantizationType, quants
@@ -144,17 +184,19 @@ def test_linear_computes_the_reference_at_every_row_count(fmt, m):
 def test_the_avx2_build_computes_the_reference_as_well():
     """The AVX2 build's int8 GEMV (CPUs without AVX-512: vpmaddubsw in place of vpdpbusd), forced with
     DEPLOYKIT_KERNELS=avx2 on a CPU that runs an AVX-512 build, meets the same reference in every format and at
-    every row count. On an AVX2 CPU it is the build every test in this file runs already."""
+    every row count, and reads segmented blobs bitwise as plain ones. On an AVX2 CPU it is the build every test in
+    this file runs already."""
     import subprocess
     import sys
     if kernels.status()["variant"] == "avx2":
         pytest.skip("this CPU runs the AVX2 build: every test here holds it to the reference already")
     code = ("from engine import kernels\n"
-            "from tests.engine.test_quant import FORMATS, check_linear\n"
+            "from tests.engine.test_quant import FORMATS, check_linear, test_segmented_panels_are_the_same_matrix\n"
             "assert kernels.status()['variant'] == 'avx2' and kernels.quantized_ok(), kernels.status()\n"
             "for fmt in FORMATS:\n"
             "    for m in (1, 2, 3, 4, 5, 16):\n"
-            "        check_linear(fmt, m)\n")
+            "        check_linear(fmt, m)\n"
+            "    test_segmented_panels_are_the_same_matrix(fmt)\n")
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=False,
                           env={**os.environ, "DEPLOYKIT_KERNELS": "avx2", "PYTHONPATH": str(root)})
