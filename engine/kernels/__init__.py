@@ -18,12 +18,10 @@ from engine.kernels.reference import (fallback_add_rms_norm, fallback_head_rms_n
 
 __all__ = ["LIMITS", "PACK_COLS", "add_rms_norm", "argmax", "bf16w_ok", "compact_info", "compact_rows",
            "compact_unpack", "decode_attention", "decode_attention_supported", "decode_step_", "decode_step_supported",
-           "step_f32_weight",
-           "fused", "head_rms_norm_", "is_compact", "is_quantized", "linear", "logits", "prefill_attention",
-           "prefill_attention_supported", "prepare_bf16w",
-           "prepare_bias", "prepare_weight", "quant_pack", "quant_parts", "quant_rows", "quant_segments", "quantized_ok",
-           "rotary_",
-           "silu_mul", "status", "tune_streams"]
+           "step_f32_weight", "fused", "head_rms_norm_", "is_compact", "is_quantized", "linear", "logits",
+           "prefill_attention", "prefill_attention_supported", "prepare_bf16w", "prepare_bias", "prepare_weight",
+           "quant_pack", "quant_parts", "quant_rows", "quant_segments", "quantized_ok", "rotary_", "silu_mul", "status",
+           "tune_streams"]
 
 _NATIVE = loader.load()
 # _ops: the AVX-512 library's every op; _qops: the ops the AVX2 build has as well, for quantized or bf16 weights under
