@@ -3,8 +3,9 @@
 One process pinned like `python -m engine serve` loads engine.py's 717 MB bf16 Qwen2-shaped model into EngineCore and
 decodes greedily at batch 1 (a 16-token prompt, then --tokens tokens), rounds alternating between the GEMV streamings
 (kernels/gemv.h `Streams`: 8 prefetched block streams per core, and one stream). Per generated token it reports:
-  - the engine step split into the fused native forward (`decode_step_`), the rest of `model.forward` (embedding,
-    Python), the LM head with the final norm, the sampler, and everything else (scheduling, inputs, outputs);
+  - the engine step split into the fused native call (`decode_step_`, with the final norm and the LM head where the
+    step takes them), the rest of `model.decode` (embedding, Python), the LM head with the final norm where Python
+    runs them (`compute_logits`), the sampler, and everything else (scheduling, inputs, outputs);
   - inside the native forward, per thread (kernels/step_profile.h): each phase's compute (qkv, attention, o_proj,
     norm + gate_up + silu, down, residual + next norm) and the time spent waiting at its barriers, and the barrier
     count: the OpenMP barriers one token costs;
@@ -84,8 +85,9 @@ def decode_round(core, timers: Timers, ops, vocab: int, tokens: int) -> dict:
     names = list(ops.step_profile_phases())
     per = {k: v / steps * 1e3 for k, v in timers.seconds.items()}  # ms per token
     native = per.get("native_step", 0.0)
-    split = {"native_forward": native, "forward_rest": per.get("forward", 0.0) - native,
-             "lm_head": per.get("logits", 0.0), "sampler": per.get("sampler", 0.0)}
+    logits = per.get("logits", 0.0)
+    split = {"native_forward": native, "forward_rest": per.get("decode", 0.0) - native - logits,
+             "lm_head": logits, "sampler": per.get("sampler", 0.0)}
     split["engine_python"] = wall / steps * 1e3 - sum(split.values())
     threads = phases.shape[0]
     inside = {n: float(phases[:, i].sum()) / threads / native_steps / 1e6 for i, n in enumerate(names)}
@@ -214,7 +216,7 @@ def main() -> None:
     else:
         variants = {"fp32 fused step": (core, None, ahead)}
     for c in {id(c): c for c, _, _ in variants.values()}.values():
-        timers.wrap(c.runner.model, "forward", "forward")
+        timers.wrap(c.runner.model, "decode", "decode")
         timers.wrap(c.runner.model, "compute_logits", "logits")
         timers.wrap(c, "sampler", "sampler")
     w = gguf_weight_stats(src) if a.gguf else weight_stats(a.model_dir)

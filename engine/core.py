@@ -105,11 +105,11 @@ class EngineCore:
             self.runner.release(seq)
         if not batch:
             return []
-        sampled, logits = self.runner.execute(batch)
+        sampled, logits, greedy = self.runner.execute(batch)
         self.scheduler.computed(batch)
         if not sampled:
             return []
-        result = self.sampler(logits, [seq.sampling for seq in sampled])
+        result = self.sampler(logits, [seq.sampling for seq in sampled], greedy)
         outputs = []
         for seq, token, lp in zip(sampled, result.token_ids, result.logprobs):
             seq.token_ids.append(token)

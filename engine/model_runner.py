@@ -21,19 +21,22 @@ class ModelRunner:
             self.model.release(seq)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
-        """Feed every scheduled token; return the sequences that reached their last token and logits [B, V]."""
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None]:
+        """Feed every scheduled token; return the sequences that reached their last token, logits [B, V] and, where
+        the fused decode step computed it, each one's argmax [B] (else None)."""
         if not self.model.native:
-            return self.model.run(batch.seqs, batch.num_new_tokens)
+            return *self.model.run(batch.seqs, batch.num_new_tokens), None
         # Decode rows first: the attention kernel batches them in one call.
         order = sorted(zip(batch.seqs, batch.num_new_tokens), key=lambda sn: not _decodes(*sn))
         input_ids, positions, meta, sampled, rows = self._prepare(order)
+        if meta.num_decode == len(rows) == input_ids.shape[0]:  # decode rows only, each sampled: the logits at once
+            return sampled, *self.model.decode(input_ids, positions, meta, self.kv)
         hidden = self.model.forward(input_ids, positions, meta, self.kv)     # [N, H]
         if not rows:
-            return sampled, hidden[:0]
+            return sampled, hidden[:0], None
         if len(rows) != hidden.shape[0]:
             hidden = hidden[torch.tensor(rows)]
-        return sampled, self.model.compute_logits(hidden)
+        return sampled, self.model.compute_logits(hidden), None
 
     def _tile_blocks(self, table: list[int], end: int):
         """Blocks for keys up to the end of the last prefill tile: the table, padded with any blocks (those keys are

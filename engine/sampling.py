@@ -194,11 +194,12 @@ def _argmax_torch(x: torch.Tensor) -> torch.Tensor:
     return cols.gather(1, x.gather(1, cols).argmax(-1, keepdim=True)).squeeze(1)
 
 
-def _greedy_with_bans(x: torch.Tensor, states: Sequence[SamplingState]) -> list[int]:
+def _greedy_with_bans(x: torch.Tensor, states: Sequence[SamplingState], argmax: torch.Tensor | None) -> list[int]:
     """Greedy tokens of [R, V] where bans are the only edit (ignore_eos, min_tokens): the argmax of the raw logits
-    stands unless it is banned, since banning only lowers logits and the first maximum stays first. Only rows
-    whose argmax is banned pay for the mask (benchmarks run ignore_eos: ~30 us a step saved on a 1k vocab)."""
-    tokens = _argmax(x).tolist()
+    (argmax where the step computed it) stands unless it is banned, since banning only lowers logits and the first
+    maximum stays first. Only rows whose argmax is banned pay for the mask (benchmarks run ignore_eos: ~30 us a step
+    saved on a 1k vocab)."""
+    tokens = (_argmax(x) if argmax is None else argmax).tolist()
     redo = [i for i, s in enumerate(states) if tokens[i] in s.banned_token_ids()]
     if redo:
         sub = x[redo]
@@ -324,7 +325,9 @@ class Sampler:
     mask comes before temperature and truncation, so those act on the allowed tokens only.
     The logits tensor is overwritten; callers must not reuse it."""
 
-    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState],
+                 argmax: torch.Tensor | None = None) -> SamplerOutput:
+        """argmax: each row's argmax of logits (int64 [B]) where the fused decode step computed it with them."""
         rows = logits.shape[0]
         if rows != len(states):
             raise ValueError(f"got {rows} logit rows for {len(states)} sampling states")
@@ -332,7 +335,7 @@ class Sampler:
         params = [s.params for s in states]
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not want_lp and all(p.is_greedy for p in params) and not any(s.edits_beyond_bans for s in states):
-            return SamplerOutput(_greedy_with_bans(x, states), [None] * rows)
+            return SamplerOutput(_greedy_with_bans(x, states, argmax), [None] * rows)
 
         raw = x[want_lp] if want_lp else None  # [L, V] copy kept for logprobs
         apply_penalties(x, states)

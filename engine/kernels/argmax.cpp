@@ -8,43 +8,14 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include <cstdint>
 #include <limits>
 
-#include "vec.h"
+#include "argmax.h"
 
 namespace deploykit {
-namespace {
 
-int64_t argmax_row(const float* x, int64_t V) {
-  // Per lane: the best value so far and its index; a strictly greater value replaces it, so each lane keeps the
-  // first of equal maxima. NaNs are only flagged here and found by a scalar scan (they never occur in practice).
-  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512i at = _mm512_set1_epi32(0), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i step = _mm512_set1_epi32(16);
-  __mmask16 nan = 0;
-  for (int64_t i = 0; i < V; i += 16) {
-    const __m512 v = _mm512_mask_loadu_ps(best, vec::tail_mask(V - i), x + i);  // the tail repeats `best`: never strictly greater
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-    best = _mm512_mask_mov_ps(best, gt, v);
-    at = _mm512_mask_mov_epi32(at, gt, idx);
-    idx = _mm512_add_epi32(idx, step);
-  }
-  if (nan) {
-    for (int64_t i = 0; i < V; ++i)
-      if (x[i] != x[i]) return i;
-  }
-  // Across lanes: the largest value, then the smallest index holding it. A row of all -inf keeps index 0 in
-  // every lane, which is torch's answer too.
-  const float m = _mm512_reduce_max_ps(best);
-  const __mmask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
-  return _mm512_mask_reduce_min_epi32(top, at);
-}
-
-}  // namespace
+using argmax::argmax_row;
 
 // x [R, V] fp32 with contiguous rows -> int64 [R].
 at::Tensor argmax_rows(const at::Tensor& x) {

@@ -29,10 +29,6 @@ namespace {
 
 using namespace compact;
 
-// Byte position in a group's A/B half (and in C) of word `word` of line `line % 2`: A[16 L + i] is line 0's word
-// 8 L + i for i < 8 and line 1's word 8 L + i - 8 for i >= 8 (the order vpunpck{l,h}bw undo).
-inline int position(int line, int word) { return (word / 8) * 16 + (line % 2) * 8 + word % 8; }
-
 // Rows per tile from 5 rows on; 4 rows at a time measured 1.2-1.4x the packed kernels at 16 rows (each tile decodes
 // the block again), two blocks of 4 rows spilled registers (1.35x), and without pulling the next block into L2 the
 // 16-row step took 1.5x.
@@ -199,31 +195,10 @@ at::Tensor compact_rows(const at::Tensor& blob, const at::Tensor& ids) {
   const int64_t n = idc.numel(), K = w.K, *id = idc.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(id[i] >= 0 && id[i] < w.N, "token id ", id[i], " is outside the vocabulary [0, ", w.N, ")");
-  uint8_t table[16];
-  std::memcpy(table, reinterpret_cast<const uint8_t*>(blob.data_ptr<int8_t>()) + 16, sizeof(table));
   at::Tensor out = at::empty({n, K}, blob.options().dtype(at::kBFloat16));
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<bf16>());
   at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = id[i] / 16, col = id[i] % 16;
-      const uint8_t* src = w.data + b * w.groups * GROUP_BYTES;
-      uint16_t* row = o + i * K;
-      for (int64_t q = 0; q < w.groups; ++q) {
-        const uint8_t* g = src + q * GROUP_BYTES;
-        for (int line = 0; line < GROUP_PAIRS; ++line)
-          for (int parity = 0; parity < 2; ++parity) {
-            const int p = position(line, 2 * (int)col + parity), half = line / 2;
-            const uint8_t code = (g[128 + p] >> (4 * half)) & 0x0F;
-            // An escape reads as +0 here, as in decode(), and gets its bits below.
-            row[2 * (GROUP_PAIRS * q + line) + parity] =
-                code == ESCAPE ? 0 : (uint16_t)(table[code] << 8 | g[half * 64 + p]);
-          }
-      }
-      for (int64_t e = w.index[b]; e < w.index[b + 1]; ++e) {
-        const Exception& x = w.exceptions[e];
-        if (x.word / 2 == col) row[2 * (GROUP_PAIRS * x.group + x.line) + x.word % 2] = x.bits;
-      }
-    }
+    for (int64_t i = i0; i < i1; ++i) row(w, id[i], o + i * K);
   });
   return out;
 }

@@ -95,6 +95,34 @@ inline Matrix matrix(const at::Tensor& blob) {
   return m;
 }
 
+// Byte position in a group's A/B half (and in C) of word `word` of line `line % 2`: A[16 L + i] is line 0's word
+// 8 L + i for i < 8 and line 1's word 8 L + i - 8 for i >= 8 (the order vpunpck{l,h}bw undo).
+inline int position(int line, int word) { return (word / 8) * 16 + (line % 2) * 8 + word % 8; }
+
+// Row r of the [N, K] matrix -> out [K] (bf16 bits), bit for bit (an embedding tied to a compact lm_head). Row r is
+// column r % 16 of block r / 16: words 2 (r % 16) and 2 (r % 16) + 1 of every line.
+inline void row(const Matrix& w, int64_t r, uint16_t* out) {
+  alignas(64) uint8_t table[64];
+  _mm512_store_si512(table, w.table);  // the 16 high bytes in each lane
+  const int64_t b = r / 16, col = r % 16;
+  const uint8_t* src = w.data + b * w.groups * GROUP_BYTES;
+  for (int64_t q = 0; q < w.groups; ++q) {
+    const uint8_t* g = src + q * GROUP_BYTES;
+    for (int line = 0; line < GROUP_PAIRS; ++line)
+      for (int parity = 0; parity < 2; ++parity) {
+        const int p = position(line, 2 * (int)col + parity), half = line / 2;
+        const uint8_t code = (g[128 + p] >> (4 * half)) & 0x0F;
+        // An escape reads as +0 here, as in decode(), and gets its bits below.
+        out[2 * (GROUP_PAIRS * q + line) + parity] =
+            code == ESCAPE ? 0 : (uint16_t)(table[code] << 8 | g[half * 64 + p]);
+      }
+  }
+  for (int64_t e = w.index[b]; e < w.index[b + 1]; ++e) {
+    const Exception& x = w.exceptions[e];
+    if (x.word / 2 == col) out[2 * (GROUP_PAIRS * x.group + x.line) + x.word % 2] = x.bits;
+  }
+}
+
 // Group `g` -> its 4 packed lines w[0..3] (k-pairs 4q .. 4q + 3), escapes still reading as +0.
 [[gnu::always_inline]] inline void decode(const uint8_t* g, __m512i table, __m512i w[GROUP_PAIRS]) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);

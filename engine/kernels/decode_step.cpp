@@ -17,6 +17,14 @@
 //   y = silu(x W_gate^T) * (x W_up^T)       gate block j and up block j on one thread    | barrier
 //   d = y W_down^T + b                      column blocks split                          | barrier
 //   h += d; x = rms_norm(h) * ln1 of the next layer
+// and, when asked for, the way from token ids to greedy tokens: before the first layer each thread looks the rows up
+// in the token table itself; after the last,
+//   x = rms_norm(h) * norm; logits = x W_lm_head^T in fp32   column blocks split, each thread's argmax among its own
+// and the threads' picks merged once the region ends. Python would otherwise run the lookup, the final norm, the LM
+// head and the argmax as four more calls, each a PyTorch dispatch whose code and data a step's time evicts from the
+// caches (after 15 ms streaming 256 MB, an add_rms_norm call that takes 10 us warm took 200): on a 2-vCPU Zen 4 the
+// time a Q4_0 token of the benchmark model spends outside this call fell from ~0.52 to ~0.36 ms (benchmarks/README.md,
+// session 53), of a ~4.7 ms token with DRAM fast; the head itself (1024 x 896) reads in ~10 us.
 // A thread's column blocks are its fixed share, walked in claims; one done with its own takes over the back half of
 // what the other has left (runs.h Shares), on every matrix but packed bf16.
 #include <ATen/ATen.h>
@@ -80,12 +88,20 @@ const bf16* vector_ptr(const std::optional<at::Tensor>& t, int64_t n, int64_t la
 // stream out (before the final norm). weights: PER_LAYER entries per layer (see Slot), matrices packed as gemv.h
 // describes, biases fp32. kv: per layer [NB, bs, 2, Hkv, D]. cos, sin: the rotary tables [max_len, D] (sin signed,
 // rotate-half). Per row: position int64 [B], table int32 [B, W] block ids (padded with anything), length int32
-// [B] context incl. this token, slot int64 [B] where this token's K/V go.
+// [B] context incl. this token, slot int64 [B] where this token's K/V go. With ids (int64 [B]) and embed (a token
+// table, step::Table), h's rows are not read but looked up there (and h still gets the last residual stream). With
+// logits (fp32 [B, V]), also the final
+// norm (bf16 [H]) and the LM head (a matrix as above, [V, H]; quantized, compact on AMX tiles or B <= MAX_ROWS): the
+// logits kernels.logits(rms_norm(h) * norm, lm_head) gives, bit for bit; with greedy (int64 [B]) as well, each row's
+// argmax of them, as kernels.argmax gives it.
 void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tensor>>& weights,
                   const std::vector<at::Tensor>& kv, const std::vector<int64_t>& windows, const at::Tensor& cos,
                   const at::Tensor& sin, const at::Tensor& position, const at::Tensor& table,
                   const at::Tensor& length, const at::Tensor& slot, int64_t num_heads, int64_t num_kv_heads,
-                  double eps, double scale) {
+                  double eps, double scale, const std::optional<at::Tensor>& norm,
+                  const std::optional<at::Tensor>& lm_head, const std::optional<at::Tensor>& logits,
+                  const std::optional<at::Tensor>& ids, const std::optional<at::Tensor>& embed,
+                  const std::optional<at::Tensor>& greedy) {
   TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= MAX_TILE_ROWS && h.scalar_type() == at::kBFloat16 &&
                   h.is_contiguous(),
               "h must be a contiguous bf16 [B, H] tensor with 1 <= B <= ", MAX_TILE_ROWS);
@@ -142,6 +158,41 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
       TORCH_CHECK(B <= MAX_ROWS || m->wide(), "layer ", l, ": ", B, " rows take every matrix quantized or compact on "
                   "AMX tiles; with others 1 <= B <= ", MAX_ROWS);
   }
+  const bool head = logits.has_value() && logits->defined();
+  int64_t V = 0;
+  Weight hw;
+  const bf16* final_norm = nullptr;
+  if (head) {
+    TORCH_CHECK(logits->dim() == 2 && logits->size(0) == B && logits->size(1) % 16 == 0 &&
+                    logits->scalar_type() == at::kFloat && logits->is_contiguous(),
+                "logits must be a contiguous fp32 [B, V] tensor, V a multiple of 16");
+    V = logits->size(1);
+    TORCH_CHECK(lm_head.has_value() && lm_head->defined(), "logits take the lm_head");
+    hw = step::weight(*lm_head, V, H, -1, "lm_head");
+    TORCH_CHECK(B <= MAX_ROWS || hw.wide(), B, " rows take the lm_head quantized or compact on AMX tiles; with others "
+                "1 <= B <= ", MAX_ROWS);
+    TORCH_CHECK(norm.has_value() && norm->defined() && norm->numel() == H && norm->scalar_type() == at::kBFloat16 &&
+                    norm->is_contiguous(),
+                "the final norm: expected a contiguous bf16 tensor of ", H, " elements");
+    final_norm = norm->data_ptr<bf16>();
+  }
+  const bool pick = greedy.has_value() && greedy->defined();
+  TORCH_CHECK(!pick || (head && greedy->dim() == 1 && greedy->size(0) == B && greedy->scalar_type() == at::kLong &&
+                        greedy->is_contiguous()),
+              "greedy must be a contiguous int64 [B] tensor, beside logits");
+  const bool lookup = ids.has_value() && ids->defined();
+  step::Table tokens;
+  const int64_t* id = nullptr;
+  if (lookup) {
+    TORCH_CHECK(embed.has_value() && embed->defined(), "ids take the token table (embed)");
+    tokens = step::table(*embed, H);
+    TORCH_CHECK(ids->dim() == 1 && ids->size(0) == B && ids->scalar_type() == at::kLong && ids->is_contiguous(),
+                "ids must be a contiguous int64 [B] tensor");
+    id = ids->data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(id[b] >= 0 && id[b] < tokens.V, "token id ", id[b], " of row ", b, " is outside the vocabulary [0, ",
+                  tokens.V, ")");
+  }
   const RowIndices ix = step_args::checked_rows(position, table, length, slot, B, cos.size(0), NB, bs);
   const int64_t *pos = ix.pos, *dst = ix.slot, W = ix.W, longest = ix.longest;
   const int32_t *end = ix.end, *tbl = ix.table;
@@ -149,9 +200,12 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
   if (step_profile::enabled.load(std::memory_order_relaxed)) ++step_profile::steps;
   // Shared activations [B, ...]; every element has one writer per phase.
   std::vector<bf16> qkv(B * NQKV), o(B * Hq * D), d(B * H), gu(B * 2 * I), act(B * I);
+  std::vector<bf16> rounded(head && !hw.quantized() ? B * V : 0);  // a bf16 head's logits before widening
   // Per thread: its copy of the residual stream and its norm, and attention scratch sized up front, so nothing
   // inside the parallel region allocates (an exception there could not be caught).
   const int max_threads = at::get_num_threads();
+  std::vector<float> widened(lookup ? H * max_threads : 0);  // a quantized table's row in fp32, per thread
+  std::vector<argmax::Best> picks(pick ? B * max_threads : 0);  // per thread, each row's best of its columns
   const int64_t stride = (2 * B * H + 31) / 32 * 32;  // whole 64-byte lines per thread, from a 64-byte boundary
   std::vector<bf16> own(stride * max_threads + 32);
   bf16* own0 = reinterpret_cast<bf16*>((reinterpret_cast<uintptr_t>(own.data()) + 63) & ~uintptr_t{63});
@@ -181,18 +235,27 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
     shares.reserve(L * SHARED_PHASES);
     for (int64_t i = 0; i < L * SHARED_PHASES; ++i) shares.emplace_back(max_threads);
   }
+  std::vector<Shares> head_shares;  // the LM head's, where it takes over as the layers' matrices do
+  if (head && step::shared(hw) && take_over_on.load(std::memory_order_relaxed)) head_shares.emplace_back(max_threads);
+  float* lp = head ? logits->data_ptr<float>() : nullptr;
 
 #pragma omp parallel num_threads(max_threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
 #pragma omp single
-    for (int64_t l = 0; l < (take_over ? L : 0); ++l) {
-      const int64_t items[SHARED_PHASES] = {NQKV / 16, H / 16, I / 16, H / 16};
-      for (int p = 0; p < SHARED_PHASES; ++p) shares[l * SHARED_PHASES + p].reset(items[p], nt);
+    {
+      for (int64_t l = 0; l < (take_over ? L : 0); ++l) {
+        const int64_t items[SHARED_PHASES] = {NQKV / 16, H / 16, I / 16, H / 16};
+        for (int p = 0; p < SHARED_PHASES; ++p) shares[l * SHARED_PHASES + p].reset(items[p], nt);
+      }
+      for (Shares& s : head_shares) s.reset(V / 16, nt);
     }
     bf16* res = own0 + stride * tid;
     bf16* x = res + B * H;
-    std::copy(hp, hp + B * H, res);
+    if (lookup)
+      for (int64_t b = 0; b < B; ++b) tokens.row(id[b], H, res + b * H, widened.data() + tid * H);
+    else
+      std::copy(hp, hp + B * H, res);
     attention::Scratch& scratch = scratches[tid];
     step::Room& room = rooms[tid];
     const auto [qb0, qb1] = share(NQKV / 16, tid, nt);
@@ -269,10 +332,22 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
       for (int64_t b = 0; b < B; ++b) {
         rows::add_(res + b * H, d.data() + b * H, H);
         if (l + 1 < L) rows::rms_norm(res + b * H, layers[l + 1].ln1, H, feps, x + b * H);
+        else if (head) rows::rms_norm(res + b * H, final_norm, H, feps, x + b * H);
       }
       clock.mark(step_profile::RESIDUAL);
     }
+    if (head) {
+      const auto [vb0, vb1] = share(V / 16, tid, nt);
+      step::head(B, x, H, hw, room, head_shares.empty() ? nullptr : &head_shares[0], tid, vb0, vb1, rounded.data(),
+                 lp, V, pick ? picks.data() + tid * B : nullptr);
+      clock.mark(step_profile::LM_HEAD);
+    }
     if (tid == 0) std::copy(res, res + B * H, hp);
+  }
+  for (int64_t b = 0; pick && b < B; ++b) {  // every thread's picks, in any order: the first maximum (NaN first)
+    argmax::Best best;
+    for (int t = 0; t < max_threads; ++t) best.merge(picks[t * B + b].v, picks[t * B + b].i);
+    greedy->data_ptr<int64_t>()[b] = best.i;
   }
 }
 
@@ -294,7 +369,8 @@ TORCH_LIBRARY_FRAGMENT(deploykit, m) {
   m.def(
       "decode_step_(Tensor(a!) h, Tensor?[] weights, Tensor(b!)[] kv, int[] windows, Tensor cos, Tensor sin, "
       "Tensor position, Tensor table, Tensor length, Tensor slot, int num_heads, int num_kv_heads, float eps, "
-      "float scale) -> ()");
+      "float scale, Tensor? norm=None, Tensor? lm_head=None, Tensor(c!)? logits=None, Tensor? ids=None, "
+      "Tensor? embed=None, Tensor(d!)? greedy=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(deploykit, CPU, m) {

@@ -243,4 +243,8 @@ inline float half(const uint8_t* p) {
 }
 
 }  // namespace quant
+
+// Row `row` of the whole matrix as K floats (quant_pack.cpp): the embedding lookup of a quantized token table.
+void dequant_row(const quant::Matrix& m, int64_t row, float* out);
+
 }  // namespace deploykit

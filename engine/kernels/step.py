@@ -48,7 +48,10 @@ def step_f32_weight(w: torch.Tensor) -> bool:
 
 def decode_step_(h: torch.Tensor, weights: list, kv: list[torch.Tensor], windows: list[int], cos: torch.Tensor,
                  sin: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                 slots: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float, scale: float) -> None:
+                 slots: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float, scale: float,
+                 norm: torch.Tensor | None = None, lm_head: torch.Tensor | None = None,
+                 logits: torch.Tensor | None = None, ids: torch.Tensor | None = None,
+                 embed: torch.Tensor | None = None, greedy: torch.Tensor | None = None) -> None:
     """The whole forward pass of a decode step in one call: h [B, H], the embedding rows, becomes the last residual
     stream; each layer's K/V are written at `slots`. bf16 h (decode_step.cpp): B <= MAX_ROWS, MAX_TILE_ROWS where
     every matrix is quantized or on AMX tiles. fp32 h (decode_step_f32.cpp): B <= F32_MAX_ROWS; fp32 norms, biases,
@@ -56,6 +59,16 @@ def decode_step_(h: torch.Tensor, weights: list, kv: list[torch.Tensor], windows
     positions, slots int64 [B]; tables int32 [B, W], lens int32 [B] as decode_attention takes them.
     weights: 11 per layer (ln1, qkv, qkv_bias, qk_norm, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias),
     packed and prepared as engine.kernels.linear takes them, None where absent. Bitwise the same as the per-op native
-    path."""
-    (_step_f32 if h.dtype == _F32 else _step)(h, weights, kv, windows, cos, sin, positions, tables, lens, slots,
-                                              num_heads, num_kv_heads, eps, scale)
+    path.
+    logits fp32 [B, V] (bf16 h only; norm [H] bf16, lm_head [V, H] a matrix as above, past MAX_ROWS quantized or on
+    AMX tiles): also written in the same call, the bits of logits(rms_norm(h) * norm, lm_head); and greedy int64 [B],
+    each row's argmax of them as kernels.argmax gives it.
+    ids int64 [B] and embed, a token table as layers.embed_rows takes it (bf16 h only): h's rows are looked up there
+    in the same call, not read (h still gets the last residual stream)."""
+    if logits is not None or ids is not None:
+        _step(h, weights, kv, windows, cos, sin, positions, tables, lens, slots, num_heads, num_kv_heads, eps, scale,
+              norm, lm_head, logits, ids, embed, greedy)
+    else:
+        (_step_f32 if h.dtype == _F32 else _step)(h, weights, kv, windows, cos, sin, positions, tables, lens, slots,
+                                                  num_heads, num_kv_heads, eps, scale)
+

@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
+#include "argmax.h"
 #include "compact_amx.h"
 #include "compact_bf16.h"
 #include "gemv.h"
@@ -49,27 +51,73 @@ struct Weight {
   bool wide() const { return quantized() || (kind == COMPACT && compact_amx::on(c)); }
 };
 
+// layer < 0: a matrix outside the layers (the LM head), named alone.
 inline Weight weight(const at::Tensor& w, int64_t N, int64_t K, int64_t layer, const char* name) {
+  const std::string where = layer < 0 ? std::string(name) : "layer " + std::to_string(layer) + " " + name;
   Weight out;
   if (compact::is_blob(w)) {
     out.kind = Weight::COMPACT;
     out.c = compact::matrix(w);
-    TORCH_CHECK(out.c.N == N && out.c.K == K, "layer ", layer, " ", name, ": the compact weight is [", out.c.N, ", ",
+    TORCH_CHECK(out.c.N == N && out.c.K == K, where, ": the compact weight is [", out.c.N, ", ",
                 out.c.K, "], expected [", N, ", ", K, "]");
     return out;
   }
   if (quant::is_blob(w)) {
     out.kind = Weight::QUANTIZED;
     out.q = quant::matrix(w);
-    TORCH_CHECK(out.q.N == N && out.q.K == K, "layer ", layer, " ", name, ": the quantized weight is [", out.q.N,
+    TORCH_CHECK(out.q.N == N && out.q.K == K, where, ": the quantized weight is [", out.q.N,
                 ", ", out.q.K, "], expected [", N, ", ", K, "]");
     return out;
   }
   TORCH_CHECK(w.dim() == 4 && w.size(0) * 16 == N && w.size(1) * 2 == K && w.size(2) == 16 && w.size(3) == 2 &&
                   w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
-              "layer ", layer, " ", name, ": expected a packed bf16 [", N / 16, ", ", K / 2, ", 16, 2] weight, a "
+              where, ": expected a packed bf16 [", N / 16, ", ", K / 2, ", 16, 2] weight, a "
               "compact or a quantized one");
   out.packed = w.data_ptr<bf16>();
+  return out;
+}
+
+// The token table the step looks its rows up in, of the kinds layers.embed_rows takes: quantized, compact, packed
+// [V/16, H/2, 16, 2] or plain [V, H] bf16; each row the bits embed_rows gives it (a quantized row rounded from fp32
+// to bf16 to nearest even, as Tensor.to does).
+struct Table {
+  enum Kind { PLAIN, PACKED, COMPACT, QUANTIZED } kind = PLAIN;
+  const bf16* dense = nullptr;
+  compact::Matrix c{};
+  quant::Matrix q{};
+  int64_t V = 0;
+  // Row id -> out [H]; scratch: H floats.
+  void row(int64_t id, int64_t H, bf16* out, float* scratch) const {
+    if (kind == QUANTIZED) {
+      dequant_row(q, id, scratch);
+      for (int64_t k = 0; k < H; ++k) out[k] = static_cast<bf16>(scratch[k]);
+    } else if (kind == COMPACT) {
+      compact::row(c, id, reinterpret_cast<uint16_t*>(out));
+    } else if (kind == PACKED) {  // row id is column id % 16 of block id / 16: pairs of k
+      const bf16* b = dense + id / 16 * H * 16 + id % 16 * 2;
+      for (int64_t k = 0; k < H; k += 2) out[k] = b[k * 16], out[k + 1] = b[k * 16 + 1];
+    } else {
+      std::copy(dense + id * H, dense + (id + 1) * H, out);
+    }
+  }
+};
+
+inline Table table(const at::Tensor& t, int64_t H) {
+  Table out;
+  if (quant::is_blob(t)) {
+    out.kind = Table::QUANTIZED, out.q = quant::matrix(t), out.V = out.q.N;
+    TORCH_CHECK(out.q.K == H, "the token table is [", out.q.N, ", ", out.q.K, "], expected H = ", H);
+  } else if (compact::is_blob(t)) {
+    out.kind = Table::COMPACT, out.c = compact::matrix(t), out.V = out.c.N;
+    TORCH_CHECK(out.c.K == H, "the token table is [", out.c.N, ", ", out.c.K, "], expected H = ", H);
+  } else {
+    const bool packed = t.dim() == 4 && t.size(1) * 2 == H && t.size(2) == 16 && t.size(3) == 2;
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous() && (packed || (t.dim() == 2 && t.size(1) == H)),
+                "the token table: expected a contiguous bf16 [V, ", H, "] or packed [V/16, ", H / 2, ", 16, 2] "
+                "tensor, a compact or a quantized one");
+    out.kind = packed ? Table::PACKED : Table::PLAIN, out.dense = t.data_ptr<bf16>();
+    out.V = packed ? t.size(0) * 16 : t.size(0);
+  }
   return out;
 }
 
@@ -191,6 +239,18 @@ inline void gate_up(int64_t B, const bf16* x, int64_t H, const Weight& w, int64_
   gate_up_columns(B, x, H, w, room, r, J, j0, j1, bias, gu);
 }
 
+// logits[:, 16 b0 .. 16 b1) = x W^T in fp32 for B rows of x [B, K] made ready for w, the bits kernels.logits gives:
+// a quantized head writes fp32 directly (no bf16 rounding of near-tied logits), the bf16 kinds round to bf16 as their
+// linear does (into `rounded`, [B, V]) and are widened.
+inline void head_columns(int64_t B, const bf16* x, int64_t K, const Weight& w, Room& room, const Ready& r, int64_t b0,
+                         int64_t b1, bf16* rounded, float* logits, int64_t V) {
+  if (w.quantized() && r.tiles) return room.tiles.groups_of(w.q, b0, b1, nullptr, logits, V);
+  if (w.quantized()) return quant::tiled_rows(B, r.a, w.q, b0, b1, nullptr, logits, V);
+  columns(B, x, K, w, room, r, b0, b1, nullptr, rounded, V);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t c = 16 * b0; c < 16 * b1; ++c) logits[b * V + c] = static_cast<float>(rounded[b * V + c]);
+}
+
 // Whether a phase on w goes through Shares (runs.h: a thread done with its share takes over from a slower one): every
 // kind but packed bf16, whose GEMV splits a thread's range into streams of its own (gemv.h Streams) and keeps fixed
 // shares. Quantized and compact matrices are read as one stream per thread, or a pair of blocks at a time.
@@ -216,13 +276,38 @@ inline int64_t panel_blocks(const Weight& w, int64_t ways = 1) {
 }
 inline int64_t whole(int64_t claim, int64_t unit) { return std::max(unit, claim / unit * unit); }
 
+// cols(b0, b1) over the column blocks of w this thread claims of `shares`.
+template <class Cols>
+inline void claims(const Weight& w, Shares& shares, int tid, const Cols& cols) {
+  const int64_t base = claim_blocks(w, shares.items()), step = whole(base, panel_blocks(w));
+  shares.walk(tid, step, 2 * base, cols);
+}
+
 // y[:, 16 b0 .. 16 b1) = x W^T + bias for B rows of x [B, K] over the column blocks this thread claims of `shares`.
 inline void matvec_shares(int64_t B, const bf16* x, int64_t K, const Weight& w, Room& room, Shares& shares, int tid,
                           const float* bias, bf16* y, int64_t ldy) {
   Ready r;
   prepare(B, x, K, w, room, r);
-  const int64_t base = claim_blocks(w, shares.items()), step = whole(base, panel_blocks(w));
-  shares.walk(tid, step, 2 * base, [&](int64_t b0, int64_t b1) { columns(B, x, K, w, room, r, b0, b1, bias, y, ldy); });
+  claims(w, shares, tid, [&](int64_t b0, int64_t b1) { columns(B, x, K, w, room, r, b0, b1, bias, y, ldy); });
+}
+
+// The LM head's fp32 logits [B, V] (head_columns) for column blocks [b0, b1), or, with shares, for those this thread
+// claims; with picks ([B]), each row's greedy token among them merged in (argmax.h: torch.argmax's answer once every
+// thread's picks are merged), scanned while the thread's own logits are still in L1.
+inline void head(int64_t B, const bf16* x, int64_t K, const Weight& w, Room& room, Shares* shares, int tid,
+                 int64_t b0, int64_t b1, bf16* rounded, float* logits, int64_t V, argmax::Best* picks) {
+  Ready r;
+  prepare(B, x, K, w, room, r);
+  const auto cols = [&](int64_t c0, int64_t c1) {
+    head_columns(B, x, K, w, room, r, c0, c1, rounded, logits, V);
+    for (int64_t b = 0; picks && b < B; ++b) {
+      const float* row = logits + b * V + 16 * c0;
+      const int64_t j = argmax::argmax_row(row, 16 * (c1 - c0));
+      picks[b].merge(row[j], 16 * c0 + j);
+    }
+  };
+  if (shares) claims(w, *shares, tid, cols);
+  else cols(b0, b1);
 }
 
 // The gate blocks a claim of gate_up takes of J (and as many up blocks): about GATE_UP_RUN bytes of each half where

@@ -14,8 +14,9 @@
 namespace deploykit {
 namespace step_profile {
 
-enum Phase { QKV, ATTENTION, O_PROJ, GATE_UP, DOWN, RESIDUAL, BARRIER, PHASES };
-constexpr const char* NAMES[PHASES] = {"qkv", "attention", "o_proj", "gate_up", "down", "residual", "barrier"};
+enum Phase { QKV, ATTENTION, O_PROJ, GATE_UP, DOWN, RESIDUAL, LM_HEAD, BARRIER, PHASES };
+constexpr const char* NAMES[PHASES] = {"qkv",  "attention", "o_proj",  "gate_up",
+                                       "down", "residual",  "lm_head", "barrier"};
 constexpr int MAX_THREADS = 256;
 
 inline std::atomic<bool> enabled{false};

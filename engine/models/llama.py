@@ -78,6 +78,7 @@ class LlamaModel:
         else:
             wide = matrices and all(kernels.is_quantized(w) or kernels.on_tiles(w) for w in matrices)
             self.step_max_rows = kernels.STEP_MAX_TILE_ROWS if wide else kernels.STEP_MAX_ROWS
+        self.step_logits_rows = self._step_logits_rows()
         # gate_up and silu * up in one pass on AMX tiles (compact weights): the same bits, no [N, 2I] intermediate.
         self.gate_up_silu = (self.act_fused and self.dtype == torch.bfloat16
                              and all(kernels.gate_up_silu_ok(L.gate_up) for L in self.layers))
@@ -226,6 +227,48 @@ class LlamaModel:
                         L.gate_up_bias, L.down, L.down_bias]
         return weights
 
+    def _step_logits_rows(self) -> int:
+        """The most rows the bf16 fused step takes from token ids to logits (decode_step.cpp: the embedding lookup,
+        the final norm and the LM head in the same call; 0: Python runs them around it): a head the step reads (packed,
+        compact or quantized) in whole 16-row blocks, past kernels.STEP_MAX_ROWS rows only a wide one (quantized, or on
+        AMX tiles). The step reads every kind of token table embed_rows does."""
+        w = self.lm_head
+        if (self.step_weights is None or self.dtype != torch.bfloat16 or self.config.vocab_size % 16
+                or not (kernels.is_packed(w) or kernels.is_quantized(w) or kernels.is_compact(w))):
+            return 0
+        wide = kernels.is_quantized(w) or kernels.on_tiles(w)
+        return self.step_max_rows if wide else min(self.step_max_rows, kernels.STEP_MAX_ROWS)
+
+    @torch.inference_mode()
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+               kv: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A step of decode rows only (meta.num_decode == N: each sequence's next token) -> fp32 logits [N, V], and
+        each row's argmax int64 [N] where the fused step took the batch (else None)."""
+        n = input_ids.shape[0]
+        if n > self.step_logits_rows or self.step_weights is None:  # (tests turn the step off after load)
+            return self.compute_logits(self.forward(input_ids, positions, meta, kv)), None
+        logits, greedy = torch.empty(n, self.config.vocab_size), torch.empty(n, dtype=torch.int64)
+        h = torch.empty(n, self.config.hidden_size, dtype=self.dtype)  # the step's rows, looked up from input_ids
+        self._step(h, positions, meta, kv, (self.norm.weight, self.lm_head, logits, input_ids, self._table(), greedy))
+        return logits, greedy
+
+    def _table(self) -> torch.Tensor:
+        return self.embed if self.embed is not None else self.lm_head  # tied: the lm_head's copy (_load)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return embed_rows(self._table(), input_ids, self.dtype)  # [N, H]
+
+    def _step(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache,
+              tail: tuple = ()) -> torch.Tensor:
+        """Decode of a few sequences, the latency path: every layer in one native call, not ~25 ops per layer; tail:
+        kernels.decode_step_'s (norm, lm_head, logits, ids, embed, greedy): from token ids to logits and argmax."""
+        s = self.config
+        h = h.contiguous()
+        kernels.decode_step_(h, self.step_weights, kv.layers, self.windows, self.rotary.cos, self.rotary.sin,
+                             positions, meta.decode_tables, meta.decode_lens, meta.slot_mapping, s.num_heads,
+                             s.num_kv_heads, s.rms_norm_eps, self.scale, *tail)
+        return h
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: KVCache) -> torch.Tensor:
@@ -233,14 +276,9 @@ class LlamaModel:
         s = self.config
         n = input_ids.shape[0]
         nh, nkv, hd = s.num_heads, s.num_kv_heads, s.head_dim
-        h = embed_rows(self.embed if self.embed is not None else self.lm_head, input_ids, self.dtype)  # [N, H]
+        h = self._embed(input_ids)
         if meta.num_decode == n <= self.step_max_rows and self.step_weights is not None:
-            # Decode of a few sequences, the latency path: every layer in one native call, not ~25 ops per layer.
-            h = h.contiguous()
-            kernels.decode_step_(h, self.step_weights, kv.layers, self.windows, self.rotary.cos, self.rotary.sin,
-                                 positions, meta.decode_tables, meta.decode_lens, meta.slot_mapping, nh, nkv,
-                                 s.rms_norm_eps, self.scale)
-            return h
+            return self._step(h, positions, meta, kv)
         cos, sin = self.rotary.tables(positions)                       # [N, 1, D]
         nd = meta.num_decode  # rows [nd, N) are prompt rows: kernels.linear's prompt_from
         last = len(self.layers) - 1

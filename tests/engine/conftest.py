@@ -69,6 +69,15 @@ def run_core():
     return _run_core
 
 
+def record_logits(core) -> list[torch.Tensor]:
+    """The logits of every step of `core` from now on, as its sampler gets them (a copy each: the sampler may
+    overwrite them), whichever call made them: compute_logits, or the fused decode step with its LM head."""
+    logits: list[torch.Tensor] = []
+    sample = core.sampler
+    core.sampler = lambda x, states, *argmax: logits.append(x.clone()) or sample(x, states, *argmax)
+    return logits
+
+
 def next_token_logprobs(core, prompts: list[list[int]], top: int = 8) -> dict:
     """Each prompt's first generated position through `core`: {prompt index: its top `top` (token, logprob)}."""
     from engine.sampling import SamplingParams

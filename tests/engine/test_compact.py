@@ -11,7 +11,7 @@ from engine import kernels
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.sampling import SamplingParams
-from tests.engine.conftest import NATIVE
+from tests.engine.conftest import NATIVE, record_logits
 from tests.engine.test_kernels import assert_close
 
 pytestmark = [pytest.mark.skipif(not NATIVE, reason="no native path here (a CPU without AVX-512, or kernels off)"),
@@ -254,9 +254,7 @@ def test_a_blob_that_is_not_compact_is_refused():
 
 def _greedy(model_dir: str, compact: bool) -> tuple[list[list[int]], list[torch.Tensor], EngineCore]:
     core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", max_model_len=128, compact_weights=compact))
-    logits: list[torch.Tensor] = []
-    compute = core.model.compute_logits
-    core.model.compute_logits = lambda hidden: logits.append(compute(hidden)) or logits[-1]
+    logits = record_logits(core)
     prompts = [[5, 9, 200, 31, 7], list(range(40, 60))]
     for i, p in enumerate(prompts):
         core.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
@@ -312,9 +310,7 @@ def test_a_tied_embedding_is_held_once_compact_and_looked_up_there(tiny_model):
 def test_a_compact_model_on_amx_runs_gate_up_and_silu_as_one_op_with_the_same_outputs(tiny_model):
     core = EngineCore(EngineConfig(tiny_model("qwen2"), dtype="bfloat16", max_model_len=128, compact_weights=True))
     assert core.model.gate_up_silu
-    logits: list[torch.Tensor] = []
-    compute = core.model.compute_logits
-    core.model.compute_logits = lambda hidden: logits.append(compute(hidden)) or logits[-1]
+    logits = record_logits(core)
     prompts = [[5, 9, 200, 31, 7], list(range(40, 100))]  # a prompt of 60 rows: the prefill path past 32 rows
 
     def greedy(fused: bool) -> list[list[int]]:

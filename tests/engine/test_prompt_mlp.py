@@ -12,6 +12,7 @@ from engine import kernels, quant
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.sampling import SamplingParams
+from tests.engine.conftest import record_logits
 from tests.engine.test_quant import random_raw
 
 pytestmark = [pytest.mark.usefixtures("quantized_kernels"),
@@ -132,9 +133,7 @@ def test_a_models_prefill_through_panels_gives_the_same_tokens_and_logits(tiny_m
     calls = []
     mlp = kernels.prompt_mlp
     monkeypatch.setattr(kernels, "prompt_mlp", lambda *a: calls.append(a[0].shape[0]) or mlp(*a))
-    logits: list[torch.Tensor] = []
-    compute = model.compute_logits
-    model.compute_logits = lambda hidden: logits.append(compute(hidden)) or logits[-1]
+    logits = record_logits(core)
     prompts = [list(range(3, 103)), [7] * 70 + list(range(200, 240))]  # 100 and 110 rows, then decode steps
 
     def greedy(panels: bool) -> list[list[int]]:
