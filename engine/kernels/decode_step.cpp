@@ -23,8 +23,8 @@
 // and the threads' picks merged once the region ends. Python would otherwise run the lookup, the final norm, the LM
 // head and the argmax as four more calls, each a PyTorch dispatch whose code and data a step's time evicts from the
 // caches (after 15 ms streaming 256 MB, an add_rms_norm call that takes 10 us warm took 200): on a 2-vCPU Zen 4 the
-// time a Q4_0 token of the benchmark model spends outside this call fell from ~0.52 to ~0.36 ms (benchmarks/README.md,
-// session 53), of a ~4.7 ms token with DRAM fast; the head itself (1024 x 896) reads in ~10 us.
+// time a Q4_0 token of the benchmark model spends outside this call fell from ~0.56 to ~0.39 ms (benchmarks/README.md,
+// session 53), of a ~4.7-6 ms token; the head itself (1024 x 896) reads in ~10-35 us.
 // A thread's column blocks are its fixed share, walked in claims; one done with its own takes over the back half of
 // what the other has left (runs.h Shares), on every matrix but packed bf16.
 #include <ATen/ATen.h>
@@ -90,10 +90,9 @@ const bf16* vector_ptr(const std::optional<at::Tensor>& t, int64_t n, int64_t la
 // rotate-half). Per row: position int64 [B], table int32 [B, W] block ids (padded with anything), length int32
 // [B] context incl. this token, slot int64 [B] where this token's K/V go. With ids (int64 [B]) and embed (a token
 // table, step::Table), h's rows are not read but looked up there (and h still gets the last residual stream). With
-// logits (fp32 [B, V]), also the final
-// norm (bf16 [H]) and the LM head (a matrix as above, [V, H]; quantized, compact on AMX tiles or B <= MAX_ROWS): the
-// logits kernels.logits(rms_norm(h) * norm, lm_head) gives, bit for bit; with greedy (int64 [B]) as well, each row's
-// argmax of them, as kernels.argmax gives it.
+// logits (fp32 [B, V]), also the final norm (bf16 [H]) and the LM head (a matrix as above, [V, H]; quantized, compact
+// on AMX tiles or B <= MAX_ROWS): the logits kernels.logits(rms_norm(h) * norm, lm_head) gives, bit for bit; with
+// greedy (int64 [B]) as well, each row's argmax of them, as kernels.argmax gives it.
 void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tensor>>& weights,
                   const std::vector<at::Tensor>& kv, const std::vector<int64_t>& windows, const at::Tensor& cos,
                   const at::Tensor& sin, const at::Tensor& position, const at::Tensor& table,
