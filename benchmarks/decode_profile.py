@@ -23,11 +23,13 @@ distances of the quantized kernels for every format (kernels/quant_stream.h; `l2
 else the CPU's default hint; `default`: each format's own distance and the default hint). `--pages` alternates between
 the weights on 2 MiB pages (engine/hugepages.py, the default) and on 4 KiB pages (EngineConfig(huge_pages=False)),
 the same model loaded twice. `--shares` alternates between the fused step's threads taking work over from a slower one
-(kernels/runs.h `Shares`, the default for quantized and compact matrices) and fixed shares.
+(kernels/runs.h `Shares`, the default for quantized and compact matrices) and fixed shares. `--runs` alternates between
+runs of greedy decode steps in one native call (EngineCore._run_steps, the default) and one step a call; its per-token
+figures count tokens, not calls.
 
     flock /tmp/deploykit-heavy.lock python benchmarks/decode_profile.py [--rounds 5] [--tokens 64] [--gguf FILE]
                                                                         [--compact | --stream-ahead B,l2:B | --pages |
-                                                                         --shares]
+                                                                         --shares | --runs]
 """
 
 from __future__ import annotations
@@ -75,10 +77,9 @@ def decode_round(core, timers: Timers, ops, vocab: int, tokens: int) -> dict:
     ops.step_profile_(True)
     ops.step_take_overs()  # reset
     timers.seconds.clear()
-    steps, t0 = 0, time.perf_counter()
+    steps, t0 = 0, time.perf_counter()  # steps: tokens generated (a call may run several decode steps)
     while core.has_unfinished_requests():
-        core.step()
-        steps += 1
+        steps += sum(len(o.new_token_ids) for o in core.step())
     wall = time.perf_counter() - t0
     phases, native_steps = ops.step_profile_(False)
     take_overs = ops.step_take_overs()
@@ -156,6 +157,9 @@ def main() -> None:
     variant.add_argument("--shares", action="store_true",
                          help="alternate between the fused step's threads taking work over from a slower one (the "
                               "default) and fixed shares, instead of between the two streamings")
+    variant.add_argument("--runs", action="store_true",
+                         help="alternate between runs of greedy decode steps in one call (EngineConfig.decode_steps, "
+                              "the default) and one step a call, instead of between the two streamings")
     a = ap.parse_args()
     if a.stream_ahead and not a.gguf:
         raise SystemExit("--stream-ahead measures the quantized GEMV: give a quantized file with --gguf")
@@ -197,7 +201,7 @@ def main() -> None:
     timers.wrap(kernels, "decode_step_", "native_step")  # the model calls kernels.decode_step_ by attribute
     # The variants a round alternates between: (core, GEMV streaming, quantized prefetch distance in bytes for every
     # format, or None: each format's default) by name; and the variants whose fused step keeps fixed shares.
-    ahead, fixed_shares = None, set()
+    ahead, fixed_shares, one_step = None, set(), set()
     if a.compact:
         variants = {"packed 16-bit": (load(False), streams, ahead),
                     "compact 12-bit": (core, streams, ahead)}
@@ -207,6 +211,10 @@ def main() -> None:
     elif a.shares:
         variants = {"taken over": (core, streams, ahead), "fixed shares": (core, streams, ahead)}
         fixed_shares = {"fixed shares"}
+    elif a.runs:
+        variants = {f"runs of up to {core.config.decode_steps} steps": (core, streams, ahead),
+                    "one step a call": (core, streams, ahead)}
+        one_step = {"one step a call"}
     elif a.stream_ahead:
         variants = {("each format's default" if n == "default" else f"{n} bytes ahead"):
                     (core, streams, None if n == "default" else ahead_setting(n))
@@ -233,6 +241,7 @@ def main() -> None:
                 ops.set_gemv_streams(s)
             ops.reset_quant_stream_ahead()
             ops.set_step_take_over(name not in fixed_shares)
+            c.decode_steps = 1 if name in one_step else c.config.decode_steps
             if n is not None:
                 ops.set_quant_stream_ahead(n[0])
                 if n[1]:
@@ -256,7 +265,7 @@ def main() -> None:
         "roofline": {"before": bw_before, "after": bw_after, "best_gbps": roof,
                      "tok_s": round(roof * 1e9 / w["decode_read_bytes"], 1)},
         "weight_pages": {name: c.model.pages.text() for name, (c, _, _) in variants.items()},
-        "by_variant" if a.compact or a.stream_ahead or a.pages or a.shares or not full else "by_streaming": {
+        "by_variant" if a.compact or a.stream_ahead or a.pages or a.shares or a.runs or not full else "by_streaming": {
             name: summarize(r, w["decode_read_bytes"], roof,
                             held_read(variants[name][0].model, w) if a.compact else None)
             for name, r in rounds.items()},

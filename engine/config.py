@@ -28,6 +28,7 @@ class EngineConfig:
     quantization: str = "none"              # float weights quantized on load (deploykit.quant.ON_LOAD)
     compact_weights: bool = True            # bf16 matrices in 12 bits a weight, losslessly (kernels/compact_bf16.h)
     huge_pages: bool = True                 # weights in one arena that asks for 2 MiB pages (engine/hugepages.py)
+    decode_steps: int = 8                   # at most this many greedy decode steps in one call (EngineCore._run_steps)
 
     def __post_init__(self) -> None:
         try:
@@ -36,7 +37,7 @@ class EngineConfig:
             raise OptionsError(str(e)) from None
         if self.quantization not in quant.ON_LOAD:
             raise OptionsError(f"quantization must be one of {', '.join(quant.ON_LOAD)}, got {self.quantization!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "decode_steps"):
             if getattr(self, name) < 1:
                 raise OptionsError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:

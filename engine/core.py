@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 import torch
 
@@ -20,11 +21,15 @@ from engine.models import build_model, is_native
 from engine.params import check_prompt
 from engine.sampling import Sampler, SamplingParams, SamplingState
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger("engine")
 # Without a planned KV budget the cache takes at most this share of the memory free at start-up.
 DEFAULT_KV_SHARE = 4
+# A run of decode steps in one call (config.decode_steps) lasts about this long at most: a request arriving meanwhile
+# waits for it, and a stream gets its tokens in runs. The Python a step saves (~0.3 ms on 2 vCPUs) matters only where
+# a step is short: the benchmark model's Q4_0 token takes ~5 ms there, a 7B model's several times as long.
+RUN_SECONDS = 0.025
 
 
 class EngineCore:
@@ -66,6 +71,8 @@ class EngineCore:
         self._arrivals = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._step_seconds = RUN_SECONDS  # the last fused decode step's time: how many fit in a run
+        self.decode_steps = config.decode_steps  # the most a run takes (benchmarks/decode_profile.py --runs sets it)
         log.info("engine core: %s (%s, %s), max_model_len=%d, KV cache %d blocks x %d tokens (%.1f MiB), prefix "
                  "caching %s", mc.architecture, "native" if is_native(mc) else "transformers", self.dtype_name,
                  self.max_model_len, num_blocks, config.block_size, num_blocks * config.block_size
@@ -100,29 +107,63 @@ class EngineCore:
 
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
-        batch = self.scheduler.schedule()
+        """Schedule, run the model, sample: each scheduled sequence's next token, or a run of them (_run_steps)."""
+        batch = self.scheduler.schedule(self._run_steps())
         for seq in batch.preempted:
             self.runner.release(seq)
         if not batch:
             return []
-        sampled, logits, greedy = self.runner.execute(batch)
-        self.scheduler.computed(batch)
+        stops = None
+        if batch.steps > 1:  # a run ends after a step that picks a token the sampler may ban or that may end a request
+            stops = torch.tensor(sorted({t for seq in batch.seqs for t in seq.sampling.ending_ids}), dtype=torch.int64)
+        start = time.perf_counter()
+        sampled, logits, greedy = self.runner.execute(batch, stops)
+        ran = 1 if greedy is None else greedy.shape[0]
+        if greedy is not None:
+            self._step_seconds = (time.perf_counter() - start) / ran
+        self.scheduler.computed(batch, ran)
         if not sampled:
             return []
-        result = self.sampler(logits, [seq.sampling for seq in sampled], greedy)
+        new: dict[Sequence, list[int]] = {seq: [] for seq in sampled}
+        for row in greedy[:-1].tolist() if ran > 1 else ():  # a run's steps before its last: none picked a stop
+            for seq, token in zip(sampled, row):
+                if seq.status is SeqStatus.RUNNING:
+                    self._accept(seq, token, new[seq])
+        result = self.sampler(logits, [seq.sampling for seq in sampled], None if greedy is None else greedy[-1])
         outputs = []
         for seq, token, lp in zip(sampled, result.token_ids, result.logprobs):
-            seq.token_ids.append(token)
-            seq.sampling.append(token)
-            self._generation_tokens += 1
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                del self._requests[seq.request_id]
-                self.scheduler.finish(seq, reason)
-                self.runner.release(seq)
-            outputs.append(TokenOutput(seq.request_id, (token,), None if lp is None else (lp,),
-                                       reason is not None, reason))
+            if seq.status is SeqStatus.RUNNING:
+                self._accept(seq, token, new[seq])
+            outputs.append(TokenOutput(seq.request_id, tuple(new[seq]), None if lp is None else (lp,),
+                                       seq.status is SeqStatus.FINISHED, seq.finish_reason))
         return outputs
+
+    def _run_steps(self) -> int:
+        """How many decode steps the next call may run at once (config.decode_steps): several only where every running
+        sequence is plain greedy (its argmax is its token unless a ban hits it; a run ends after a step that picks an
+        EOS or stop token, which the sampler then takes up) and none reaches max_tokens or max_model_len within the
+        run, and as many as take about RUN_SECONDS at the last decode step's pace."""
+        steps = min(self.decode_steps, max(1, int(RUN_SECONDS / self._step_seconds)))
+        running = self.scheduler.running
+        if steps == 1 or not running or len(running) > getattr(self.model, "step_logits_rows", 0):
+            return 1
+        for seq in running:
+            if not seq.sampling.plain_greedy:
+                return 1
+            steps = min(steps, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        return max(steps, 1)
+
+    def _accept(self, seq: Sequence, token: int, new: list[int]) -> None:
+        """Append a generated token to seq; finish it if that token ends it."""
+        seq.token_ids.append(token)
+        seq.sampling.append(token)
+        new.append(token)
+        self._generation_tokens += 1
+        reason = self._finish_reason(seq, token)
+        if reason is not None:
+            del self._requests[seq.request_id]
+            self.scheduler.finish(seq, reason)
+            self.runner.release(seq)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.sampling.params

@@ -21,16 +21,19 @@ class ModelRunner:
             self.model.release(seq)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None]:
+    def execute(self, batch: ScheduledBatch, stops: torch.Tensor | None = None
+                ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None]:
         """Feed every scheduled token; return the sequences that reached their last token, logits [B, V] and, where
-        the fused decode step computed it, each one's argmax [B] (else None)."""
+        the fused decode step computed it, each one's argmax of each step run [S, B] (else None). A batch of
+        batch.steps > 1 (decode rows only) runs as many steps as the fused step took of it (LlamaModel.decode: up to
+        a step whose argmax of some row is in stops); the last step's logits."""
         if not self.model.native:
             return *self.model.run(batch.seqs, batch.num_new_tokens), None
         # Decode rows first: the attention kernel batches them in one call.
         order = sorted(zip(batch.seqs, batch.num_new_tokens), key=lambda sn: not _decodes(*sn))
-        input_ids, positions, meta, sampled, rows = self._prepare(order)
+        input_ids, positions, meta, sampled, rows = self._prepare(order, batch.steps)
         if meta.num_decode == len(rows) == input_ids.shape[0]:  # decode rows only, each sampled: the logits at once
-            return sampled, *self.model.decode(input_ids, positions, meta, self.kv)
+            return sampled, *self.model.decode(input_ids, positions, meta, self.kv, batch.steps, stops)
         hidden = self.model.forward(input_ids, positions, meta, self.kv)     # [N, H]
         if not rows:
             return sampled, hidden[:0], None
@@ -46,7 +49,7 @@ class ModelRunner:
         extra = list(range(after, after + pad)) if after + pad <= self.kv.layers[0].shape[0] else table[:1] * pad
         return contiguous_blocks(table + extra)
 
-    def _prepare(self, order: list[tuple[Sequence, int]]):
+    def _prepare(self, order: list[tuple[Sequence, int]], steps: int = 1):
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -64,7 +67,7 @@ class ModelRunner:
             slots += [bt[p // bs] * bs + p % bs for p in range(c, end)]
             nblocks = -(-end // bs)
             if _decodes(seq, n):
-                dec_tables.append(bt[:nblocks])
+                dec_tables.append(bt[:-(-(end + steps - 1) // bs)])  # to the last step of a run
                 dec_ctx.append(end)
             else:
                 prefills.append(PrefillChunk(row, n, c, self._tile_blocks(bt[:nblocks], end)))

@@ -1,7 +1,7 @@
 """Per-request text layer over EngineCore's token outputs: detokenization, stop strings, output records."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -49,7 +49,25 @@ class RequestState:
         self.finish_reason: str | None = None
 
     def process(self, out: TokenOutput) -> RequestOutput:
-        """Fold one core output in; a stop-string hit finishes the request here (see `fold`)."""
+        """Fold one core output in; a stop-string hit finishes the request here (see `fold`). Several tokens at once
+        (a run of decode steps) go in one by one where stop strings are watched, so that the output ends at the token
+        that completed one, as it would have one step at a time."""
+        ids = out.new_token_ids
+        if self.stop is None or len(ids) < 2:
+            return self._process(out)
+        parts = []
+        for i, token in enumerate(ids):
+            last = i == len(ids) - 1
+            lp = None if out.logprobs is None else out.logprobs[i:i + 1]
+            parts.append(self._process(replace(out, new_token_ids=(token,), logprobs=lp, finished=out.finished and last,
+                                               finish_reason=out.finish_reason if last else None)))
+            if parts[-1].finished:
+                break
+        lps = None if out.logprobs is None else [lp for p in parts for lp in p.logprobs or ()]
+        return replace(parts[-1], text="".join(p.text for p in parts),
+                       token_ids=[t for p in parts for t in p.token_ids], logprobs=lps)
+
+    def _process(self, out: TokenOutput) -> RequestOutput:
         text = self.detok.add(out.new_token_ids)
         finished, reason = out.finished, out.finish_reason
         if finished:

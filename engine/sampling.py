@@ -93,6 +93,17 @@ class SamplingState:
         """Whether anything but bans (EOS under ignore_eos or min_tokens), temperature and truncation does."""
         return self.has_penalties or self._bias is not None or self.matcher is not None
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy, without logprobs, nothing but bans editing the logits: the token is the raw logits' argmax unless
+        a ban hits it (the sampler's fast path; a run of decode steps feeds that argmax on)."""
+        return self.params.is_greedy and self.params.logprobs is None and not self.edits_beyond_bans
+
+    @property
+    def ending_ids(self) -> tuple[int, ...]:
+        """Every token id that can end this request or be banned at some step: EOS and the stop tokens."""
+        return self._min_tokens_ban
+
     def banned_token_ids(self) -> tuple[int, ...]:
         """Token ids whose logits are forced to -inf at this step."""
         return self._min_tokens_ban if self.num_output_tokens < self.params.min_tokens else self._always_ban
@@ -332,10 +343,10 @@ class Sampler:
         if rows != len(states):
             raise ValueError(f"got {rows} logit rows for {len(states)} sampling states")
         x = logits.float()  # [B, V], no copy when already float32
+        if all(s.plain_greedy for s in states):
+            return SamplerOutput(_greedy_with_bans(x, states, argmax), [None] * rows)
         params = [s.params for s in states]
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not want_lp and all(p.is_greedy for p in params) and not any(s.edits_beyond_bans for s in states):
-            return SamplerOutput(_greedy_with_bans(x, states, argmax), [None] * rows)
 
         raw = x[want_lp] if want_lp else None  # [L, V] copy kept for logprobs
         apply_penalties(x, states)

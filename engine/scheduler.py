@@ -14,6 +14,7 @@ class ScheduledBatch:
     seqs: list[Sequence]          # decoding sequences first, then prefill chunks
     num_new_tokens: list[int]     # tokens each sequence feeds this step
     preempted: list[Sequence]     # lost their KV this step; they recompute when readmitted
+    steps: int = 1                # decode steps run at once (their blocks taken); more only where all decode
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -34,8 +35,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, steps: int = 1) -> ScheduledBatch:
+        """steps > 1: a run of that many decode steps at once, where every running sequence decodes, none waits that
+        could start now and the blocks for the run are free (a run never preempts); else one step."""
         budget = self.max_num_batched_tokens
+        admissible = self.waiting and len(self.running) < self.max_num_seqs
+        if steps > 1 and (admissible or len(self.running) > budget or not all(s.is_decoding for s in self.running)
+                          or sum(self.allocator.blocks_needed(s.block_table, s.num_computed_tokens + steps)
+                                 for s in self.running) > self.allocator.num_free):
+            steps = 1
+        ahead = steps - 1  # the run's further tokens, whose K/V need slots now
         seqs: list[Sequence] = []
         counts: list[int] = []
         preempted: list[Sequence] = []
@@ -54,7 +63,7 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            self.allocator.grow(seq.block_table, seq.num_computed_tokens + n)
+            self.allocator.grow(seq.block_table, seq.num_computed_tokens + n + ahead)
             seqs.append(seq)
             counts.append(n)
             budget -= n
@@ -79,12 +88,13 @@ class Scheduler:
             counts.append(n)
             budget -= n
         self.waiting.extendleft(reversed(later))
-        return ScheduledBatch(seqs, counts, preempted)
+        return ScheduledBatch(seqs, counts, preempted, steps)
 
-    def computed(self, batch: ScheduledBatch) -> None:
-        """The model ran the batch: its tokens' K/V are in the cache, and the blocks they filled become cacheable."""
+    def computed(self, batch: ScheduledBatch, steps: int = 1) -> None:
+        """The model ran the batch (steps of a run): its tokens' K/V are in the cache, and the blocks they filled
+        become cacheable."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n + steps - 1
             self.allocator.commit(seq)
 
     def _preempt(self, seq: Sequence) -> None:

@@ -29,7 +29,7 @@ AVX2_SOURCES = ("quant_pack.cpp", "qlinear.cpp", "stream_read.cpp", "f32_ops.cpp
 HEADERS = ("vec.h", "gemv.h", "row_ops.h", "attention.h", "op_args.h", "quant_layout.h", "quant_act.h", "quant_gemv.h",
            "quant_gemv_avx2.h", "quant_rows.h", "quant_stream.h", "quant_scale.h", "quant_amx.h", "step_profile.h",
            "compact_bf16.h", "compact_amx.h", "amx_tiles.h", "amx_slices.h", "paged_kv.h", "step_matrix.h",
-           "f32_rows.h", "bf16w_rows.h", "bf16w_blocked.h", "step_args.h", "runs.h", "argmax.h")
+           "step_layers.h", "f32_rows.h", "bf16w_rows.h", "bf16w_blocked.h", "step_args.h", "runs.h", "argmax.h")
 MANIFEST_NAME = "manifest.json"
 SOURCE_DIR = Path(__file__).resolve().parent
 

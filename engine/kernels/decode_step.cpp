@@ -1,12 +1,12 @@
 // The whole forward pass of a decode step of up to MAX_ROWS sequences (MAX_TILE_ROWS where every matrix is
-// quantized or on AMX tiles; one new token each) in one native call.
+// quantized or on AMX tiles; one new token each) in one native call, or a run of such steps.
 //
-// At such batches a step streams every weight once (~25 ms for the 717 MB benchmark model on 2 cores) and the
-// per-op path adds ~25 PyTorch dispatches and OpenMP fork/joins per layer (~100 us, ~10 % of the step). Here
-// one OpenMP region runs every layer and threads meet at a barrier only where a phase needs the whole result of
-// the previous one. Every value is computed by the same code as the per-op native path (gemv.h, row_ops.h,
-// attention.h), in the same order, so the two agree bitwise; tests compare them. (The one exception is the last
-// residual add, which the per-op path leaves to PyTorch: it keeps bf16 denormals that vec.h flushes to zero.)
+// At such batches a step streams every weight once and the per-op path adds ~25 PyTorch dispatches and OpenMP
+// fork/joins per layer (~100 us, ~10 % of a step of the 717 MB benchmark model on 2 cores). Here one OpenMP region
+// runs every layer and threads meet at a barrier only where a phase needs the whole result of the previous one. Every
+// value is computed by the same code as the per-op native path (gemv.h, row_ops.h, attention.h), in the same order,
+// so the two agree bitwise; tests compare them. (The one exception is the last residual add, which the per-op path
+// leaves to PyTorch: it keeps bf16 denormals that vec.h flushes to zero.)
 //
 // Per layer, for B rows; the residual h [B, H] and the normed x [B, H] are private to each thread, which computes
 // them itself:
@@ -20,11 +20,13 @@
 // and, when asked for, the way from token ids to greedy tokens: before the first layer each thread looks the rows up
 // in the token table itself; after the last,
 //   x = rms_norm(h) * norm; logits = x W_lm_head^T in fp32   column blocks split, each thread's argmax among its own
-// and the threads' picks merged once the region ends. Python would otherwise run the lookup, the final norm, the LM
-// head and the argmax as four more calls, each a PyTorch dispatch whose code and data a step's time evicts from the
-// caches (after 15 ms streaming 256 MB, an add_rms_norm call that takes 10 us warm took 200): on a 2-vCPU Zen 4 the
-// time a Q4_0 token of the benchmark model spends outside this call fell from ~0.56 to ~0.39 ms (benchmarks/README.md,
-// session 53), of a ~4.7-6 ms token; the head itself (1024 x 896) reads in ~10-35 us.
+// and every thread merges the threads' picks alike. Python would otherwise run the lookup, the final norm, the LM head
+// and the argmax as four more calls, each a PyTorch dispatch whose code and data a step's time evicts from the caches
+// (after 15 ms streaming 256 MB, an add_rms_norm call that takes 10 us warm took 200): on a 2-vCPU Zen 4 a Q4_0
+// token of the benchmark model spent ~0.39 ms outside this call where it spent ~0.56 (benchmarks/README.md, session
+// 53). A run of steps feeds each step's greedy tokens to the next one, at the next position, and ends after a step
+// that picks one of `stops` for some row: the Python around a step (scheduling, inputs, sampling, outputs) then runs
+// once a run, which made a Q4_0 token ~8 % faster there (session 54).
 // A thread's column blocks are its fixed share, walked in claims; one done with its own takes over the back half of
 // what the other has left (runs.h Shares), on every matrix but packed bf16.
 #include <ATen/ATen.h>
@@ -43,6 +45,7 @@
 #include "op_args.h"
 #include "row_ops.h"
 #include "step_args.h"
+#include "step_layers.h"
 #include "step_matrix.h"
 #include "step_profile.h"
 
@@ -50,37 +53,9 @@ namespace deploykit {
 namespace {
 
 using bf16 = at::BFloat16;
-using step::MAX_ROWS, step::MAX_TILE_ROWS, step::Weight;
+using step::Layer, step::MAX_ROWS, step::MAX_TILE_ROWS, step::Weight;
 
 using namespace step_args;  // Slot, share, checked_rows
-
-struct Layer {
-  const bf16 *ln1, *qk_norm, *ln2;
-  Weight qkv, o, gate_up, down;
-  const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
-  bf16* kv;
-  int64_t window;
-};
-
-struct Matrix {
-  Slot slot;
-  int64_t rows, cols;
-  const char* name;
-};
-
-const float* bias_ptr(const std::optional<at::Tensor>& b, int64_t N, int64_t layer, const char* name) {
-  if (!b.has_value() || !b->defined()) return nullptr;
-  TORCH_CHECK(b->dim() == 1 && b->size(0) == N && b->scalar_type() == at::kFloat && b->is_contiguous(), "layer ",
-              layer, " ", name, ": expected a contiguous fp32 [", N, "] bias");
-  return b->data_ptr<float>();
-}
-
-const bf16* vector_ptr(const std::optional<at::Tensor>& t, int64_t n, int64_t layer, const char* name) {
-  TORCH_CHECK(t.has_value() && t->defined() && t->numel() == n && t->scalar_type() == at::kBFloat16 &&
-                  t->is_contiguous(),
-              "layer ", layer, " ", name, ": expected a contiguous bf16 tensor of ", n, " elements");
-  return t->data_ptr<bf16>();
-}
 
 }  // namespace
 
@@ -92,15 +67,19 @@ const bf16* vector_ptr(const std::optional<at::Tensor>& t, int64_t n, int64_t la
 // table, step::Table), h's rows are not read but looked up there (and h still gets the last residual stream). With
 // logits (fp32 [B, V]), also the final norm (bf16 [H]) and the LM head (a matrix as above, [V, H]; quantized, compact
 // on AMX tiles or B <= MAX_ROWS): the logits kernels.logits(rms_norm(h) * norm, lm_head) gives, bit for bit; with
-// greedy (int64 [B]) as well, each row's argmax of them, as kernels.argmax gives it.
-void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tensor>>& weights,
+// greedy (int64 [B]) as well, each row's argmax of them, as kernels.argmax gives it. steps > 1 (with ids, embed,
+// logits and greedy [steps, B]): a run, step s at position + s with length + s, its K/V in the slot the table gives
+// that position, its rows the greedy tokens of step s - 1; it ends after a step that picks a token in stops (int64
+// [S]) for some row, or after all. Returns the steps run; greedy's first rows, logits and h are theirs (the last's).
+int64_t decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tensor>>& weights,
                   const std::vector<at::Tensor>& kv, const std::vector<int64_t>& windows, const at::Tensor& cos,
                   const at::Tensor& sin, const at::Tensor& position, const at::Tensor& table,
                   const at::Tensor& length, const at::Tensor& slot, int64_t num_heads, int64_t num_kv_heads,
                   double eps, double scale, const std::optional<at::Tensor>& norm,
                   const std::optional<at::Tensor>& lm_head, const std::optional<at::Tensor>& logits,
                   const std::optional<at::Tensor>& ids, const std::optional<at::Tensor>& embed,
-                  const std::optional<at::Tensor>& greedy) {
+                  const std::optional<at::Tensor>& greedy, int64_t steps,
+                  const std::optional<at::Tensor>& stops) {
   TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= MAX_TILE_ROWS && h.scalar_type() == at::kBFloat16 &&
                   h.is_contiguous(),
               "h must be a contiguous bf16 [B, H] tensor with 1 <= B <= ", MAX_TILE_ROWS);
@@ -123,40 +102,9 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
                                              : gu0->size(0) * 8;
   TORCH_CHECK(I % op_args::BLOCK_N == 0, "intermediate size must be a multiple of ", op_args::BLOCK_N);
 
-  std::vector<Layer> layers(L);
-  int64_t NB = -1, bs = 0;
-  for (int64_t l = 0; l < L; ++l) {
-    auto w = [&](int s) -> const std::optional<at::Tensor>& { return weights[l * PER_LAYER + s]; };
-    const Matrix matrices[] = {{QKV, NQKV, H, "qkv"}, {O, H, Hq * D, "o_proj"}, {GATE_UP, 2 * I, H, "gate_up"},
-                               {DOWN, H, I, "down_proj"}};
-    Layer& y = layers[l];
-    Weight* dst[] = {&y.qkv, &y.o, &y.gate_up, &y.down};
-    for (int i = 0; i < 4; ++i) {
-      const Matrix& m = matrices[i];
-      TORCH_CHECK(w(m.slot).has_value() && w(m.slot)->defined(), "layer ", l, " ", m.name, " is missing");
-      *dst[i] = step::weight(*w(m.slot), m.rows, m.cols, l, m.name);
-    }
-    y.ln1 = vector_ptr(w(LN1), H, l, "input_layernorm");
-    y.ln2 = vector_ptr(w(LN2), H, l, "post_attention_layernorm");
-    y.qk_norm = w(QK_NORM).has_value() && w(QK_NORM)->defined()
-                    ? vector_ptr(w(QK_NORM), (Hq + Hkv) * D, l, "qk_norm") : nullptr;
-    y.qkv_bias = bias_ptr(w(QKV_BIAS), NQKV, l, "qkv bias");
-    y.o_bias = bias_ptr(w(O_BIAS), H, l, "o_proj bias");
-    y.gate_up_bias = bias_ptr(w(GATE_UP_BIAS), 2 * I, l, "gate_up bias");
-    y.down_bias = bias_ptr(w(DOWN_BIAS), H, l, "down_proj bias");
-    const at::Tensor& c = kv[l];
-    TORCH_CHECK(c.dim() == 5 && c.size(2) == 2 && c.size(3) == Hkv && c.size(4) == D &&
-                    c.scalar_type() == at::kBFloat16 && c.is_contiguous(),
-                "layer ", l, " KV cache must be a contiguous bf16 [blocks, block_size, 2, ", Hkv, ", ", D, "] tensor");
-    TORCH_CHECK(NB < 0 || (c.size(0) == NB && c.size(1) == bs), "KV cache layers differ in shape");
-    NB = c.size(0);
-    bs = c.size(1);
-    y.kv = c.data_ptr<bf16>();
-    y.window = windows[l];
-    for (const Weight* m : {&y.qkv, &y.o, &y.gate_up, &y.down})
-      TORCH_CHECK(B <= MAX_ROWS || m->wide(), "layer ", l, ": ", B, " rows take every matrix quantized or compact on "
-                  "AMX tiles; with others 1 <= B <= ", MAX_ROWS);
-  }
+  const step::Layers checked = step::checked_layers(weights, kv, windows, B, H, Hq, Hkv, D, I);
+  const std::vector<Layer>& layers = checked.layers;
+  const int64_t NB = checked.NB, bs = checked.bs;
   const bool head = logits.has_value() && logits->defined();
   int64_t V = 0;
   Weight hw;
@@ -176,10 +124,18 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
     final_norm = norm->data_ptr<bf16>();
   }
   const bool pick = greedy.has_value() && greedy->defined();
-  TORCH_CHECK(!pick || (head && greedy->dim() == 1 && greedy->size(0) == B && greedy->scalar_type() == at::kLong &&
-                        greedy->is_contiguous()),
-              "greedy must be a contiguous int64 [B] tensor, beside logits");
+  TORCH_CHECK(!pick || (head && greedy->scalar_type() == at::kLong && greedy->is_contiguous() &&
+                        (greedy->dim() == 1 ? steps == 1 && greedy->size(0) == B
+                                            : greedy->dim() == 2 && greedy->size(0) == steps && greedy->size(1) == B)),
+              "greedy must be a contiguous int64 [B] tensor ([steps, B] for a run), beside logits");
   const bool lookup = ids.has_value() && ids->defined();
+  TORCH_CHECK(steps >= 1 && (steps == 1 || (lookup && pick)), "steps must be >= 1, and a run of more (got ", steps,
+              ") feeds each step's greedy tokens to the next: it takes ids, embed, logits and greedy");
+  const bool stopping = stops.has_value() && stops->defined();
+  TORCH_CHECK(!stopping || (stops->dim() == 1 && stops->scalar_type() == at::kLong && stops->is_contiguous()),
+              "stops must be a contiguous int64 [S] tensor of token ids");
+  const int64_t* stop_ids = stopping ? stops->data_ptr<int64_t>() : nullptr;
+  const int64_t num_stops = stopping ? stops->numel() : 0;
   step::Table tokens;
   const int64_t* id = nullptr;
   if (lookup) {
@@ -192,11 +148,10 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
       TORCH_CHECK(id[b] >= 0 && id[b] < tokens.V, "token id ", id[b], " of row ", b, " is outside the vocabulary [0, ",
                   tokens.V, ")");
   }
-  const RowIndices ix = step_args::checked_rows(position, table, length, slot, B, cos.size(0), NB, bs);
+  const RowIndices ix = step_args::checked_rows(position, table, length, slot, B, cos.size(0), NB, bs, steps);
   const int64_t *pos = ix.pos, *dst = ix.slot, W = ix.W, longest = ix.longest;
   const int32_t *end = ix.end, *tbl = ix.table;
 
-  if (step_profile::enabled.load(std::memory_order_relaxed)) ++step_profile::steps;
   // Shared activations [B, ...]; every element has one writer per phase.
   std::vector<bf16> qkv(B * NQKV), o(B * Hq * D), d(B * H), gu(B * 2 * I), act(B * I);
   std::vector<bf16> rounded(head && !hw.quantized() ? B * V : 0);  // a bf16 head's logits before widening
@@ -237,24 +192,16 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
   std::vector<Shares> head_shares;  // the LM head's, where it takes over as the layers' matrices do
   if (head && step::shared(hw) && take_over_on.load(std::memory_order_relaxed)) head_shares.emplace_back(max_threads);
   float* lp = head ? logits->data_ptr<float>() : nullptr;
+  int64_t* out = pick ? greedy->data_ptr<int64_t>() : nullptr;
+  int64_t done = 0;  // steps run: all of them, or up to the first whose greedy token of some row is in stops
 
 #pragma omp parallel num_threads(max_threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-#pragma omp single
-    {
-      for (int64_t l = 0; l < (take_over ? L : 0); ++l) {
-        const int64_t items[SHARED_PHASES] = {NQKV / 16, H / 16, I / 16, H / 16};
-        for (int p = 0; p < SHARED_PHASES; ++p) shares[l * SHARED_PHASES + p].reset(items[p], nt);
-      }
-      for (Shares& s : head_shares) s.reset(V / 16, nt);
-    }
     bf16* res = own0 + stride * tid;
     bf16* x = res + B * H;
-    if (lookup)
-      for (int64_t b = 0; b < B; ++b) tokens.row(id[b], H, res + b * H, widened.data() + tid * H);
-    else
-      std::copy(hp, hp + B * H, res);
+    int64_t tok[MAX_TILE_ROWS];  // this step's token ids: ids, then the step before's greedy tokens
+    std::copy(id, id + (lookup ? B : 0), tok);
     attention::Scratch& scratch = scratches[tid];
     step::Room& room = rooms[tid];
     const auto [qb0, qb1] = share(NQKV / 16, tid, nt);
@@ -262,92 +209,120 @@ void decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Tenso
     const auto [jb0, jb1] = share(I / 16, tid, nt);
     const auto [t0, t1] = share(B * Hkv, tid, nt);  // attention tasks: (row, KV head)
     const int64_t J = I / 16;
-    step_profile::Clock clock(tid);
-    for (int64_t b = 0; b < B; ++b) rows::rms_norm(res + b * H, layers[0].ln1, H, feps, x + b * H);
-    for (int64_t l = 0; l < L; ++l) {
-      const Layer& y = layers[l];
-      Shares* split = shares.empty() ? nullptr : &shares[l * SHARED_PHASES];
-      if (split && step::shared(y.qkv))
-        step::matvec_shares(B, x, H, y.qkv, room, split[QKV_SHARES], tid, y.qkv_bias, qkv.data(), NQKV);
-      else
-        step::matvec(B, x, H, y.qkv, room, qb0, qb1, y.qkv_bias, qkv.data(), NQKV);
-      clock.mark(step_profile::QKV);
-#pragma omp barrier
-      clock.mark(step_profile::BARRIER);
-      const attention::PagedKV cache{y.kv, bs, Hkv, D};
-      for (int64_t task = t0; task < t1; ++task) {
-        const int64_t b = task / Hkv, kh = task % Hkv;
-        bf16* q = qkv.data() + b * NQKV;  // this row's q heads, then k heads, then v heads
-        const bf16* c = cos_table + pos[b] * D;
-        const bf16* sn = sin_table + pos[b] * D;
-        for (int64_t g = 0; g <= G; ++g) {  // the G query heads of this KV head, then the key head
-          const int64_t head = g < G ? kh * G + g : Hq + kh;
-          bf16* r = q + head * D;
-          if (y.qk_norm) rows::rms_norm(r, y.qk_norm + head * D, D, feps, r);
-          rows::rotary(r, c, sn, D);
+    for (int64_t s = 0; s < steps; ++s) {
+#pragma omp single
+      {
+        for (int64_t l = 0; l < (take_over ? L : 0); ++l) {
+          const int64_t items[SHARED_PHASES] = {NQKV / 16, H / 16, I / 16, H / 16};
+          for (int p = 0; p < SHARED_PHASES; ++p) shares[l * SHARED_PHASES + p].reset(items[p], nt);
         }
-        std::memcpy(y.kv + dst[b] * row + kh * D, q + (Hq + kh) * D, D * sizeof(bf16));
-        std::memcpy(y.kv + dst[b] * row + (Hkv + kh) * D, q + (Hq + Hkv + kh) * D, D * sizeof(bf16));
-        attention::attend(q + kh * G * D, cache, tbl + b * W, end[b], y.window, kh, G, fscale, scratch,
-                          o.data() + (b * Hq + kh * G) * D);
+        for (Shares& sh : head_shares) sh.reset(V / 16, nt);
       }
-      clock.mark(step_profile::ATTENTION);
-#pragma omp barrier
-      clock.mark(step_profile::BARRIER);
-      if (split && step::shared(y.o))
-        step::matvec_shares(B, o.data(), Hq * D, y.o, room, split[O_SHARES], tid, y.o_bias, d.data(), H);
+      if (lookup)
+        for (int64_t b = 0; b < B; ++b) tokens.row(tok[b], H, res + b * H, widened.data() + tid * H);
       else
-        step::matvec(B, o.data(), Hq * D, y.o, room, ob0, ob1, y.o_bias, d.data(), H);
-      clock.mark(step_profile::O_PROJ);
+        std::copy(hp, hp + B * H, res);
+      step_profile::Clock clock(tid);
+      for (int64_t b = 0; b < B; ++b) rows::rms_norm(res + b * H, layers[0].ln1, H, feps, x + b * H);
+      for (int64_t l = 0; l < L; ++l) {
+        const Layer& y = layers[l];
+        Shares* split = shares.empty() ? nullptr : &shares[l * SHARED_PHASES];
+        if (split && step::shared(y.qkv))
+          step::matvec_shares(B, x, H, y.qkv, room, split[QKV_SHARES], tid, y.qkv_bias, qkv.data(), NQKV);
+        else
+          step::matvec(B, x, H, y.qkv, room, qb0, qb1, y.qkv_bias, qkv.data(), NQKV);
+        clock.mark(step_profile::QKV);
 #pragma omp barrier
-      clock.mark(step_profile::BARRIER);
-      for (int64_t b = 0; b < B; ++b) {
-        rows::add_(res + b * H, d.data() + b * H, H);
-        rows::rms_norm(res + b * H, y.ln2, H, feps, x + b * H);
-      }
-      const auto silu_mul = [&](int64_t j0, int64_t j1) {  // act = silu(gate) * up for column blocks [j0, j1)
+        clock.mark(step_profile::BARRIER);
+        const attention::PagedKV cache{y.kv, bs, Hkv, D};
+        for (int64_t task = t0; task < t1; ++task) {
+          const int64_t b = task / Hkv, kh = task % Hkv, p = pos[b] + s;  // this step's position
+          const int64_t at = s == 0 ? dst[b] : (int64_t)tbl[b * W + p / bs] * bs + p % bs;  // its K/V slot
+          bf16* q = qkv.data() + b * NQKV;  // this row's q heads, then k heads, then v heads
+          const bf16* c = cos_table + p * D;
+          const bf16* sn = sin_table + p * D;
+          for (int64_t g = 0; g <= G; ++g) {  // the G query heads of this KV head, then the key head
+            const int64_t head = g < G ? kh * G + g : Hq + kh;
+            bf16* r = q + head * D;
+            if (y.qk_norm) rows::rms_norm(r, y.qk_norm + head * D, D, feps, r);
+            rows::rotary(r, c, sn, D);
+          }
+          std::memcpy(y.kv + at * row + kh * D, q + (Hq + kh) * D, D * sizeof(bf16));
+          std::memcpy(y.kv + at * row + (Hkv + kh) * D, q + (Hq + Hkv + kh) * D, D * sizeof(bf16));
+          attention::attend(q + kh * G * D, cache, tbl + b * W, end[b] + s, y.window, kh, G, fscale, scratch,
+                            o.data() + (b * Hq + kh * G) * D);
+        }
+        clock.mark(step_profile::ATTENTION);
+#pragma omp barrier
+        clock.mark(step_profile::BARRIER);
+        if (split && step::shared(y.o))
+          step::matvec_shares(B, o.data(), Hq * D, y.o, room, split[O_SHARES], tid, y.o_bias, d.data(), H);
+        else
+          step::matvec(B, o.data(), Hq * D, y.o, room, ob0, ob1, y.o_bias, d.data(), H);
+        clock.mark(step_profile::O_PROJ);
+#pragma omp barrier
+        clock.mark(step_profile::BARRIER);
         for (int64_t b = 0; b < B; ++b) {
-          const bf16* g = gu.data() + b * 2 * I;
-          rows::silu_mul(g + j0 * 16, g + I + j0 * 16, (j1 - j0) * 16, act.data() + b * I + j0 * 16);
+          rows::add_(res + b * H, d.data() + b * H, H);
+          rows::rms_norm(res + b * H, y.ln2, H, feps, x + b * H);
         }
-      };
-      if (split && step::shared(y.gate_up)) {
-        step::gate_up_shares(B, x, H, y.gate_up, J, split[GATE_UP_SHARES], tid, y.gate_up_bias, room, gu.data(),
-                             silu_mul);
-      } else {
-        step::gate_up(B, x, H, y.gate_up, J, jb0, jb1, y.gate_up_bias, room, gu.data());
-        silu_mul(jb0, jb1);
-      }
-      clock.mark(step_profile::GATE_UP);
+        const auto silu_mul = [&](int64_t j0, int64_t j1) {  // act = silu(gate) * up for column blocks [j0, j1)
+          for (int64_t b = 0; b < B; ++b) {
+            const bf16* g = gu.data() + b * 2 * I;
+            rows::silu_mul(g + j0 * 16, g + I + j0 * 16, (j1 - j0) * 16, act.data() + b * I + j0 * 16);
+          }
+        };
+        if (split && step::shared(y.gate_up)) {
+          step::gate_up_shares(B, x, H, y.gate_up, J, split[GATE_UP_SHARES], tid, y.gate_up_bias, room, gu.data(),
+                               silu_mul);
+        } else {
+          step::gate_up(B, x, H, y.gate_up, J, jb0, jb1, y.gate_up_bias, room, gu.data());
+          silu_mul(jb0, jb1);
+        }
+        clock.mark(step_profile::GATE_UP);
 #pragma omp barrier
-      clock.mark(step_profile::BARRIER);
-      if (split && step::shared(y.down))
-        step::matvec_shares(B, act.data(), I, y.down, room, split[DOWN_SHARES], tid, y.down_bias, d.data(), H);
-      else
-        step::matvec(B, act.data(), I, y.down, room, ob0, ob1, y.down_bias, d.data(), H);
-      clock.mark(step_profile::DOWN);
+        clock.mark(step_profile::BARRIER);
+        if (split && step::shared(y.down))
+          step::matvec_shares(B, act.data(), I, y.down, room, split[DOWN_SHARES], tid, y.down_bias, d.data(), H);
+        else
+          step::matvec(B, act.data(), I, y.down, room, ob0, ob1, y.down_bias, d.data(), H);
+        clock.mark(step_profile::DOWN);
 #pragma omp barrier
-      clock.mark(step_profile::BARRIER);
-      for (int64_t b = 0; b < B; ++b) {
-        rows::add_(res + b * H, d.data() + b * H, H);
-        if (l + 1 < L) rows::rms_norm(res + b * H, layers[l + 1].ln1, H, feps, x + b * H);
-        else if (head) rows::rms_norm(res + b * H, final_norm, H, feps, x + b * H);
+        clock.mark(step_profile::BARRIER);
+        for (int64_t b = 0; b < B; ++b) {
+          rows::add_(res + b * H, d.data() + b * H, H);
+          if (l + 1 < L) rows::rms_norm(res + b * H, layers[l + 1].ln1, H, feps, x + b * H);
+          else if (head) rows::rms_norm(res + b * H, final_norm, H, feps, x + b * H);
+        }
+        clock.mark(step_profile::RESIDUAL);
       }
-      clock.mark(step_profile::RESIDUAL);
-    }
-    if (head) {
-      const auto [vb0, vb1] = share(V / 16, tid, nt);
-      step::head(B, x, H, hw, room, head_shares.empty() ? nullptr : &head_shares[0], tid, vb0, vb1, rounded.data(),
-                 lp, V, pick ? picks.data() + tid * B : nullptr);
-      clock.mark(step_profile::LM_HEAD);
+      if (head) {
+        const auto [vb0, vb1] = share(V / 16, tid, nt);
+        std::fill(picks.begin() + tid * (pick ? B : 0), picks.begin() + (tid + 1) * (pick ? B : 0), argmax::Best{});
+        step::head(B, x, H, hw, room, head_shares.empty() ? nullptr : &head_shares[0], tid, vb0, vb1, rounded.data(),
+                   lp, V, pick ? picks.data() + tid * B : nullptr);
+        clock.mark(step_profile::LM_HEAD);
+      }
+      bool last = s + 1 == steps;
+      if (pick) {
+        // Every thread merges every thread's picks alike (the first maximum, NaN first) into the next step's ids, so
+        // all of them leave the run after the same step.
+#pragma omp barrier
+        for (int64_t b = 0; b < B; ++b) {
+          argmax::Best best;
+          for (int t = 0; t < nt; ++t) best.merge(picks[t * B + b].v, picks[t * B + b].i);
+          tok[b] = best.i;
+          last = last || std::find(stop_ids, stop_ids + num_stops, best.i) != stop_ids + num_stops;
+        }
+        if (tid == 0) std::copy(tok, tok + B, out + s * B);
+      }
+      if (tid == 0) done = s + 1;
+      if (last) break;
     }
     if (tid == 0) std::copy(res, res + B * H, hp);
   }
-  for (int64_t b = 0; pick && b < B; ++b) {  // every thread's picks, in any order: the first maximum (NaN first)
-    argmax::Best best;
-    for (int t = 0; t < max_threads; ++t) best.merge(picks[t * B + b].v, picks[t * B + b].i);
-    greedy->data_ptr<int64_t>()[b] = best.i;
-  }
+  if (step_profile::enabled.load(std::memory_order_relaxed)) step_profile::steps += done;
+  return done;
 }
 
 // The shape limits above, by name: Python reads them once at load (engine/kernels/__init__.py) instead of repeating
@@ -369,7 +344,7 @@ TORCH_LIBRARY_FRAGMENT(deploykit, m) {
       "decode_step_(Tensor(a!) h, Tensor?[] weights, Tensor(b!)[] kv, int[] windows, Tensor cos, Tensor sin, "
       "Tensor position, Tensor table, Tensor length, Tensor slot, int num_heads, int num_kv_heads, float eps, "
       "float scale, Tensor? norm=None, Tensor? lm_head=None, Tensor(c!)? logits=None, Tensor? ids=None, "
-      "Tensor? embed=None, Tensor(d!)? greedy=None) -> ()");
+      "Tensor? embed=None, Tensor(d!)? greedy=None, int steps=1, Tensor? stops=None) -> int");
 }
 
 TORCH_LIBRARY_IMPL(deploykit, CPU, m) {

@@ -51,7 +51,8 @@ def decode_step_(h: torch.Tensor, weights: list, kv: list[torch.Tensor], windows
                  slots: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float, scale: float,
                  norm: torch.Tensor | None = None, lm_head: torch.Tensor | None = None,
                  logits: torch.Tensor | None = None, ids: torch.Tensor | None = None,
-                 embed: torch.Tensor | None = None, greedy: torch.Tensor | None = None) -> None:
+                 embed: torch.Tensor | None = None, greedy: torch.Tensor | None = None, steps: int = 1,
+                 stops: torch.Tensor | None = None) -> int:
     """The whole forward pass of a decode step in one call: h [B, H], the embedding rows, becomes the last residual
     stream; each layer's K/V are written at `slots`. bf16 h (decode_step.cpp): B <= MAX_ROWS, MAX_TILE_ROWS where
     every matrix is quantized or on AMX tiles. fp32 h (decode_step_f32.cpp): B <= F32_MAX_ROWS; fp32 norms, biases,
@@ -64,11 +65,15 @@ def decode_step_(h: torch.Tensor, weights: list, kv: list[torch.Tensor], windows
     AMX tiles): also written in the same call, the bits of logits(rms_norm(h) * norm, lm_head); and greedy int64 [B],
     each row's argmax of them as kernels.argmax gives it.
     ids int64 [B] and embed, a token table as layers.embed_rows takes it (bf16 h only): h's rows are looked up there
-    in the same call, not read (h still gets the last residual stream)."""
+    in the same call, not read (h still gets the last residual stream).
+    steps > 1 (with ids, embed, logits and greedy int64 [steps, B]): a run of decode steps in the one call, each
+    step's greedy tokens the next one's ids at the next position (its K/V in the slot `tables` gives it; tables and
+    the rotary tables must reach the last step), until a step picks a token in stops (int64 [S]) for some row or all
+    ran. Returns the steps run; logits and h are the last one's, greedy's first rows each step's tokens."""
     if logits is not None or ids is not None:
-        _step(h, weights, kv, windows, cos, sin, positions, tables, lens, slots, num_heads, num_kv_heads, eps, scale,
-              norm, lm_head, logits, ids, embed, greedy)
-    else:
-        (_step_f32 if h.dtype == _F32 else _step)(h, weights, kv, windows, cos, sin, positions, tables, lens, slots,
-                                                  num_heads, num_kv_heads, eps, scale)
+        return int(_step(h, weights, kv, windows, cos, sin, positions, tables, lens, slots, num_heads, num_kv_heads,
+                         eps, scale, norm, lm_head, logits, ids, embed, greedy, steps, stops))
+    (_step_f32 if h.dtype == _F32 else _step)(h, weights, kv, windows, cos, sin, positions, tables, lens, slots,
+                                              num_heads, num_kv_heads, eps, scale)
+    return 1
 

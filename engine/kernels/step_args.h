@@ -26,9 +26,12 @@ struct RowIndices {
 };
 
 // Checks every row's indices before the parallel region (errors cannot leave it): a bad one would read or write
-// outside the rotary tables (max_len rows) and the cache (NB blocks of bs tokens).
+// outside the rotary tables (max_len rows) and the cache (NB blocks of bs tokens). steps: a run of that many decode
+// steps (decode_step.cpp), step s at position + s with length + s, its K/V in the table's slot for that position:
+// the last step's position, length and blocks are checked too; longest counts it.
 inline RowIndices checked_rows(const at::Tensor& position, const at::Tensor& table, const at::Tensor& length,
-                               const at::Tensor& slot, int64_t B, int64_t max_len, int64_t NB, int64_t bs) {
+                               const at::Tensor& slot, int64_t B, int64_t max_len, int64_t NB, int64_t bs,
+                               int64_t steps = 1) {
   for (const at::Tensor* t : {&position, &slot})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == B && t->scalar_type() == at::kLong && t->is_contiguous(),
                 "position and slot must be contiguous int64 [B]");
@@ -38,17 +41,18 @@ inline RowIndices checked_rows(const at::Tensor& position, const at::Tensor& tab
               "length must be a contiguous int32 [B] tensor");
   RowIndices r{position.data_ptr<int64_t>(), table.data_ptr<int32_t>(), length.data_ptr<int32_t>(),
          slot.data_ptr<int64_t>(), table.size(1), 0};
+  const int64_t more = steps - 1;  // the last step's position and length are this much further
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(r.pos[b] >= 0 && r.pos[b] < max_len, "position ", r.pos[b], " of row ", b,
+    TORCH_CHECK(r.pos[b] >= 0 && r.pos[b] + more < max_len, "position ", r.pos[b] + more, " of row ", b,
                 " is outside the rotary table [0, ", max_len, ")");
-    TORCH_CHECK(r.end[b] >= 1 && r.end[b] <= r.W * bs, "context length ", r.end[b], " of row ", b,
+    TORCH_CHECK(r.end[b] >= 1 && r.end[b] + more <= r.W * bs, "context length ", r.end[b] + more, " of row ", b,
                 " is outside [1, ", r.W * bs, "]");
     TORCH_CHECK(r.slot[b] >= 0 && r.slot[b] < NB * bs, "slot ", r.slot[b], " of row ", b, " is outside the cache [0, ",
                 NB * bs, ")");
-    for (int64_t j = 0; j < (r.end[b] + bs - 1) / bs; ++j)
+    for (int64_t j = 0; j < (r.end[b] + more + bs - 1) / bs; ++j)
       TORCH_CHECK(r.table[b * r.W + j] >= 0 && r.table[b * r.W + j] < NB, "block id ", r.table[b * r.W + j],
                   " of row ", b, " out of range");
-    r.longest = std::max<int64_t>(r.longest, r.end[b]);
+    r.longest = std::max<int64_t>(r.longest, r.end[b] + more);
   }
   return r;
 }

@@ -240,17 +240,21 @@ class LlamaModel:
         return self.step_max_rows if wide else min(self.step_max_rows, kernels.STEP_MAX_ROWS)
 
     @torch.inference_mode()
-    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-               kv: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache,
+               steps: int = 1, stops: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A step of decode rows only (meta.num_decode == N: each sequence's next token) -> fp32 logits [N, V], and
-        each row's argmax int64 [N] where the fused step took the batch (else None)."""
+        where the fused step took the batch each row's argmax int64 [1, N] (else None). steps > 1, where the fused step
+        takes the batch: a run of up to that many steps, each feeding its argmax to the next (meta's block tables reach
+        the last one), ended early after a step whose argmax of some row is in stops -> the last step's logits and
+        the argmax of each step run [S, N] (kernels.decode_step_)."""
         n = input_ids.shape[0]
         if n > self.step_logits_rows or self.step_weights is None:  # (tests turn the step off after load)
             return self.compute_logits(self.forward(input_ids, positions, meta, kv)), None
-        logits, greedy = torch.empty(n, self.config.vocab_size), torch.empty(n, dtype=torch.int64)
+        logits, greedy = torch.empty(n, self.config.vocab_size), torch.empty(steps, n, dtype=torch.int64)
         h = torch.empty(n, self.config.hidden_size, dtype=self.dtype)  # the step's rows, looked up from input_ids
-        self._step(h, positions, meta, kv, (self.norm.weight, self.lm_head, logits, input_ids, self._table(), greedy))
-        return logits, greedy
+        ran = self._step(h, positions, meta, kv, (self.norm.weight, self.lm_head, logits, input_ids, self._table(),
+                                                  greedy, steps, stops))
+        return logits, greedy[:ran]
 
     def _table(self) -> torch.Tensor:
         return self.embed if self.embed is not None else self.lm_head  # tied: the lm_head's copy (_load)
@@ -259,15 +263,14 @@ class LlamaModel:
         return embed_rows(self._table(), input_ids, self.dtype)  # [N, H]
 
     def _step(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache,
-              tail: tuple = ()) -> torch.Tensor:
-        """Decode of a few sequences, the latency path: every layer in one native call, not ~25 ops per layer; tail:
-        kernels.decode_step_'s (norm, lm_head, logits, ids, embed, greedy): from token ids to logits and argmax."""
+              tail: tuple = ()) -> int:
+        """Decode of a few sequences, the latency path: every layer in one native call, not ~25 ops per layer; h [N, H]
+        becomes the last residual stream; tail: kernels.decode_step_'s (norm, lm_head, logits, ids, embed, greedy,
+        steps, stops): from token ids to logits and argmax, for a run of steps. Returns the steps run."""
         s = self.config
-        h = h.contiguous()
-        kernels.decode_step_(h, self.step_weights, kv.layers, self.windows, self.rotary.cos, self.rotary.sin,
-                             positions, meta.decode_tables, meta.decode_lens, meta.slot_mapping, s.num_heads,
-                             s.num_kv_heads, s.rms_norm_eps, self.scale, *tail)
-        return h
+        return kernels.decode_step_(h, self.step_weights, kv.layers, self.windows, self.rotary.cos, self.rotary.sin,
+                                    positions, meta.decode_tables, meta.decode_lens, meta.slot_mapping, s.num_heads,
+                                    s.num_kv_heads, s.rms_norm_eps, self.scale, *tail)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -278,7 +281,8 @@ class LlamaModel:
         nh, nkv, hd = s.num_heads, s.num_kv_heads, s.head_dim
         h = self._embed(input_ids)
         if meta.num_decode == n <= self.step_max_rows and self.step_weights is not None:
-            return self._step(h, positions, meta, kv)
+            self._step(h, positions, meta, kv)
+            return h
         cos, sin = self.rotary.tables(positions)                       # [N, 1, D]
         nd = meta.num_decode  # rows [nd, N) are prompt rows: kernels.linear's prompt_from
         last = len(self.layers) - 1

@@ -319,8 +319,10 @@ class Frontend:
         if ch.gen.first_at is None:  # once per request (n choices share one arrival)
             ch.gen.first_at = now
             m.ttft.observe(now - ch.gen.arrival)
-        if ch.last_at is not None:
-            m.itl.observe(now - ch.last_at)
+        if ch.last_at is not None:  # a run of decode steps brings several tokens at once: each gets its share
+            n = max(1, len(out.new_token_ids))
+            for _ in range(n):
+                m.itl.observe((now - ch.last_at) / n)
         ch.last_at = now
         if abort:
             self._send(AbortRequest(out.request_id))

@@ -36,7 +36,7 @@ def _run(model_dir: str, fused: bool, threads: int, monkeypatch, quantization: s
     longer one contiguous run. streams: how the bf16 GEMV reads its blocks (kernels/gemv.h Streams); take_over:
     whether a thread done with its share of a phase takes work over from the other (kernels/runs.h Shares, the
     default) or each keeps its fixed share."""
-    core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", block_size=8, max_model_len=256,
+    core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", block_size=8, max_model_len=256, decode_steps=1,
                                    quantization=quantization, compact_weights=compact))
     ops = torch.ops.deploykit
     picked = int(ops.gemv_streams())
@@ -126,7 +126,7 @@ def test_a_step_taken_over_is_bitwise_the_per_op_path(tiny_model, quantization, 
     ops = torch.ops.deploykit
 
     def run(fused: bool, delay_us: float) -> tuple[list[torch.Tensor], torch.Tensor, list, int]:
-        core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", block_size=8, max_model_len=256,
+        core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", block_size=8, max_model_len=256, decode_steps=1,
                                        quantization=quantization, compact_weights=compact, max_num_seqs=16))
         if n > core.model.step_max_rows:
             pytest.skip(f"{n} rows take the fused step only on AMX or quantized matrices")
@@ -216,7 +216,7 @@ def test_fused_step_rejects_indices_outside_the_cache_and_tables(tiny_model):
 def test_step_profile_counts_every_phase_and_barrier(tiny_model):
     """benchmarks/decode_profile.py's view inside the fused step: per thread, time in each phase and 5 barriers
     per layer per step; off, nothing is counted."""
-    assert_step_profile(EngineCore(EngineConfig(tiny_model("qwen3", **SHAPE), dtype="bfloat16")))
+    assert_step_profile(EngineCore(EngineConfig(tiny_model("qwen3", **SHAPE), dtype="bfloat16", decode_steps=1)))
 
 
 def assert_step_profile(core: EngineCore) -> None:
@@ -266,7 +266,7 @@ def test_the_fused_step_takes_up_to_16_rows_bitwise_the_per_op_path(tiny_model, 
     model_dir = tiny_model(kw.pop("arch"), **kw)
 
     def run(fused: bool) -> tuple[list[torch.Tensor], torch.Tensor, set[int]]:
-        core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", block_size=8, max_model_len=256,
+        core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", block_size=8, max_model_len=256, decode_steps=1,
                                        quantization=quantization, max_num_seqs=16))
         model = core.model
         assert model.step_max_rows == kernels.STEP_MAX_TILE_ROWS == 16
@@ -298,7 +298,7 @@ def test_segmented_weights_decode_bitwise_as_the_plain_layout(tiny_model, quanti
 
     def run(segment_k: int, fused: bool, delay_us: float = 0.0) -> tuple[list[torch.Tensor], torch.Tensor, list]:
         monkeypatch.setattr(quant, "SEGMENT_K", segment_k)
-        core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", block_size=8, max_model_len=256,
+        core = EngineCore(EngineConfig(model_dir, dtype="bfloat16", block_size=8, max_model_len=256, decode_steps=1,
                                        quantization=quantization, max_num_seqs=16))
         y = core.model.layers[0]
         want = (segment_k, 4) if segment_k else (0, 0)

@@ -115,8 +115,8 @@ def _record(core: EngineCore) -> list[list[tuple[str, int, int]]]:
     log: list[list[tuple[str, int, int]]] = []
     schedule = core.scheduler.schedule
 
-    def record():
-        batch = schedule()
+    def record(*steps):
+        batch = schedule(*steps)
         log.append([(s.request_id, n, s.num_computed_tokens) for s, n in zip(batch.seqs, batch.num_new_tokens)])
         return batch
 
