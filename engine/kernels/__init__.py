@@ -59,7 +59,6 @@ if _ops is not None:  # resolved once: the OpOverloadPacket lookup costs microse
     _silu_mul = _ops.silu_mul.default
     _rotary = _ops.rotary_.default
     _head_rms_norm = _ops.head_rms_norm_.default
-    _argmax_rows = _ops.argmax_rows.default
     _compact_linear = _ops.compact_linear.default
     _gate_up_silu = _ops.compact_gate_up_silu_amx.default
     _compact_unpack = _ops.compact_unpack.default
@@ -72,6 +71,7 @@ if _qops is not None:
     _head_rms_norm_f32 = _qops.head_rms_norm_f32_.default
     # fp32 activations times bf16 weights widened in registers (bf16w_linear.cpp, AVX2 + FMA): in every build.
     _bf16w_linear = _qops.linear_bf16w.default
+    _argmax_rows = _qops.argmax_rows.default  # (argmax.h: AVX-512 or AVX2)
 
 # The kernels' shape limits, stated once in C++ and read from the extension (decode_step.cpp `limits`):
 # head_dim_multiple, max_head_dim: the head sizes the attention kernels take; block_n, block_k: packed weights hold
@@ -308,7 +308,7 @@ def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def argmax(x: torch.Tensor) -> torch.Tensor | None:
     """Row-wise argmax of fp32 [R, V] logits as torch.argmax gives it (first maximum, NaN first), in one native pass;
     None where the library is not loaded (the caller then runs its PyTorch argmax)."""
-    if _ops is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+    if _qops is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
         return None
     return _argmax_rows(x)
 

@@ -23,13 +23,15 @@ SOURCES = ("gemv_bf16.cpp", "amx_bf16.cpp", "amx_plain_bf16.cpp", "stream_read.c
 # The AVX2 build holds the quantized-weight ops, the fp32 ops and the roofline probe: a CPU without AVX-512 runs a
 # model in fp32, keeps GGUF blocks quantized and reads them with the AVX2 int8 GEMV, keeps a bf16 checkpoint's
 # matrices in bf16 and widens them in registers (bf16w_linear.cpp), and runs the rest of a decoder layer on
-# f32_ops.cpp. Both of those files are AVX2 + FMA code that every build holds.
+# f32_ops.cpp. Both of those files are AVX2 + FMA code that every build holds, as is the greedy argmax (argmax.h has
+# both ISAs' code), which the fp32 step ends with.
 AVX2_SOURCES = ("quant_pack.cpp", "qlinear.cpp", "stream_read.cpp", "f32_ops.cpp", "bf16w_linear.cpp",
-                "decode_step_f32.cpp", "step_profile.cpp", "runs_ops.cpp")
+                "decode_step_f32.cpp", "step_profile.cpp", "runs_ops.cpp", "argmax.cpp")
 HEADERS = ("vec.h", "gemv.h", "row_ops.h", "attention.h", "op_args.h", "quant_layout.h", "quant_act.h", "quant_gemv.h",
            "quant_gemv_avx2.h", "quant_rows.h", "quant_stream.h", "quant_scale.h", "quant_amx.h", "step_profile.h",
            "compact_bf16.h", "compact_amx.h", "amx_tiles.h", "amx_slices.h", "paged_kv.h", "step_matrix.h",
-           "step_layers.h", "f32_rows.h", "bf16w_rows.h", "bf16w_blocked.h", "step_args.h", "runs.h", "argmax.h")
+           "step_layers.h", "step_f32_layers.h", "f32_rows.h", "bf16w_rows.h", "bf16w_blocked.h", "step_args.h", "runs.h",
+           "argmax.h")
 MANIFEST_NAME = "manifest.json"
 SOURCE_DIR = Path(__file__).resolve().parent
 

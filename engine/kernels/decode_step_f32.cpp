@@ -18,6 +18,10 @@
 //   y = silu(x W_gate^T) * (x W_up^T)       gate group j and up group j on one thread    | barrier
 //   d = y W_down^T + b                      column groups split                          | barrier
 //   h += d; x = rms_norm(h) * ln1 of the next layer
+// and, when asked for, the way from token ids to greedy tokens and runs of steps, as decode_step.cpp does them (why
+// there): before the first layer each thread looks the rows up in the token table itself; after the last,
+//   x = rms_norm(h) * norm; logits = x W_lm_head^T    column groups split, each thread's argmax among its own
+// and every thread merges the threads' picks alike into the next step's token ids.
 // A phase's column groups (or attention tasks) are split between threads in fixed shares up to 4 rows, and past 4
 // handed out in runs as threads come free (STREAM_ROWS below).
 #include <ATen/ATen.h>
@@ -32,26 +36,14 @@
 #include <optional>
 #include <vector>
 
-#include "bf16w_blocked.h"
-#include "f32_rows.h"
 #include "runs.h"
 #include "step_args.h"
+#include "step_f32_layers.h"
 #include "step_profile.h"
-#ifdef __AVX512F__
-#include "quant_gemv.h"
-#else
-#include "quant_gemv_avx2.h"
-#endif
 
 namespace deploykit {
 namespace {
 
-// Rows of one call, as the per-op linears take them: bf16 matrices through bf16w::rows (bf16w_blocked.h: the GEMV up to
-// FEW_ROWS rows, each weight line loaded once for all, then the blocked GEMM over 128-k chunks widened into L1);
-// quantized ones through quant_rows.h tiled_rows (the GEMV up to 4, then tiles of 4 rows over each pair of groups).
-// Past 4 rows on bf16 matrices the step had gone per op: on a 2-core Zen 3 a 16-sequence step of the benchmark model
-// spent ~10 % of its time beside the GEMMs (benchmarks/README.md, session 29).
-constexpr int64_t MAX_ROWS = 16;
 // Past STREAM_ROWS rows (where both the bf16 and the quantized GEMV give way to tiles) a phase is compute-bound and
 // hands its items out in Runs as threads come free (runs.h: why). Measured on a 2-core Zen 3, fixed shares and
 // runs alternated in one process: 16 rows 0.92-0.96x the time of a step (bf16 and Q4_0), 8 rows 0.93-0.96x, 4 rows the
@@ -63,61 +55,8 @@ constexpr int64_t LEAST_GROUPS = 2;  // the shortest run of column groups (2 x 1
 static_assert(STREAM_ROWS == bf16w::FEW_ROWS);
 
 using namespace step_args;  // Slot, share, checked_rows
-
-struct Weight {
-  const at::BFloat16* packed = nullptr;  // bf16 packed [N/16, K/2, 16, 2], or
-  quant::Matrix q{};                     // block-quantized (packed == nullptr)
-};
-
-struct Layer {
-  const float *ln1, *qk_norm, *ln2, *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
-  Weight qkv, o, gate_up, down;
-  float* kv;
-  int64_t window;
-};
-
-Weight weight(const std::optional<at::Tensor>& t, int64_t N, int64_t K, int64_t layer, const char* name) {
-  TORCH_CHECK(t.has_value() && t->defined(), "layer ", layer, " ", name, " is missing");
-  const at::Tensor& w = *t;
-  Weight out;
-  if (quant::is_blob(w)) {
-    out.q = quant::matrix(w);
-    TORCH_CHECK(out.q.N == N && out.q.K == K, "layer ", layer, " ", name, ": the quantized weight is [", out.q.N,
-                ", ", out.q.K, "], expected [", N, ", ", K, "]");
-    return out;
-  }
-  TORCH_CHECK(w.dim() == 4 && w.size(0) * bf16w::COLS == N && w.size(1) * 2 == K && w.size(2) == bf16w::COLS &&
-                  w.size(3) == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
-              "layer ", layer, " ", name, ": expected a packed bf16 [", N / bf16w::COLS, ", ", K / 2, ", 16, 2] "
-              "weight or a quantized one");
-  out.packed = w.data_ptr<at::BFloat16>();
-  return out;
-}
-
-const float* vector_ptr(const std::optional<at::Tensor>& t, int64_t n, bool required, int64_t layer,
-                        const char* name) {
-  if (!required && (!t.has_value() || !t->defined())) return nullptr;
-  TORCH_CHECK(t.has_value() && t->defined() && t->numel() == n && t->scalar_type() == at::kFloat && t->is_contiguous(),
-              "layer ", layer, " ", name, ": expected a contiguous fp32 tensor of ", n, " elements");
-  return t->data_ptr<float>();
-}
-
-// y[:, 16 g0 .. 16 g1) = x W^T + bias for B rows of x [B, K], as linear_bf16w and quant_linear compute them. A
-// quantized matrix takes the rows quantized into `acts` first, unless `quantized` says x is already there.
-inline void matvec(int64_t B, const float* x, int64_t K, const Weight& w, quant::ActBuffer& acts, int64_t g0,
-                   int64_t g1, const float* bias, float* y, int64_t ldy, bool quantized = false) {
-  if (g0 >= g1) return;
-  if (w.packed) {
-    bf16w::rows(w.packed, K, g0, g1, x, K, B, bias, y, ldy);
-    return;
-  }
-  quant::Act a[MAX_ROWS];
-  for (int64_t b = 0; b < B; ++b) {
-    a[b] = acts.row(b);
-    if (!quantized) quant::quantize(x + b * K, K, a[b]);
-  }
-  quant::tiled_rows(B, a, w.q, g0, g1, bias, y, ldy);
-}
+using step_f32::Layer, step_f32::MAX_ROWS, step_f32::Tail, step_f32::Weight, step_f32::matvec, step_f32::vector_ptr;
+using step_f32::checked_tail;
 
 }  // namespace
 
@@ -126,12 +65,18 @@ inline void matvec(int64_t B, const float* x, int64_t K, const Weight& w, quant:
 // (see Slot): matrices quantized or packed bf16, norms and biases fp32, qk_norm [Hq + Hkv, D]. kv: per layer fp32
 // [NB, bs, 2, Hkv, D]. cos, sin: the rotary tables [max_len, D] fp32 (sin signed, rotate-half). Per row: position
 // int64 [B], table int32 [B, W] block ids (padded with anything), length int32 [B] context incl. this token, slot
-// int64 [B] where this token's K/V go.
-void decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at::Tensor>>& weights,
-                      const std::vector<at::Tensor>& kv, const std::vector<int64_t>& windows, const at::Tensor& cos,
-                      const at::Tensor& sin, const at::Tensor& position, const at::Tensor& table,
-                      const at::Tensor& length, const at::Tensor& slot, int64_t num_heads, int64_t num_kv_heads,
-                      double eps, double scale) {
+// int64 [B] where this token's K/V go. norm, lm_head, logits, ids, embed, greedy, steps and stops as decode_step.cpp
+// takes them, in fp32 (norm fp32 [H]; lm_head a matrix as above; embed a table as step_f32::table reads it). Returns
+// the steps run.
+int64_t decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at::Tensor>>& weights,
+                         const std::vector<at::Tensor>& kv, const std::vector<int64_t>& windows, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& position, const at::Tensor& table,
+                         const at::Tensor& length, const at::Tensor& slot, int64_t num_heads, int64_t num_kv_heads,
+                         double eps, double scale, const std::optional<at::Tensor>& norm,
+                         const std::optional<at::Tensor>& lm_head, const std::optional<at::Tensor>& logits,
+                         const std::optional<at::Tensor>& ids, const std::optional<at::Tensor>& embed,
+                         const std::optional<at::Tensor>& greedy, int64_t steps,
+                         const std::optional<at::Tensor>& stops) {
   TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= MAX_ROWS && h.scalar_type() == at::kFloat &&
                   h.is_contiguous(),
               "h must be a contiguous fp32 [B, H] tensor with 1 <= B <= ", MAX_ROWS);
@@ -156,10 +101,10 @@ void decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at::T
   for (int64_t l = 0; l < L; ++l) {
     auto w = [&](int s) -> const std::optional<at::Tensor>& { return weights[l * PER_LAYER + s]; };
     Layer& y = layers[l];
-    y.qkv = weight(w(QKV), NQKV, H, l, "qkv");
-    y.o = weight(w(O), H, Hq * D, l, "o_proj");
-    y.gate_up = weight(w(GATE_UP), 2 * I, H, l, "gate_up");
-    y.down = weight(w(DOWN), H, I, l, "down_proj");
+    y.qkv = step_f32::weight(w(QKV), NQKV, H, l, "qkv");
+    y.o = step_f32::weight(w(O), H, Hq * D, l, "o_proj");
+    y.gate_up = step_f32::weight(w(GATE_UP), 2 * I, H, l, "gate_up");
+    y.down = step_f32::weight(w(DOWN), H, I, l, "down_proj");
     for (const Weight* m : {&y.qkv, &y.o, &y.gate_up, &y.down}) any_quantized |= m->packed == nullptr;
     y.ln1 = vector_ptr(w(LN1), H, true, l, "input_layernorm");
     y.ln2 = vector_ptr(w(LN2), H, true, l, "post_attention_layernorm");
@@ -178,11 +123,11 @@ void decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at::T
     y.kv = c.data_ptr<float>();
     y.window = windows[l];
   }
-  const RowIndices ix = step_args::checked_rows(position, table, length, slot, B, cos.size(0), NB, bs);
+  const Tail tail = checked_tail(B, H, norm, lm_head, logits, ids, embed, greedy, steps, stops);
+  any_quantized |= tail.head && tail.hw.packed == nullptr;
+  const RowIndices ix = step_args::checked_rows(position, table, length, slot, B, cos.size(0), NB, bs, steps);
   const int64_t *pos = ix.pos, *dst = ix.slot, W = ix.W, longest = ix.longest;
   const int32_t *end = ix.end, *tbl = ix.table;
-
-  if (step_profile::enabled.load(std::memory_order_relaxed)) ++step_profile::steps;
   // Shared activations [B, ...]; every element has one writer per phase.
   std::vector<float> qkv(B * NQKV), o(B * Hq * D), d(B * H), gu(B * 2 * I), act(B * I);
   // Per thread: its copy of the residual stream and its norm, its quantized rows and attention scratch, all sized
@@ -207,105 +152,146 @@ void decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at::T
   const float* sin_table = sin.data_ptr<float>();
   const float fscale = (float)scale, feps = (float)eps;
   const int64_t row = 2 * Hkv * D;
-  // One hand-out counter per phase of each layer, so none is reset while a thread may still read it.
-  std::vector<Runs> runs(L * PHASES);
+  // One hand-out counter per phase of each layer and step, and one per step for the head, so none is reset while a
+  // thread may still read it.
+  const int64_t per_step = L * PHASES + 1, V = tail.V;
+  std::vector<Runs> runs(per_step * steps);
+  std::vector<argmax::Best> picks(tail.pick ? B * max_threads : 0);  // per thread, each row's best of its columns
+  float* lp = tail.head ? logits->data_ptr<float>() : nullptr;
+  int64_t* out = tail.pick ? greedy->data_ptr<int64_t>() : nullptr;
+  int64_t done = 0;  // steps run: all of them, or up to the first whose greedy token of some row is in stops
 
 #pragma omp parallel num_threads(max_threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
     float* res = own0 + stride * tid;
     float* x = res + B * H;
-    std::copy(hp, hp + B * H, res);
+    int64_t tok[MAX_ROWS];  // this step's token ids: ids, then the step before's greedy tokens
+    std::copy(tail.id, tail.id + (tail.lookup ? B : 0), tok);
     quant::ActBuffer& room = acts[tid];
     f32::Scratch& scratch = scratches[tid];
     const int64_t J = I / 16;
-    // This thread's part of a phase's n column groups (or attention tasks): its share, or its runs; `fresh` is true
-    // for its first, where a quantized matrix's rows are quantized into `room` (a later run reads them there).
-    auto each_run = [&](Runs& runs, int64_t n, int64_t least, auto&& run) {
-      if (B <= STREAM_ROWS) {
-        const auto [r0, r1] = share(n, tid, nt);
-        run(r0, r1, true);
-        return;
-      }
-      bool fresh = true;
-      for (int64_t r0, r1; runs.take(n, nt, least, r0, r1); fresh = false) run(r0, r1, fresh);
-    };
-    step_profile::Clock clock(tid);
-    for (int64_t b = 0; b < B; ++b) f32::rms_norm(res + b * H, layers[0].ln1, H, feps, x + b * H);
-    for (int64_t l = 0; l < L; ++l) {
-      const Layer& y = layers[l];
-      Runs* phase = runs.data() + l * PHASES;
-      each_run(phase[0], NQKV / 16, LEAST_GROUPS, [&](int64_t g0, int64_t g1, bool fresh) {
-        matvec(B, x, H, y.qkv, room, g0, g1, y.qkv_bias, qkv.data(), NQKV, !fresh);
-      });
-      clock.mark(step_profile::QKV);
-#pragma omp barrier
-      clock.mark(step_profile::BARRIER);
-      each_run(phase[1], B * Hkv, 1, [&](int64_t t0, int64_t t1, bool) {
-        for (int64_t task = t0; task < t1; ++task) {  // (row, KV head)
-          const int64_t b = task / Hkv, kh = task % Hkv;
-          float* q = qkv.data() + b * NQKV;  // this row's q heads, then k heads, then v heads
-          const float* c = cos_table + pos[b] * D;
-          const float* sn = sin_table + pos[b] * D;
-          for (int64_t g = 0; g <= G; ++g) {  // the G query heads of this KV head, then the key head
-            const int64_t head = g < G ? kh * G + g : Hq + kh;
-            float* r = q + head * D;
-            if (y.qk_norm) f32::rms_norm(r, y.qk_norm + head * D, D, feps, r);
-            f32::rotary(r, c, sn, D);
-          }
-          std::memcpy(y.kv + dst[b] * row + kh * D, q + (Hq + kh) * D, D * sizeof(float));
-          std::memcpy(y.kv + dst[b] * row + (Hkv + kh) * D, q + (Hq + Hkv + kh) * D, D * sizeof(float));
-          f32::attend(q + kh * G * D, y.kv, bs, Hkv, D, tbl + b * W, end[b], y.window, kh, G, fscale, scratch,
-                      o.data() + (b * Hq + kh * G) * D);
+    for (int64_t s = 0; s < steps; ++s) {
+      // This thread's part of a phase's n column groups (or attention tasks): its share, or its runs; `fresh` is true
+      // for its first, where a quantized matrix's rows are quantized into `room` (a later run reads them there).
+      auto each_run = [&](Runs& runs, int64_t n, int64_t least, auto&& run) {
+        if (B <= STREAM_ROWS) {
+          const auto [r0, r1] = share(n, tid, nt);
+          run(r0, r1, true);
+          return;
         }
-      });
-      clock.mark(step_profile::ATTENTION);
+        bool fresh = true;
+        for (int64_t r0, r1; runs.take(n, nt, least, r0, r1); fresh = false) run(r0, r1, fresh);
+      };
+      if (tail.lookup)
+        for (int64_t b = 0; b < B; ++b) tail.tokens.row(tok[b], H, res + b * H);
+      else
+        std::copy(hp, hp + B * H, res);
+      step_profile::Clock clock(tid);
+      for (int64_t b = 0; b < B; ++b) f32::rms_norm(res + b * H, layers[0].ln1, H, feps, x + b * H);
+      for (int64_t l = 0; l < L; ++l) {
+        const Layer& y = layers[l];
+        Runs* phase = runs.data() + s * per_step + l * PHASES;
+        each_run(phase[0], NQKV / 16, LEAST_GROUPS, [&](int64_t g0, int64_t g1, bool fresh) {
+          matvec(B, x, H, y.qkv, room, g0, g1, y.qkv_bias, qkv.data(), NQKV, !fresh);
+        });
+        clock.mark(step_profile::QKV);
 #pragma omp barrier
-      clock.mark(step_profile::BARRIER);
-      each_run(phase[2], H / 16, LEAST_GROUPS, [&](int64_t g0, int64_t g1, bool fresh) {
-        matvec(B, o.data(), Hq * D, y.o, room, g0, g1, y.o_bias, d.data(), H, !fresh);
-      });
-      clock.mark(step_profile::O_PROJ);
-#pragma omp barrier
-      clock.mark(step_profile::BARRIER);
-      for (int64_t b = 0; b < B; ++b) {
-        f32::add_(res + b * H, d.data() + b * H, H);
-        f32::rms_norm(res + b * H, y.ln2, H, feps, x + b * H);
-      }
-      // Gate groups [g0, g1) and the up groups J later, then silu(gate) * up of those columns.
-      // Interleaved quantized halves (quant_layout.h): gate group g, then up group g, the next one in memory.
-      each_run(phase[3], J, LEAST_GROUPS, [&](int64_t g0, int64_t g1, bool fresh) {
-        if (y.gate_up.packed == nullptr && y.gate_up.q.interleaved) {
-          for (int64_t g = g0; g < g1; ++g) {
-            matvec(B, x, H, y.gate_up, room, g, g + 1, y.gate_up_bias, gu.data(), 2 * I, !fresh || g > g0);
-            matvec(B, x, H, y.gate_up, room, J + g, J + g + 1, y.gate_up_bias, gu.data(), 2 * I, true);
+        clock.mark(step_profile::BARRIER);
+        each_run(phase[1], B * Hkv, 1, [&](int64_t t0, int64_t t1, bool) {
+          for (int64_t task = t0; task < t1; ++task) {  // (row, KV head)
+            const int64_t b = task / Hkv, kh = task % Hkv, p = pos[b] + s;  // this step's position
+            const int64_t at = s == 0 ? dst[b] : (int64_t)tbl[b * W + p / bs] * bs + p % bs;  // its K/V slot
+            float* q = qkv.data() + b * NQKV;  // this row's q heads, then k heads, then v heads
+            const float* c = cos_table + p * D;
+            const float* sn = sin_table + p * D;
+            for (int64_t g = 0; g <= G; ++g) {  // the G query heads of this KV head, then the key head
+              const int64_t head = g < G ? kh * G + g : Hq + kh;
+              float* r = q + head * D;
+              if (y.qk_norm) f32::rms_norm(r, y.qk_norm + head * D, D, feps, r);
+              f32::rotary(r, c, sn, D);
+            }
+            std::memcpy(y.kv + at * row + kh * D, q + (Hq + kh) * D, D * sizeof(float));
+            std::memcpy(y.kv + at * row + (Hkv + kh) * D, q + (Hq + Hkv + kh) * D, D * sizeof(float));
+            f32::attend(q + kh * G * D, y.kv, bs, Hkv, D, tbl + b * W, end[b] + s, y.window, kh, G, fscale, scratch,
+                        o.data() + (b * Hq + kh * G) * D);
           }
-        } else {
-          matvec(B, x, H, y.gate_up, room, g0, g1, y.gate_up_bias, gu.data(), 2 * I, !fresh);
-          matvec(B, x, H, y.gate_up, room, J + g0, J + g1, y.gate_up_bias, gu.data(), 2 * I, true);
-        }
+        });
+        clock.mark(step_profile::ATTENTION);
+#pragma omp barrier
+        clock.mark(step_profile::BARRIER);
+        each_run(phase[2], H / 16, LEAST_GROUPS, [&](int64_t g0, int64_t g1, bool fresh) {
+          matvec(B, o.data(), Hq * D, y.o, room, g0, g1, y.o_bias, d.data(), H, !fresh);
+        });
+        clock.mark(step_profile::O_PROJ);
+#pragma omp barrier
+        clock.mark(step_profile::BARRIER);
         for (int64_t b = 0; b < B; ++b) {
-          const float* g = gu.data() + b * 2 * I;
-          f32::silu_mul(g + g0 * 16, g + I + g0 * 16, (g1 - g0) * 16, act.data() + b * I + g0 * 16);
+          f32::add_(res + b * H, d.data() + b * H, H);
+          f32::rms_norm(res + b * H, y.ln2, H, feps, x + b * H);
         }
-      });
-      clock.mark(step_profile::GATE_UP);
+        // Gate groups [g0, g1) and the up groups J later, then silu(gate) * up of those columns.
+        // Interleaved quantized halves (quant_layout.h): gate group g, then up group g, the next one in memory.
+        each_run(phase[3], J, LEAST_GROUPS, [&](int64_t g0, int64_t g1, bool fresh) {
+          if (y.gate_up.packed == nullptr && y.gate_up.q.interleaved) {
+            for (int64_t g = g0; g < g1; ++g) {
+              matvec(B, x, H, y.gate_up, room, g, g + 1, y.gate_up_bias, gu.data(), 2 * I, !fresh || g > g0);
+              matvec(B, x, H, y.gate_up, room, J + g, J + g + 1, y.gate_up_bias, gu.data(), 2 * I, true);
+            }
+          } else {
+            matvec(B, x, H, y.gate_up, room, g0, g1, y.gate_up_bias, gu.data(), 2 * I, !fresh);
+            matvec(B, x, H, y.gate_up, room, J + g0, J + g1, y.gate_up_bias, gu.data(), 2 * I, true);
+          }
+          for (int64_t b = 0; b < B; ++b) {
+            const float* g = gu.data() + b * 2 * I;
+            f32::silu_mul(g + g0 * 16, g + I + g0 * 16, (g1 - g0) * 16, act.data() + b * I + g0 * 16);
+          }
+        });
+        clock.mark(step_profile::GATE_UP);
 #pragma omp barrier
-      clock.mark(step_profile::BARRIER);
-      each_run(phase[4], H / 16, LEAST_GROUPS, [&](int64_t g0, int64_t g1, bool fresh) {
-        matvec(B, act.data(), I, y.down, room, g0, g1, y.down_bias, d.data(), H, !fresh);
-      });
-      clock.mark(step_profile::DOWN);
+        clock.mark(step_profile::BARRIER);
+        each_run(phase[4], H / 16, LEAST_GROUPS, [&](int64_t g0, int64_t g1, bool fresh) {
+          matvec(B, act.data(), I, y.down, room, g0, g1, y.down_bias, d.data(), H, !fresh);
+        });
+        clock.mark(step_profile::DOWN);
 #pragma omp barrier
-      clock.mark(step_profile::BARRIER);
-      for (int64_t b = 0; b < B; ++b) {
-        f32::add_(res + b * H, d.data() + b * H, H);
-        if (l + 1 < L) f32::rms_norm(res + b * H, layers[l + 1].ln1, H, feps, x + b * H);
+        clock.mark(step_profile::BARRIER);
+        for (int64_t b = 0; b < B; ++b) {
+          f32::add_(res + b * H, d.data() + b * H, H);
+          if (l + 1 < L) f32::rms_norm(res + b * H, layers[l + 1].ln1, H, feps, x + b * H);
+          else if (tail.head) f32::rms_norm(res + b * H, tail.norm, H, feps, x + b * H);
+        }
+        clock.mark(step_profile::RESIDUAL);
       }
-      clock.mark(step_profile::RESIDUAL);
+      if (tail.head) {
+        argmax::Best* mine = tail.pick ? picks.data() + tid * B : nullptr;
+        std::fill(mine, mine + (tail.pick ? B : 0), argmax::Best{});
+        each_run(runs[s * per_step + L * PHASES], V / 16, LEAST_GROUPS, [&](int64_t g0, int64_t g1, bool fresh) {
+          step_f32::head(B, x, H, tail.hw, room, g0, g1, lp, V, !fresh, mine);
+        });
+        clock.mark(step_profile::LM_HEAD);
+      }
+      bool last = s + 1 == steps;
+      if (tail.pick) {
+        // Every thread merges every thread's picks alike (the first maximum, NaN first) into the next step's ids, so
+        // all of them leave the run after the same step.
+#pragma omp barrier
+        for (int64_t b = 0; b < B; ++b) {
+          argmax::Best best;
+          for (int t = 0; t < nt; ++t) best.merge(picks[t * B + b].v, picks[t * B + b].i);
+          tok[b] = best.i;
+          const int64_t* stop_end = tail.stop_ids + tail.num_stops;
+          last = last || std::find(tail.stop_ids, stop_end, best.i) != stop_end;
+        }
+        if (tid == 0) std::copy(tok, tok + B, out + s * B);
+      }
+      if (tid == 0) done = s + 1;
+      if (last) break;
     }
     if (tid == 0) std::copy(res, res + B * H, hp);
   }
+  if (step_profile::enabled.load(std::memory_order_relaxed)) step_profile::steps += done;
+  return done;
 }
 
 // The most rows a step takes.
@@ -316,7 +302,8 @@ TORCH_LIBRARY_FRAGMENT(deploykit, m) {
   m.def(
       "decode_step_f32_(Tensor(a!) h, Tensor?[] weights, Tensor(b!)[] kv, int[] windows, Tensor cos, Tensor sin, "
       "Tensor position, Tensor table, Tensor length, Tensor slot, int num_heads, int num_kv_heads, float eps, "
-      "float scale) -> ()");
+      "float scale, Tensor? norm=None, Tensor? lm_head=None, Tensor(c!)? logits=None, Tensor? ids=None, "
+      "Tensor? embed=None, Tensor(d!)? greedy=None, int steps=1, Tensor? stops=None) -> int");
 }
 
 TORCH_LIBRARY_IMPL(deploykit, CPU, m) { m.impl("decode_step_f32_", &decode_step_f32_); }

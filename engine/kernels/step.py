@@ -61,19 +61,15 @@ def decode_step_(h: torch.Tensor, weights: list, kv: list[torch.Tensor], windows
     weights: 11 per layer (ln1, qkv, qkv_bias, qk_norm, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias),
     packed and prepared as engine.kernels.linear takes them, None where absent. Bitwise the same as the per-op native
     path.
-    logits fp32 [B, V] (bf16 h only; norm [H] bf16, lm_head [V, H] a matrix as above, past MAX_ROWS quantized or on
-    AMX tiles): also written in the same call, the bits of logits(rms_norm(h) * norm, lm_head); and greedy int64 [B],
-    each row's argmax of them as kernels.argmax gives it.
-    ids int64 [B] and embed, a token table as layers.embed_rows takes it (bf16 h only): h's rows are looked up there
-    in the same call, not read (h still gets the last residual stream).
+    logits fp32 [B, V] (norm [H] in h's dtype, lm_head [V, H] a matrix as above, under bf16 past MAX_ROWS quantized
+    or on AMX tiles): also written in the same call, the bits of logits(rms_norm(h) * norm, lm_head); and greedy int64
+    [B], each row's argmax of them as kernels.argmax gives it.
+    ids int64 [B] and embed, a token table as layers.embed_rows takes it: h's rows are looked up there in the same
+    call, not read (h still gets the last residual stream).
     steps > 1 (with ids, embed, logits and greedy int64 [steps, B]): a run of decode steps in the one call, each
     step's greedy tokens the next one's ids at the next position (its K/V in the slot `tables` gives it; tables and
     the rotary tables must reach the last step), until a step picks a token in stops (int64 [S]) for some row or all
     ran. Returns the steps run; logits and h are the last one's, greedy's first rows each step's tokens."""
-    if logits is not None or ids is not None:
-        return int(_step(h, weights, kv, windows, cos, sin, positions, tables, lens, slots, num_heads, num_kv_heads,
-                         eps, scale, norm, lm_head, logits, ids, embed, greedy, steps, stops))
-    (_step_f32 if h.dtype == _F32 else _step)(h, weights, kv, windows, cos, sin, positions, tables, lens, slots,
-                                              num_heads, num_kv_heads, eps, scale)
-    return 1
-
+    return int((_step_f32 if h.dtype == _F32 else _step)(h, weights, kv, windows, cos, sin, positions, tables, lens,
+                                                         slots, num_heads, num_kv_heads, eps, scale, norm, lm_head,
+                                                         logits, ids, embed, greedy, steps, stops))

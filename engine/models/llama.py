@@ -228,13 +228,21 @@ class LlamaModel:
         return weights
 
     def _step_logits_rows(self) -> int:
-        """The most rows the bf16 fused step takes from token ids to logits (decode_step.cpp: the embedding lookup,
-        the final norm and the LM head in the same call; 0: Python runs them around it): a head the step reads (packed,
-        compact or quantized) in whole 16-row blocks, past kernels.STEP_MAX_ROWS rows only a wide one (quantized, or on
-        AMX tiles). The step reads every kind of token table embed_rows does."""
-        w = self.lm_head
-        if (self.step_weights is None or self.dtype != torch.bfloat16 or self.config.vocab_size % 16
-                or not (kernels.is_packed(w) or kernels.is_quantized(w) or kernels.is_compact(w))):
+        """The most rows the fused step takes from token ids to logits (decode_step.cpp, decode_step_f32.cpp: the
+        embedding lookup, the final norm and the LM head in the same call; 0: Python runs them around it): a head the
+        step reads in whole 16-row blocks (under bf16 packed, compact or quantized, past kernels.STEP_MAX_ROWS rows
+        only a wide one: quantized, or on AMX tiles; under fp32 quantized or bf16 packed for widening), and a token
+        table of a kind the step reads (every kind embed_rows takes under bf16; under fp32 quantized, plain fp32 or
+        bf16, or packed bf16)."""
+        w, t = self.lm_head, self._table()
+        if self.step_weights is None or self.config.vocab_size % 16:
+            return 0
+        if self.dtype == torch.float32:
+            plain = t.dim() == 2 and t.dtype in (torch.float32, torch.bfloat16)
+            ok = kernels.step_f32_weight(w) and (kernels.is_quantized(t) or plain or kernels.step_f32_weight(t))
+            return self.step_max_rows if ok else 0
+        if self.dtype != torch.bfloat16 or not any(f(w) for f in (kernels.is_packed, kernels.is_quantized,
+                                                                   kernels.is_compact)):
             return 0
         wide = kernels.is_quantized(w) or kernels.on_tiles(w)
         return self.step_max_rows if wide else min(self.step_max_rows, kernels.STEP_MAX_ROWS)

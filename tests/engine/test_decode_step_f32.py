@@ -31,7 +31,7 @@ def _run(model_dir: str, fused: bool, threads: int, monkeypatch, quantization: s
     """Logits of every step, the final KV cache and (rows, block tables) of each step that took the fused path."""
     from engine import kernels
     core = EngineCore(EngineConfig(model_dir, dtype="float32", block_size=8, max_model_len=256,
-                                   quantization=quantization, max_num_seqs=16))
+                                   quantization=quantization, max_num_seqs=16, decode_steps=1))  # a step a call
     model = core.model
     assert model.step_weights is not None
     matrices = [w for i, w in enumerate(model.step_weights) if i % 11 in (1, 4, 7, 9)]  # qkv, o, gate_up, down
@@ -99,7 +99,7 @@ def test_fp32_step_profile_counts_every_phase_and_barrier(tiny_model, quantizati
     """benchmarks/decode_profile.py on a CPU without AVX-512: the fp32 step charges the same per-thread phase
     timers as the bf16 one, with bf16-held or quantized matrices."""
     model_dir = tiny_model("qwen3", dtype="bfloat16", **SHAPE)
-    assert_step_profile(EngineCore(EngineConfig(model_dir, dtype="float32", quantization=quantization)))
+    assert_step_profile(EngineCore(EngineConfig(model_dir, dtype="float32", quantization=quantization, decode_steps=1)))
 
 
 def test_fp32_step_rejects_bad_indices_and_too_many_rows(tiny_model):
