@@ -231,17 +231,8 @@ int64_t decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at
           f32::rms_norm(res + b * H, y.ln2, H, feps, x + b * H);
         }
         // Gate groups [g0, g1) and the up groups J later, then silu(gate) * up of those columns.
-        // Interleaved quantized halves (quant_layout.h): gate group g, then up group g, the next one in memory.
         each_run(phase[3], J, LEAST_GROUPS, [&](int64_t g0, int64_t g1, bool fresh) {
-          if (y.gate_up.packed == nullptr && y.gate_up.q.interleaved) {
-            for (int64_t g = g0; g < g1; ++g) {
-              matvec(B, x, H, y.gate_up, room, g, g + 1, y.gate_up_bias, gu.data(), 2 * I, !fresh || g > g0);
-              matvec(B, x, H, y.gate_up, room, J + g, J + g + 1, y.gate_up_bias, gu.data(), 2 * I, true);
-            }
-          } else {
-            matvec(B, x, H, y.gate_up, room, g0, g1, y.gate_up_bias, gu.data(), 2 * I, !fresh);
-            matvec(B, x, H, y.gate_up, room, J + g0, J + g1, y.gate_up_bias, gu.data(), 2 * I, true);
-          }
+          step_f32::gate_up(B, x, H, y.gate_up, room, J, g0, g1, y.gate_up_bias, gu.data(), !fresh);
           for (int64_t b = 0; b < B; ++b) {
             const float* g = gu.data() + b * 2 * I;
             f32::silu_mul(g + g0 * 16, g + I + g0 * 16, (g1 - g0) * 16, act.data() + b * I + g0 * 16);

@@ -112,15 +112,18 @@ inline void rows(int64_t M, const Act* act, const Matrix& w, int64_t b0, int64_t
 // out[m, 16 j .. 16 j + 16) and out[m, 16 (J + j) .. 16 (J + j) + 16) for j in [j0, j1) and M <= 4 rows of an
 // interleaved matrix (quant_layout.h: two parts of J groups): group j of part 0 then group j of part 1 (slots 2 j and
 // 2 j + 1), the next group in memory, so the weights stream as one run; the format and M made compile-time once for
-// the run.
+// the run. ahead: as rows() takes it (a tile of a wider call after the first passes false).
 template <class Out>
 inline void interleaved_rows(int64_t M, const Act* act, const Matrix& w, int64_t j0, int64_t j1, const float* bias,
-                             Out* out, int64_t ldo) {
+                             Out* out, int64_t ldo, bool ahead = true) {
   const Part* parts[2] = {&w.parts[0], &w.parts[1]};
   with_format(w.parts[0].format, [&](auto f) {
     constexpr int F = decltype(f)::value;
     const auto run = [&](auto mt) {
-      slot_range<F, decltype(mt)::value, true>(act, parts, 2 * j0, 2 * j1, bias, out, ldo);
+      if (ahead)
+        slot_range<F, decltype(mt)::value, true>(act, parts, 2 * j0, 2 * j1, bias, out, ldo);
+      else
+        slot_range<F, decltype(mt)::value, false>(act, parts, 2 * j0, 2 * j1, bias, out, ldo);
     };
     switch (M) {
       case 1: run(std::integral_constant<int, 1>{}); break;
@@ -131,8 +134,9 @@ inline void interleaved_rows(int64_t M, const Act* act, const Matrix& w, int64_t
   });
 }
 
-// The same for any M: more than 4 rows go in tiles of 4 over a pair of groups at a time, so the pair's weights are
-// read from memory once and from L1/L2 for the later tiles. The first tile streams the pair ahead where requested
+// The same for any M: more than 4 rows go in tiles of 4 over a pair of groups at a time (of an interleaved matrix:
+// gate j and up j, interleaved_tiles), so the pair's weights are read from memory once and from L1/L2 for the later
+// tiles. The first tile streams the pair ahead where requested
 // lines go to L2 (quant_stream.h), where the later tiles find them too; non-temporal ones would be gone. Every row
 // gets the bits rows() gives it alone (its int32 sums are exact, its fp32 steps its own). quant_linear's many-row
 // path and the fused decode step's 5-16 rows run this.
@@ -149,6 +153,19 @@ inline void tiled_rows(int64_t M, const Act* act, const Matrix& w, int64_t b0, i
     for (int64_t m = 0; m < M; m += 4)
       rows(std::min<int64_t>(4, M - m), act + m, w, b, e, bias, out + m * ldo, ldo, l2 && m == 0);
   }
+}
+
+template <class Out>
+inline void interleaved_tiles(int64_t M, const Act* act, const Matrix& w, int64_t j0, int64_t j1, const float* bias,
+                              Out* out, int64_t ldo) {
+  if (M <= 4) {
+    interleaved_rows(M, act, w, j0, j1, bias, out, ldo);
+    return;
+  }
+  const bool l2 = stream_ahead.hint.load(std::memory_order_relaxed) == Hint::L2;
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t m = 0; m < M; m += 4)
+      interleaved_rows(std::min<int64_t>(4, M - m), act + m, w, j, j + 1, bias, out + m * ldo, ldo, l2 && m == 0);
 }
 
 }  // namespace quant

@@ -88,6 +88,28 @@ inline void matvec(int64_t B, const float* x, int64_t K, const Weight& w, quant:
   quant::tiled_rows(B, a, w.q, g0, g1, bias, y, ldy);
 }
 
+// gu[:, gate groups [j0, j1)] and gu[:, up groups J + [j0, j1)] = x [B, H] W_gate_up^T + bias ([B, 2I], I = 16 J).
+// Interleaved quantized halves (quant_layout.h): gate group j, then up group j, the next group in memory, in one call
+// a claim (up to 4 rows one stream, past 4 tiles of 4 rows over each pair), as the bf16 step reads them, where the
+// step had made two matvec calls a group (14,592 a token of the benchmark model). On a 2-vCPU Zen 3, processes of each
+// build alternated, 8 pairs at batch 1 on Q4_0: 1.05x the tokens a second (paired median; pairs 0.90-1.15x, this VM's
+// noise), gate_up 0.98x the time (benchmarks/README.md, session 55).
+inline void gate_up(int64_t B, const float* x, int64_t H, const Weight& w, quant::ActBuffer& acts, int64_t J,
+                    int64_t j0, int64_t j1, const float* bias, float* gu, bool quantized) {
+  if (w.packed != nullptr || !w.q.interleaved) {
+    matvec(B, x, H, w, acts, j0, j1, bias, gu, 32 * J, quantized);
+    matvec(B, x, H, w, acts, J + j0, J + j1, bias, gu, 32 * J, true);
+    return;
+  }
+  if (j0 >= j1) return;
+  quant::Act a[MAX_ROWS];
+  for (int64_t b = 0; b < B; ++b) {
+    a[b] = acts.row(b);
+    if (!quantized) quant::quantize(x + b * H, H, a[b]);
+  }
+  quant::interleaved_tiles(B, a, w.q, j0, j1, bias, gu, 32 * J);
+}
+
 // The LM head's fp32 logits [B, V] for column groups [g0, g1), the bits kernels.logits gives under fp32 (quant_linear
 // or linear_bf16w, no bias); with picks ([B]), each row's greedy token among them merged in (argmax.h: torch.argmax's
 // answer once every thread's picks are merged), scanned while the thread's logits are still in L1.
