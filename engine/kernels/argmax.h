@@ -87,5 +87,18 @@ struct Best {
   }
 };
 
+// The fused steps' greedy tokens: each of B rows' picks of nt threads (picks[t * B + b]) merged into tok[b]; true if
+// some row's token is one of stops[0, num_stops). Every thread merges alike, so all of them agree on both.
+inline bool merge_picks(const Best* picks, int nt, int64_t B, int64_t* tok, const int64_t* stops, int64_t num_stops) {
+  bool stop = false;
+  for (int64_t b = 0; b < B; ++b) {
+    Best best;
+    for (int t = 0; t < nt; ++t) best.merge(picks[t * B + b].v, picks[t * B + b].i);
+    tok[b] = best.i;
+    for (int64_t k = 0; k < num_stops; ++k) stop = stop || stops[k] == best.i;
+  }
+  return stop;
+}
+
 }  // namespace argmax
 }  // namespace deploykit

@@ -149,7 +149,7 @@ int64_t decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Te
                   tokens.V, ")");
   }
   const RowIndices ix = step_args::checked_rows(position, table, length, slot, B, cos.size(0), NB, bs, steps);
-  const int64_t *pos = ix.pos, *dst = ix.slot, W = ix.W, longest = ix.longest;
+  const int64_t *pos = ix.pos, W = ix.W, longest = ix.longest;
   const int32_t *end = ix.end, *tbl = ix.table;
 
   // Shared activations [B, ...]; every element has one writer per phase.
@@ -237,7 +237,7 @@ int64_t decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Te
         const attention::PagedKV cache{y.kv, bs, Hkv, D};
         for (int64_t task = t0; task < t1; ++task) {
           const int64_t b = task / Hkv, kh = task % Hkv, p = pos[b] + s;  // this step's position
-          const int64_t at = s == 0 ? dst[b] : (int64_t)tbl[b * W + p / bs] * bs + p % bs;  // its K/V slot
+          const int64_t at = step_args::run_slot(ix, b, s, bs);  // its K/V slot
           bf16* q = qkv.data() + b * NQKV;  // this row's q heads, then k heads, then v heads
           const bf16* c = cos_table + p * D;
           const bf16* sn = sin_table + p * D;
@@ -308,12 +308,7 @@ int64_t decode_step_(const at::Tensor& h, const std::vector<std::optional<at::Te
         // Every thread merges every thread's picks alike (the first maximum, NaN first) into the next step's ids, so
         // all of them leave the run after the same step.
 #pragma omp barrier
-        for (int64_t b = 0; b < B; ++b) {
-          argmax::Best best;
-          for (int t = 0; t < nt; ++t) best.merge(picks[t * B + b].v, picks[t * B + b].i);
-          tok[b] = best.i;
-          last = last || std::find(stop_ids, stop_ids + num_stops, best.i) != stop_ids + num_stops;
-        }
+        last = argmax::merge_picks(picks.data(), nt, B, tok, stop_ids, num_stops) || last;
         if (tid == 0) std::copy(tok, tok + B, out + s * B);
       }
       if (tid == 0) done = s + 1;

@@ -126,7 +126,7 @@ int64_t decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at
   const Tail tail = checked_tail(B, H, norm, lm_head, logits, ids, embed, greedy, steps, stops);
   any_quantized |= tail.head && tail.hw.packed == nullptr;
   const RowIndices ix = step_args::checked_rows(position, table, length, slot, B, cos.size(0), NB, bs, steps);
-  const int64_t *pos = ix.pos, *dst = ix.slot, W = ix.W, longest = ix.longest;
+  const int64_t *pos = ix.pos, W = ix.W, longest = ix.longest;
   const int32_t *end = ix.end, *tbl = ix.table;
   // Shared activations [B, ...]; every element has one writer per phase.
   std::vector<float> qkv(B * NQKV), o(B * Hq * D), d(B * H), gu(B * 2 * I), act(B * I);
@@ -201,7 +201,7 @@ int64_t decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at
         each_run(phase[1], B * Hkv, 1, [&](int64_t t0, int64_t t1, bool) {
           for (int64_t task = t0; task < t1; ++task) {  // (row, KV head)
             const int64_t b = task / Hkv, kh = task % Hkv, p = pos[b] + s;  // this step's position
-            const int64_t at = s == 0 ? dst[b] : (int64_t)tbl[b * W + p / bs] * bs + p % bs;  // its K/V slot
+            const int64_t at = step_args::run_slot(ix, b, s, bs);  // its K/V slot
             float* q = qkv.data() + b * NQKV;  // this row's q heads, then k heads, then v heads
             const float* c = cos_table + p * D;
             const float* sn = sin_table + p * D;
@@ -267,13 +267,7 @@ int64_t decode_step_f32_(const at::Tensor& h, const std::vector<std::optional<at
         // Every thread merges every thread's picks alike (the first maximum, NaN first) into the next step's ids, so
         // all of them leave the run after the same step.
 #pragma omp barrier
-        for (int64_t b = 0; b < B; ++b) {
-          argmax::Best best;
-          for (int t = 0; t < nt; ++t) best.merge(picks[t * B + b].v, picks[t * B + b].i);
-          tok[b] = best.i;
-          const int64_t* stop_end = tail.stop_ids + tail.num_stops;
-          last = last || std::find(tail.stop_ids, stop_end, best.i) != stop_end;
-        }
+        last = argmax::merge_picks(picks.data(), nt, B, tok, tail.stop_ids, tail.num_stops) || last;
         if (tid == 0) std::copy(tok, tok + B, out + s * B);
       }
       if (tid == 0) done = s + 1;

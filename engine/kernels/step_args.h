@@ -57,6 +57,13 @@ inline RowIndices checked_rows(const at::Tensor& position, const at::Tensor& tab
   return r;
 }
 
+// Where step s of a run (decode_step.cpp) writes row b's K/V: its slot for the first step, then the block table's slot
+// for position + s, as ModelRunner._prepare lays a run's blocks out.
+inline int64_t run_slot(const RowIndices& r, int64_t b, int64_t s, int64_t bs) {
+  const int64_t p = r.pos[b] + s;
+  return s == 0 ? r.slot[b] : (int64_t)r.table[b * r.W + p / bs] * bs + p % bs;
+}
+
 // [begin, end) of n items for thread tid of nt, contiguous and as equal as possible.
 inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt) {
   const int64_t chunk = (n + nt - 1) / nt;
