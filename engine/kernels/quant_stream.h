@@ -21,12 +21,14 @@ namespace quant {
 // ahead, from both the GEMV and the work between steps, which finds more of its own lines still cached when the weights
 // went through as non-temporal. Whole chunks requested at once instead cost Q4_K_M 5-8 % (37 lines in one burst), and
 // T0/T1/T2 prefetches 1-4 KiB ahead were erratic (-5 to +28 %). Tiles of a wider call re-read a group pair from L1/L2
-// after the first tile, so they do not stream ahead: non-temporal lines would be gone by then. Per format: Q8_0 and
-// Q4_0 stream without it. Across sessions 10 and 12 (decode_profile.py --gguf --stream-ahead 0,4096,
-// benchmarks/README.md) their step was faster without it in 8 of the 13 runs (1.5-7.5 %), faster with it in 3 (0.9-4.6
-// %; two with DRAM slow, one mixed) and tied in 2; through quant_linear, without it Q8_0 was faster in 17 of 18 runs
-// and Q4_0 in most, by the most when DRAM was fast. Q4_K_M was faster with it in all 3 of its runs (7-16 %). The
-// formats not measured (Q4_1, Q5_0, Q5_1, Q5_K) keep it.
+// after the first tile, so they do not stream ahead: non-temporal lines would be gone by then. Per format: Q4_0 streams
+// without it. Across sessions 10 and 12 (decode_profile.py --gguf --stream-ahead 0,4096, benchmarks/README.md) Q8_0's
+// and Q4_0's step was faster without it in 8 of the 13 runs (1.5-7.5 %), faster with it in 3 and tied in 2. Since
+// then the kernels changed (embedded broadcasts, gate_up interleaved, down in segmented panels, runs of steps), and in
+// session 56 Q8_0's step took 0.887x the time with 4 KiB NTA (12 rounds alternated, paired median; 2 KiB 0.911, 6 KiB
+// 0.926; probe 35-56 GB/s) and 0.886x in a second run (8 rounds), while Q4_0's took 1.024x (2 KiB 1.039, 8 KiB 1.141,
+// L2 4 KiB 1.256; 10 rounds) and Q4_K_M's (Q4_K, Q6_K and Q5_0) without it 1.174x. The formats not measured (Q4_1,
+// Q5_1, Q5_K) keep it.
 // All of the above was measured on AMD CPUs. On Intel's, PREFETCHNTA slows the stream down and PREFETCHT1 (into L2)
 // speeds it up, so there every format streams 8 KiB ahead into L2. On a 2-vCPU Sapphire Rapids-class Xeon with AMX
 // (benchmarks/README.md, session 21, decode_profile.py --gguf, distances alternated in one process, best of 3 rounds):
@@ -50,7 +52,7 @@ inline Hint default_hint() { return amd_cpu() ? Hint::NTA : Hint::L2; }
 #ifdef __AVX512F__
 inline int64_t default_stream_ahead(int32_t format) {
   if (!amd_cpu()) return STREAM_AHEAD_L2;
-  return format == Q8_0 || format == Q4_0 ? 0 : STREAM_AHEAD;
+  return format == Q4_0 ? 0 : STREAM_AHEAD;
 }
 #else
 // The AVX2 build streams every format ahead on AMD CPUs. Measured on a 2-vCPU Zen 3 EPYC (benchmarks/README.md,

@@ -287,8 +287,8 @@ def test_the_prefetch_distance_never_changes_a_result():
     for measuring) move bytes earlier, never the result, in the GEMV, the 4-row tiles of a wider call and the AMX
     tiles' decode; out-of-range distances, unknown formats and hints are refused with what is allowed, and a reset
     restores the defaults. On Intel CPUs every format streams 8 KiB ahead into L2 (PREFETCHT1 measured 1.2-1.5x
-    faster a token there, PREFETCHNTA 1.6-2.6x slower). On AMD CPUs non-temporally: in the AVX-512 build none for Q8_0
-    and Q4_0, which measured faster without it, 4 KiB for the K formats; 4 KiB for all in the AVX2 build."""
+    faster a token there, PREFETCHNTA 1.6-2.6x slower). On AMD CPUs non-temporally: in the AVX-512 build none for Q4_0,
+    which measured faster without it, 4 KiB for Q8_0 and the K formats; 4 KiB for all in the AVX2 build."""
     ops = torch.ops.deploykit
     ids = quant.GGML_IDS
     defaults = kernels.quant_stream_ahead()
@@ -301,7 +301,7 @@ def test_the_prefetch_distance_never_changes_a_result():
     elif kernels.status()["variant"] == "avx2":  # streamed ahead in every format (quant_stream.h)
         assert set(defaults.values()) == {4096}
     else:
-        assert defaults["Q8_0"] == defaults["Q4_0"] == 0 and defaults["Q4_K"] == defaults["Q6_K"] == 4096
+        assert defaults["Q4_0"] == 0 and defaults["Q8_0"] == defaults["Q4_K"] == defaults["Q6_K"] == 4096
     blobs = {f: quant.pack([random_raw(f, 256, 2048)]) for f in ("Q4_0", "Q4_K")}  # 16 groups of 16 rows each
     # (Q4_0: 18 KiB a group); 64 KiB ahead runs past the blob (a prefetch never faults), shorter distances land in
     # the next groups. 1 and 4 rows: the GEMV; 9: its 4-row tiles; 16: AMX tiles where the CPU has them.
