@@ -136,10 +136,9 @@ inline void interleaved_rows(int64_t M, const Act* act, const Matrix& w, int64_t
 
 // The same for any M: more than 4 rows go in tiles of 4 over a pair of groups at a time (of an interleaved matrix:
 // gate j and up j, interleaved_tiles), so the pair's weights are read from memory once and from L1/L2 for the later
-// tiles. The first tile streams the pair ahead where requested
-// lines go to L2 (quant_stream.h), where the later tiles find them too; non-temporal ones would be gone. Every row
-// gets the bits rows() gives it alone (its int32 sums are exact, its fp32 steps its own). quant_linear's many-row
-// path and the fused decode step's 5-16 rows run this.
+// tiles. The first tile streams the pair ahead where requested lines go to L2 (quant_stream.h), where the later tiles
+// find them too; non-temporal ones would be gone. Every row gets the bits rows() gives it alone (its int32 sums are
+// exact, its fp32 steps its own). quant_linear's many-row path and the fused decode step's 5-16 rows run this.
 template <class Out>
 inline void tiled_rows(int64_t M, const Act* act, const Matrix& w, int64_t b0, int64_t b1, const float* bias,
                        Out* out, int64_t ldo) {

@@ -26,7 +26,7 @@ namespace quant {
 // and Q4_0's step was faster without it in 8 of the 13 runs (1.5-7.5 %), faster with it in 3 and tied in 2. Since
 // then the kernels changed (embedded broadcasts, gate_up interleaved, down in segmented panels, runs of steps), and in
 // session 56 Q8_0's step took 0.887x the time with 4 KiB NTA (12 rounds alternated, paired median; 2 KiB 0.911, 6 KiB
-// 0.926; probe 35-56 GB/s) and 0.886x in a second run (8 rounds), while Q4_0's took 1.024x (2 KiB 1.039, 8 KiB 1.141,
+// 0.926; probe 35-56 GB/s) and 0.886x in another run (8 rounds), while Q4_0's took 1.024x (2 KiB 1.039, 8 KiB 1.141,
 // L2 4 KiB 1.256; 10 rounds) and Q4_K_M's (Q4_K, Q6_K and Q5_0) without it 1.174x. The formats not measured (Q4_1,
 // Q5_1, Q5_K) keep it.
 // All of the above was measured on AMD CPUs. On Intel's, PREFETCHNTA slows the stream down and PREFETCHT1 (into L2)
