@@ -126,6 +126,7 @@ class LocalRuntime:
         for pid in stray:
             _kill(pid, signal.SIGKILL)
             stopped.append(f"killed stray process {pid} of this deployment")
+        _gone(sd.path)
         if state is not None:
             sd.save(replace(state, processes=()))
         shutil.rmtree(sd.path / "nginx", ignore_errors=True)
@@ -310,6 +311,17 @@ def _marked(state_path: Path) -> list[int]:
             if stat is not None and stat.state != "Z":
                 found.append(int(d.name))
     return found
+
+
+def _gone(state_path: Path) -> None:
+    """Returns once no process of the deployment is left (KILL_WAIT at most), so that `down`, and an `up` that rolls
+    back, leave nothing behind when they return: a killed process takes a moment to exit (an engine core freeing its
+    memory), and a child forked while its parent was being stopped appears only now; each is killed as it is found."""
+    deadline = time.monotonic() + KILL_WAIT
+    while (left := _marked(state_path)) and time.monotonic() < deadline:
+        for pid in left:
+            _kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
 
 
 def _kill(pid: int, sig: int) -> None:
