@@ -113,6 +113,18 @@ bool set_quant_amx(bool on) {
   return quant_amx::enabled.load();
 }
 
+// Turns GFNI for the 5-bit formats' fifth bits on (where the CPU has it and this build is an AVX-512 one) or off
+// (quant_gemv.h or_fifth: both give the same bytes); true if it is now on.
+bool set_quant_gfni(bool on) {
+#ifdef __AVX512F__
+  quant::fifth_gfni.store(on && quant::cpu_has_gfni());
+  return quant::fifth_gfni.load();
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 // format: a ggml type id (quant_layout.h), or none for every format.
 void set_quant_stream_ahead(int64_t bytes, std::optional<int64_t> format) {
   TORCH_CHECK(bytes >= 0 && bytes <= 65536 && bytes % 64 == 0,
@@ -148,6 +160,7 @@ TORCH_LIBRARY_FRAGMENT(deploykit, m) {
   m.def("set_quant_stream_hint(str hint) -> ()", &set_quant_stream_hint);
   m.def("quant_stream_hint() -> str", &quant_stream_hint);
   m.def("set_quant_amx(bool on) -> bool", &set_quant_amx);
+  m.def("set_quant_gfni(bool on) -> bool", &set_quant_gfni);
 }
 
 TORCH_LIBRARY_IMPL(deploykit, CPU, m) { m.impl("quant_linear", &quant_linear); }

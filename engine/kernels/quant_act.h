@@ -7,7 +7,7 @@
 // SmolLM2-135M Q4_1 (tests/engine/test_smollm2.py), this is what brings our argmax to llama.cpp's on the same file.
 // The K formats use the fp32 d (llama.cpp pairs them with Q8_K, whose scale is fp32 per 256; ours is finer).
 // Also the sums of q per 16 and per 32, which turn the unsigned weight codes back into signed values
-// (sum (c - 128) q = sum c q - 128 sum q) and carry the Q4_K offsets. A row of K values takes 1.875 K bytes.
+// (sum (c - 128) q = sum c q - 128 sum q) and carry the Q4_K offsets. A row of K values takes 2 K bytes.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -34,6 +34,7 @@ struct Act {  // one row
   int32_t* s32;  // [K / 32]
   int32_t* z128;  // [K / 32] -128 s32: where the chain of Q8_0's codes c q starts, so it ends at sum (c - 128) q
                   // (Q4_0's high-nibble chain, 16 c q, starts there too: shifted back, sum (c - 8) q with the low one)
+  int32_t* z16;   // [K / 32] -16 s32: where Q5_0's low chain starts, so with the high one it ends at sum (c - 16) q
 };
 
 #ifdef __AVX512F__
@@ -68,6 +69,7 @@ inline void quantize(const T* x, int64_t K, const Act& a) {
     a.s16[2 * b + 1] = _mm512_reduce_add_epi32(qhi);
     a.s32[b] = a.s16[2 * b] + a.s16[2 * b + 1];
     a.z128[b] = -128 * a.s32[b];
+    a.z16[b] = -16 * a.s32[b];
     a.dh[b] = fp16(d);
     a.ms[b] = fp16(d * (float)a.s32[b]);
   }
@@ -121,6 +123,7 @@ inline void quantize(const T* x, int64_t K, const Act& a) {
     a.s16[2 * b + 1] = sum8(_mm256_add_epi32(q[2], q[3]));
     a.s32[b] = a.s16[2 * b] + a.s16[2 * b + 1];
     a.z128[b] = -128 * a.s32[b];
+    a.z16[b] = -16 * a.s32[b];
     a.dh[b] = fp16(d);
     a.ms[b] = fp16(d * (float)a.s32[b]);
   }
@@ -145,11 +148,12 @@ class ActBuffer {
     return Act{reinterpret_cast<int8_t*>(base), reinterpret_cast<float*>(base + K_),
                reinterpret_cast<float*>(base + K_ + f), reinterpret_cast<float*>(base + K_ + 2 * f),
                reinterpret_cast<int32_t*>(base + K_ + 3 * f), reinterpret_cast<int32_t*>(base + K_ + 5 * f),
-               reinterpret_cast<int32_t*>(base + K_ + 6 * f)};
+               reinterpret_cast<int32_t*>(base + K_ + 6 * f), reinterpret_cast<int32_t*>(base + K_ + 7 * f)};
   }
 
  private:
-  int64_t row_bytes() const { return (K_ + 7 * (K_ / 8) + 63) / 64 * 64; }  // q, d, dh, ms, s16 (2 per 32), s32, z128
+  // q, then per 32 values d, dh, ms, s16 (two), s32, z128 and z16
+  int64_t row_bytes() const { return (K_ + 8 * (K_ / 8) + 63) / 64 * 64; }
   uint8_t* aligned() {
     return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(bytes_.data()) + 63) & ~uintptr_t{63});
   }

@@ -74,19 +74,22 @@ template <int F>
   } else {
     constexpr int64_t unit_bytes = F == Q6_K ? 384 : 256;
     constexpr char zero = F == Q4_0 ? 8 : F == Q5_0 ? 16 : F == Q6_K ? 32 : 0;
-    const __m512i low4 = _mm512_set1_epi8(0x0F), bit5 = _mm512_set1_epi8(0x10), top2 = _mm512_set1_epi8(0x30);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
     const __m512i z = _mm512_set1_epi8(zero);
+    const bool gfni = fifth_gfni.load(std::memory_order_relaxed);
     const uint8_t* lines = ch + u * unit_bytes;
     for (int l = 0; l < 4; ++l) {  // line l: k-group l in the low nibbles, l + 4 in the high ones
       const __m512i v = _mm512_loadu_si512(lines + l * 64);
       __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      if constexpr (fifth_bit(F)) {
-        uint64_t ml, mh;
-        const uint8_t* masks = ch + masks_at(F) + u * 64;
-        std::memcpy(&ml, masks + 8 * l, 8);
-        std::memcpy(&mh, masks + 8 * (l + 4), 8);
-        lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(ml, bit5));
-        hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(mh, bit5));
+      if constexpr (fifth_bit(F)) {  // as quant_gemv.h (every AMX CPU has GFNI; the switch is for the tests)
+        const __m512i bline = _mm512_loadu_si512(ch + fifth_at(F) + u * 64);
+        if (gfni) {
+          lo = or_fifth<true>(lo, bline, l);
+          hi = or_fifth<true>(hi, bline, l + 4);
+        } else {
+          lo = or_fifth<false>(lo, bline, l);
+          hi = or_fifth<false>(hi, bline, l + 4);
+        }
       }
       if constexpr (F == Q6_K) {  // as quant_gemv.h: bits 2l..2l+1 of the two h-lines are the top 2 bits
         const __m512i h0 = _mm512_loadu_si512(lines + 256), h1 = _mm512_loadu_si512(lines + 320);

@@ -160,7 +160,7 @@ template <int F, int MT>
         hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
         if constexpr (five) {  // this half's b-line bytes, bit e the 5th bit of k-group e (quant_layout.h)
           const __m256i bline =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + masks_at(F) + u * 64 + 32 * h));
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + fifth_at(F) + u * 64 + 32 * h));
           lo[h] = _mm256_or_si256(lo[h], fifth_bits(bline, l));
           hi[h] = _mm256_or_si256(hi[h], fifth_bits(bline, l + 4));
         }
@@ -238,7 +238,7 @@ template <int F, int MT, bool Ahead>
           for (int m = 0; m < MT; ++m) pa[m] = pb[m] = _mm256_setzero_si256();
           // Q5: this half's b-line bytes (rows 8h .. 8h + 7), bit e the 5th bit of k-group e.
           const __m256i bline = five ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                           ch + masks_at(F) + u * 64 + 32 * h))
+                                           ch + fifth_at(F) + u * 64 + 32 * h))
                                      : _mm256_setzero_si256();
 #pragma GCC unroll 4  // so each plane's shift count is a constant
           for (int l = 0; l < 4; ++l) {

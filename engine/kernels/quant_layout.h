@@ -7,7 +7,7 @@
 // K is walked in units of 32 (one activation block, quant_act.h); a unit is 8 such lines (k-groups 0..7):
 //   byte formats (Q8_0):  8 stored lines, value + 128 (so it is unsigned);
 //   nibble formats:       4 stored lines, line g = k-group g in the low nibble and k-group g + 4 in the high one;
-//     Q5_0/Q5_1/Q5_K add the 5th bits, 64 bytes a unit (fifth_bit_of below: 8 masks or a b-line, per build), Q6_K
+//     Q5_0/Q5_1/Q5_K add the 5th bits, 64 bytes a unit (a b-line: fifth_bit_of below), Q6_K
 //     the top 2 bits as 2 h-lines (h-line h, bits 2s..2s+1 of byte r*4 + j = k-group 4h + s).
 // Units are grouped into chunks that carry their scales after the quants, so a 16-row group is one contiguous
 // stream of whole 64-byte lines (the file's bytes per weight, except Q4_K's and Q5_K's u8 sub-scales, 4.625 vs 4.5
@@ -62,33 +62,21 @@ inline bool known(int32_t f) {
   return f == Q4_0 || f == Q4_1 || f == Q5_0 || f == Q5_1 || f == Q8_0 || f == Q4_K || f == Q5_K || f == Q6_K;
 }
 
-// The formats whose codes carry a fifth bit in masks after a chunk's lines, and where a chunk's masks start.
+// The formats whose codes carry a fifth bit in b-lines after a chunk's lines, and where a chunk's b-lines start.
 constexpr bool fifth_bit(int32_t f) { return f == Q5_0 || f == Q5_1 || f == Q5_K; }
-constexpr int64_t masks_at(int32_t f) { return f == Q5_K ? 2048 : 512; }
-// A unit's 64 bytes of 5th bits (at masks_at(F) + 64 u of its chunk) are arranged for the build's kernels:
-//   AVX-512 builds, 8 masks: u64 e, bit r*4 + j = the 5th bit of row r, k 4e + j; one kmask a nibble plane
-//                            (quant_gemv.h, quant_amx.h load it and OR 0x10 under it);
-//   the AVX2 build, a b-line: byte r*4 + j, bit e = the same bit, as Q6_K's h-lines hold its top bits. A nibble
-//                            plane's 5th bits are then a shift and an AND of one 32-byte load per 8 rows, where
-//                            expanding a mask without mask registers took 7 operations a plane (quant_gemv_avx2.h).
-// One library is loaded per process and it both packs and reads, so the two arrangements never meet.
-#ifdef __AVX512F__
-inline constexpr bool FIFTH_BIT_LINE = false;
-#else
-inline constexpr bool FIFTH_BIT_LINE = true;
-#endif
+constexpr int64_t fifth_at(int32_t f) { return f == Q5_K ? 2048 : 512; }
+// A unit's 64 bytes of 5th bits (at fifth_at(F) + 64 u of its chunk) are a "b-line", in every build: byte r*4 + j,
+// bit e = the 5th bit of row r, k 4e + j, as Q6_K's h-lines hold its top bits. A nibble plane's 5th bits are then
+// one GF2P8AFFINEQB of the unit's b-line (AVX-512 builds on CPUs with GFNI), or a 16-bit shift and an AND of it
+// (quant_gemv.h or_fifth; quant_gemv_avx2.h fifth_bits). Until session 57 the AVX-512 builds held 8 u64 masks a
+// unit, one kmask a plane: on Zen 4 the b-line read Q5_0 at 0.82x the time a unit (benchmarks/README.md).
 inline int fifth_bit_of(const uint8_t* unit_bits, int r, int k) {  // row r, k 0..31 of the unit
-  const int e = k / 4, b = r * 4 + k % 4;
-  return FIFTH_BIT_LINE ? (unit_bits[b] >> e) & 1 : (unit_bits[8 * e + b / 8] >> (b % 8)) & 1;
+  return (unit_bits[r * 4 + k % 4] >> (k / 4)) & 1;
 }
 inline void set_fifth_bit(uint8_t* unit_bits, int r, int k) {  // into zeroed bytes
-  const int e = k / 4, b = r * 4 + k % 4;
-  if (FIFTH_BIT_LINE)
-    unit_bits[b] |= static_cast<uint8_t>(1 << e);
-  else
-    unit_bits[8 * e + b / 8] |= static_cast<uint8_t>(1 << (b % 8));
+  unit_bits[r * 4 + k % 4] |= static_cast<uint8_t>(1 << (k / 4));
 }
-// Where a K-quant chunk's d, dmin and sub-scales start (Q4_K and Q5_K): after its lines and masks.
+// Where a K-quant chunk's d, dmin and sub-scales start (Q4_K and Q5_K): after its lines and b-lines.
 constexpr int64_t kscales_at(int32_t f) { return f == Q5_K ? 2560 : 2048; }
 
 constexpr Info info_of(int32_t f) {

@@ -178,7 +178,7 @@ void pack_group(int32_t f, const Row* rows, int64_t K, uint8_t* out) {
         case Q4_K:
         case Q5_K: {
           nibble_lines(q, o + u * 256);
-          if (f == Q5_K) fifth_bits(q, o + masks_at(f) + u * 64);
+          if (f == Q5_K) fifth_bits(q, o + fifth_at(f) + u * 64);
           uint8_t* s = o + kscales_at(f);
           for (int r = 0; r < 16; ++r) s[64 + u * 16 + r] = rows[r].sc[unit], s[192 + u * 16 + r] = rows[r].mn[unit];
           if (u == 0) {
@@ -328,7 +328,7 @@ void dequant_row(const Matrix& m, int64_t row, float* out) {
           const float mn = half(s + 32 + 2 * r) * (float)s[192 + u * 16 + r];
           for (int k = 0; k < 32; ++k) {
             int q = nib(o + u * 256, k);
-            if (p.format == Q5_K) q |= fifth_bit_of(o + masks_at(Q5_K) + u * 64, r, k) << 4;
+            if (p.format == Q5_K) q |= fifth_bit_of(o + fifth_at(Q5_K) + u * 64, r, k) << 4;
             y[k] = d * (float)q - mn;
           }
           break;

@@ -282,6 +282,30 @@ def test_amx_tiles_give_each_row_the_bits_of_the_gemv(fmt):
         assert torch.equal(kernels.logits(x, blob), alone_logits), (fmt, dtype)
 
 
+@pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1", "Q5_K"])
+def test_the_fifth_bits_give_the_same_results_with_gfni_or_without(fmt):
+    """The 5-bit formats' fifth bits are placed with GFNI where the CPU has it and with shifts where it does not
+    (kernels/quant_gemv.h or_fifth; one library serves both): every row count (the 1-4 row GEMV, the tiles of wider
+    calls, AMX tiles where they run) gives bitwise the same result either way, and the right one."""
+    ops = torch.ops.deploykit
+    flags = Path("/proc/cpuinfo").read_text().split("\n\nprocessor")[0]
+    gfni = " gfni" in flags and kernels.status()["variant"].startswith("avx512")  # the AVX2 build has no such path
+    assert ops.set_quant_gfni(True) == gfni
+    torch.manual_seed(0)
+    k = 768 if fmt.endswith("_K") else 320
+    raw = random_raw(fmt, 64, k)
+    blob, bias = quant.pack([raw]), torch.randn(64)
+    x = (torch.randn(20, k) * 3).to(torch.bfloat16)
+    try:
+        assert not ops.set_quant_gfni(False)
+        shifted = {m: kernels.linear(x[:m], blob, bias) for m in (1, 3, 5, 20)}
+    finally:
+        assert ops.set_quant_gfni(True) == gfni
+    for m, y in shifted.items():
+        assert torch.equal(kernels.linear(x[:m], blob, bias), y), (fmt, m)
+    check_linear(fmt, 3)
+
+
 def test_the_prefetch_distance_never_changes_a_result():
     """The quantized kernels' prefetch distance (per format) and hint (where the lines go; both settable at run time
     for measuring) move bytes earlier, never the result, in the GEMV, the 4-row tiles of a wider call and the AMX
