@@ -25,11 +25,12 @@ the weights on 2 MiB pages (engine/hugepages.py, the default) and on 4 KiB pages
 the same model loaded twice. `--shares` alternates between the fused step's threads taking work over from a slower one
 (kernels/runs.h `Shares`, the default for quantized and compact matrices) and fixed shares. `--runs` alternates between
 runs of greedy decode steps in one native call (EngineCore._run_steps, the default) and one step a call; its per-token
-figures count tokens, not calls.
+figures count tokens, not calls. `--gguf FILE --fifth-bits` alternates between the 5-bit formats' fifth bits placed
+with GFNI (the default where the CPU has it) and with shifts (kernels/quant_gemv.h `or_fifth`).
 
     flock /tmp/deploykit-heavy.lock python benchmarks/decode_profile.py [--rounds 5] [--tokens 64] [--gguf FILE]
                                                                         [--compact | --stream-ahead B,l2:B | --pages |
-                                                                         --shares | --runs]
+                                                                         --shares | --runs | --fifth-bits]
 """
 
 from __future__ import annotations
@@ -160,7 +161,12 @@ def main() -> None:
     variant.add_argument("--runs", action="store_true",
                          help="alternate between runs of greedy decode steps in one call (EngineConfig.decode_steps, "
                               "the default) and one step a call, instead of between the two streamings")
+    variant.add_argument("--fifth-bits", action="store_true",
+                         help="with --gguf: alternate between the 5-bit formats' fifth bits placed with GFNI (the "
+                              "default where the CPU has it) and with shifts (kernels/quant_gemv.h or_fifth)")
     a = ap.parse_args()
+    if a.fifth_bits and not a.gguf:
+        raise SystemExit("--fifth-bits measures the quantized GEMV: give a quantized file with --gguf")
     if a.stream_ahead and not a.gguf:
         raise SystemExit("--stream-ahead measures the quantized GEMV: give a quantized file with --gguf")
 
@@ -215,6 +221,10 @@ def main() -> None:
         variants = {f"runs of up to {core.config.decode_steps} steps": (core, streams, ahead),
                     "one step a call": (core, streams, ahead)}
         one_step = {"one step a call"}
+    elif a.fifth_bits:
+        if not ops.set_quant_gfni(True):
+            raise SystemExit("--fifth-bits: this CPU (or kernel build) has no GFNI path to compare")
+        variants = {"GFNI": (core, streams, ahead), "shifts": (core, streams, ahead)}
     elif a.stream_ahead:
         variants = {("each format's default" if n == "default" else f"{n} bytes ahead"):
                     (core, streams, None if n == "default" else ahead_setting(n))
@@ -241,6 +251,8 @@ def main() -> None:
                 ops.set_gemv_streams(s)
             ops.reset_quant_stream_ahead()
             ops.set_step_take_over(name not in fixed_shares)
+            if a.fifth_bits:
+                ops.set_quant_gfni(name == "GFNI")
             c.decode_steps = 1 if name in one_step else c.config.decode_steps
             if n is not None:
                 ops.set_quant_stream_ahead(n[0])
@@ -251,6 +263,8 @@ def main() -> None:
         ops.set_gemv_streams(picked.streams)
     ops.reset_quant_stream_ahead()
     ops.set_step_take_over(True)
+    if a.fifth_bits:
+        ops.set_quant_gfni(True)
     bw_after = read_bandwidth(3, working_set=w["decode_read_bytes"])
     roof = max(bw_before["best_gbps"], bw_after["best_gbps"])
     flags = kernels.status()["isa"]
@@ -265,7 +279,8 @@ def main() -> None:
         "roofline": {"before": bw_before, "after": bw_after, "best_gbps": roof,
                      "tok_s": round(roof * 1e9 / w["decode_read_bytes"], 1)},
         "weight_pages": {name: c.model.pages.text() for name, (c, _, _) in variants.items()},
-        "by_variant" if a.compact or a.stream_ahead or a.pages or a.shares or a.runs or not full else "by_streaming": {
+        "by_variant" if a.compact or a.stream_ahead or a.fifth_bits or a.pages or a.shares or a.runs or not full
+        else "by_streaming": {
             name: summarize(r, w["decode_read_bytes"], roof,
                             held_read(variants[name][0].model, w) if a.compact else None)
             for name, r in rounds.items()},
