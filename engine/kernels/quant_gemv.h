@@ -30,12 +30,12 @@ namespace quant {
 
 // The 5-bit formats' fifth bits: plane | (bit e of every byte of the unit's b-line, moved to bit 4), the plane
 // holding k-group e's 4-bit codes (quant_layout.h). With GFNI, one GF2P8AFFINEQB whose matrix keeps input bit e as
-// output bit 4 and clears the rest, and an OR; without, a 16-bit shift (by at most 4, so no bit leaves its byte) and
-// a ternary AND-OR. Measured on Zen 4 at M = 1, one thread, Q5_0 in L3 (benchmarks/README.md, session 57), ns a
-// 32-k unit of 16 rows: 8.4 with the 8 kmasks a unit the AVX-512 builds held before, 7.7 shifted, 7.0 GFNI (Q4_0
-// 5.3). Written as asm so that the one library serves CPUs without GFNI (Skylake to Cooper Lake): the runtime
-// switch below picks the path once per span, and GCC emits no GFNI instruction of its own. Outside the
-// VNNI region below: quant_amx.h's decode, built without VNNI, inlines it too.
+// output bit 4 and clears the rest, and an OR; without, a 16-bit shift (by at most 4: no bit of a neighbouring byte
+// lands on bit 4) and a ternary AND-OR. Measured on Zen 4 at M = 1, one thread, Q5_0 in L3 (benchmarks/README.md,
+// session 57), ns a 32-k unit of 16 rows: 8.4 with the 8 kmasks a unit the AVX-512 builds held before, 7.7 shifted,
+// 7.0 GFNI (Q4_0 5.3). Written as asm so that the one library serves CPUs without GFNI (Skylake to Cooper Lake): the
+// runtime switch below picks the path once per span, and GCC emits no GFNI instruction of its own. Outside the VNNI
+// region below: quant_amx.h's decode, built without VNNI, inlines it too.
 inline bool cpu_has_gfni() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c >> 8 & 1);  // CPUID.(7,0):ECX[8] GFNI
