@@ -69,7 +69,8 @@ constexpr int64_t fifth_at(int32_t f) { return f == Q5_K ? 2048 : 512; }
 // bit e = the 5th bit of row r, k 4e + j, as Q6_K's h-lines hold its top bits. A nibble plane's 5th bits are then
 // one GF2P8AFFINEQB of the unit's b-line (AVX-512 builds on CPUs with GFNI), or a 16-bit shift and an AND of it
 // (quant_gemv.h or_fifth; quant_gemv_avx2.h fifth_bits). Until session 57 the AVX-512 builds held 8 u64 masks a
-// unit, one kmask a plane: on Zen 4 the b-line read Q5_0 at 0.82x the time a unit (benchmarks/README.md).
+// unit, one kmask a plane: on Zen 4 the b-line through GFNI took Q5_0 from 8.4 to 7.2 ns a unit (7.0 with its chain
+// started at its offset, quant_gemv.h; benchmarks/README.md).
 inline int fifth_bit_of(const uint8_t* unit_bits, int r, int k) {  // row r, k 0..31 of the unit
   return (unit_bits[r * 4 + k % 4] >> (k / 4)) & 1;
 }
