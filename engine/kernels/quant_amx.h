@@ -76,7 +76,7 @@ template <int F>
     constexpr char zero = F == Q4_0 ? 8 : F == Q5_0 ? 16 : F == Q6_K ? 32 : 0;
     const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
     const __m512i z = _mm512_set1_epi8(zero);
-    const bool gfni = fifth_gfni.load(std::memory_order_relaxed);
+    const bool gfni = fifth_bit(F) && fifth_gfni.load(std::memory_order_relaxed);  // only the 5-bit formats read it
     const uint8_t* lines = ch + u * unit_bytes;
     for (int l = 0; l < 4; ++l) {  // line l: k-group l in the low nibbles, l + 4 in the high ones
       const __m512i v = _mm512_loadu_si512(lines + l * 64);
